@@ -1,0 +1,3 @@
+from pdlab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Shared plumbing of the `bench`, `tune` and `runtime` tools: a table of subcommands, each one a
+module with `add_arguments(parser)` and `run(args) -> int`, imported only when it is chosen."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    module: str  # e.g. "pdlab.bench.attention"
+    help: str
+
+
+def run_tool(prog: str, description: str, table: dict[str, Subcommand], argv: list[str] | None) -> int:
+    """Parse `argv` for one tool and run the chosen subcommand; returns the process exit code.
+
+    A subcommand whose module does not exist yet prints one line saying so and returns 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {prog} {{{','.join(table)}}} ...\n\n{description}\n\nsubcommands:")
+        for name, sub in table.items():
+            print(f"  {name:<12} {sub.help}")
+        print(f"\n`{prog} SUBCOMMAND --help` shows a subcommand's options.")
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in table:
+        print(f"{prog}: unknown subcommand {name!r}; choose one of {', '.join(table)}", file=sys.stderr)
+        return 2
+    sub = table[name]
+    try:
+        module = importlib.import_module(sub.module)
+    except ModuleNotFoundError as exc:
+        if exc.name != sub.module:
+            raise
+        print(f"{prog} {name}: not built yet in this version of pdlab", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=sub.help)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)

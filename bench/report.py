@@ -1,0 +1,156 @@
+"""Benchmark results: pandas DataFrame → CSV + provenance JSON, a rich table, matplotlib plots.
+
+Every benchmark writes `<out>/<name>.csv`, `<out>/<name>.json` (the command line, git commit, date,
+device and the rows) and its plots as PNG; `print_table` shows the same rows on the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import pandas as pd
+
+from pdlab.kernels.arch import DeviceFacts
+
+
+def git_commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        commit = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(facts: DeviceFacts | None = None, extra: dict | None = None) -> dict:
+    """Command line, commit, UTC date, device and library versions of this run."""
+    import torch
+
+    info = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if facts is not None:
+        info.update(device=facts.name, arch=facts.arch, sm_count=facts.sm_count,
+                    peaks_source=facts.peaks.source if facts.peaks else None)
+    if extra:
+        info.update(extra)
+    return info
+
+
+def save(df: pd.DataFrame, out_dir: str | os.PathLike, name: str, meta: dict | None = None) -> Path:
+    """Write `<out_dir>/<name>.csv` and `<name>.json` (meta + rows); returns the CSV path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv = out / f"{name}.csv"
+    df.to_csv(csv, index=False)
+    payload = {"meta": meta or {}, "rows": json.loads(df.to_json(orient="records"))}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    return csv
+
+
+def print_table(df: pd.DataFrame, title: str, columns: Sequence[str] | None = None,
+                floatfmt: str = "{:.3g}") -> None:
+    """Show rows as a rich table (plain text when rich is missing)."""
+    cols = list(columns or df.columns)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print(df[cols].to_string(index=False))
+        return
+    table = Table(title=title, show_lines=False)
+    for c in cols:
+        table.add_column(str(c), justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left")
+    for _, row in df[cols].iterrows():
+        table.add_row(*[floatfmt.format(v) if isinstance(v, float) else str(v) for v in row])
+    Console(width=max(120, sum(len(str(c)) + 6 for c in cols))).print(table)
+
+
+@contextmanager
+def progress(total: int, description: str) -> Iterator:
+    """A rich progress bar; yields `advance(text=None)`."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        yield lambda text=None: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[note]}"), transient=False) as bar:
+        task = bar.add_task(description, total=total, note="")
+
+        def advance(text: str | None = None) -> None:
+            bar.update(task, advance=1, note=text or "")
+
+        yield advance
+
+
+def plot_bars(df: pd.DataFrame, x: str, y: str, group: str, path: str | os.PathLike, title: str,
+              ylabel: str, hline: float | None = None, hline_label: str | None = None,
+              logy: bool = False) -> Path:
+    """Grouped bar chart: one bar per `group` value at each `x`; optional horizontal roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pivot = df.pivot_table(index=x, columns=group, values=y, aggfunc="first", sort=False)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(pivot) * max(1, len(pivot.columns))), 4.5))
+    pivot.plot.bar(ax=ax, logy=logy)
+    if hline is not None:
+        ax.axhline(hline, color="red", linestyle="--", label=hline_label)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_stacked(df: pd.DataFrame, index: str, stages: Iterable[str], path: str | os.PathLike,
+                 title: str, ylabel: str) -> Path:
+    """Stacked bars: one bar per `index` value, one segment per stage column."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(stages)
+    data = df.set_index(index)[stages]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(data)), 4.5))
+    data.plot.bar(stacked=True, ax=ax)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def default_out_dir(kind: str) -> Path:
+    """`bench/results/<device_key>/<kind>` under the current directory unless PDLAB_RESULTS_DIR is set."""
+    from pdlab.kernels.arch import device_facts
+
+    root = Path(os.environ.get("PDLAB_RESULTS_DIR", "bench/results"))
+    return root / device_facts().key / kind
