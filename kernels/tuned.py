@@ -1,0 +1,282 @@
+"""Tuned-config lookup: which configuration an op's backend runs with, for this device and shape.
+
+Files (written by `tune`, see docs/tuning.md)::
+
+    <root>/<device_key>/<op>.json        e.g. tuning/configs/NVIDIA_H200/mla_decode.json
+
+Roots, searched in this order: `$PDLAB_CONFIG_DIR` (a user folder, overrides), then the folder
+shipped in the package (`pdlab/tuning/configs/`). `device_key` is `DeviceFacts.key` ("NVIDIA_H200",
+"cpu"). A file holds `metadata` (device name, arch, library versions, date, model shape, command)
+and `entries`: bucket → per-backend results (config, time_ms, default_time_ms, speedup) plus the
+winning backend.
+
+Lookup rule (`resolve_config`):
+1. An explicit config from the caller wins: (backend default + explicit overrides, "explicit").
+2. Else the user root, then the shipped root: the first file with an entry for this backend whose
+   bucket is comparable gives the config of its *nearest* bucket. Comparable = same key set, and
+   equal values in every non-numeric field (e.g. `kv_dtype`). Distance = Σ over numeric keys of
+   |log2(max(query, 1)) − log2(max(entry, 1))|; ties go to the entry with the larger values (a
+   kernel tuned for more work is the safer choice), then to the first in key order. A query outside
+   the tuned range therefore gets the nearest edge bucket.
+3. Metadata rule: a file whose `metadata.device` differs from the running device's name, or whose
+   format version is unknown, is skipped (one warning per file). A file measured with other
+   torch / triton / vendor package versions is used, with one warning per file.
+4. No entry → (backend default config, "default"), logged once per (op, backend) at INFO.
+
+The result is cached per (op, backend, bucket, device, $PDLAB_CONFIG_DIR); `clear_cache()` forgets
+it (after writing new files in the same process).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from pdlab.kernels import registry
+from pdlab.kernels.arch import device_facts
+
+FORMAT_VERSION = 1
+CONFIG_DIR_ENV = "PDLAB_CONFIG_DIR"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning" / "configs"
+
+# distribution names whose versions a store file may record (import name → distribution name)
+VERSION_PACKAGES = {"torch": "torch", "triton": "triton", "flash_mla": "flash_mla",
+                    "flashinfer": "flashinfer-python", "deep_ep": "deep_ep",
+                    "cutlass": "nvidia-cutlass-dsl"}
+
+log = logging.getLogger("pdlab.tuned")
+
+_RESOLVED: dict[tuple, tuple[dict, str]] = {}
+_FILES: dict[tuple[str, float], dict | None] = {}
+_FACTS: dict[str, tuple[str, str, str]] = {}
+_WARNED: set = set()
+
+
+def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], device=None,
+                   explicit: Mapping[str, Any] | None = None) -> tuple[dict, str]:
+    """The config `backend` of `op` should run with at this shape.
+
+    Args:
+        op: op name, e.g. "mla_decode".
+        backend: registered backend name, e.g. "triton".
+        bucket: shape key of the call, e.g. {"batch": 64, "seqlen": 4096, "heads": 128,
+            "kv_dtype": "bf16"}: ints (matched by nearest log2 distance) and strings (matched exactly).
+        device: torch device / index / name of the device the call runs on (default: current CUDA
+            device, else CPU).
+        explicit: a config given by the caller; wins over any tuned entry.
+    Returns:
+        (config dict, source) with source "explicit", "tuned:<file>" or "default"; the config is the
+        backend's default updated with the chosen values.
+    """
+    if explicit is not None:
+        return _with_defaults(op, backend, explicit, strict=True), "explicit"
+    name, key, _arch = _device(device)
+    user = os.environ.get(CONFIG_DIR_ENV, "")
+    cache_key = (op, backend, tuple(sorted((k, str(v)) for k, v in bucket.items())), name, user)
+    hit = _RESOLVED.get(cache_key)
+    if hit is not None:
+        return dict(hit[0]), hit[1]
+    result = None
+    for root in config_roots():
+        path = root / key / f"{op}.json"
+        data = _load(path, name)
+        if data is None:
+            continue
+        entry = nearest_entry(data.get("entries", {}), backend, bucket)
+        if entry is None:
+            continue
+        cfg = entry["backends"][backend]["config"]
+        try:
+            result = (_with_defaults(op, backend, cfg, strict=True), f"tuned:{_label(root, path)}")
+        except ValueError as exc:  # stale file: a knob the backend no longer has
+            _warn_once(("stale", str(path), backend), f"ignoring {path} for {op}[{backend}]: {exc}")
+            continue
+        break
+    if result is None:
+        if (op, backend) not in _WARNED:
+            _WARNED.add((op, backend))
+            log.info("no tuned config for %s[%s] on %s at %s: using the backend default", op, backend,
+                     name, dict(bucket))
+        result = (_with_defaults(op, backend, None, strict=False), "default")
+    _RESOLVED[cache_key] = result
+    return dict(result[0]), result[1]
+
+
+def resolve_backend(op: str, bucket: Mapping[str, int | str], device=None) -> str | None:
+    """The backend that won the nearest tuned bucket of `op` on this device, or None if untuned.
+    Only comparable entries count (same rule as `resolve_config`)."""
+    name, key, _arch = _device(device)
+    for root in config_roots():
+        data = _load(root / key / f"{op}.json", name)
+        if data is None:
+            continue
+        entry = nearest_entry(data.get("entries", {}), None, bucket)
+        if entry is not None:
+            return entry["backend"]
+    return None
+
+
+def config_roots() -> list[Path]:
+    """Folders searched, first wins: $PDLAB_CONFIG_DIR (if set), then the shipped folder."""
+    roots = []
+    user = os.environ.get(CONFIG_DIR_ENV)
+    if user:
+        roots.append(Path(user).expanduser())
+    roots.append(SHIPPED_DIR)
+    return roots
+
+
+def bucket_distance(query: Mapping[str, int | str], entry: Mapping[str, int | str]) -> float:
+    """Σ |log2 q − log2 e| over numeric keys; inf when key sets differ or a non-numeric value differs."""
+    if set(query) != set(entry):
+        return math.inf
+    dist = 0.0
+    for k, q in query.items():
+        e = entry[k]
+        if _numeric(q) and _numeric(e):
+            dist += abs(math.log2(max(float(q), 1.0)) - math.log2(max(float(e), 1.0)))
+        elif str(q) != str(e):
+            return math.inf
+    return dist
+
+
+def nearest_entry(entries: Mapping[str, Mapping], backend: str | None,
+                  bucket: Mapping[str, int | str]) -> Mapping | None:
+    """The entry (of `entries`, bucket-key → entry) nearest to `bucket` that has results for
+    `backend` (any backend when None); None when no entry is comparable."""
+    best, best_rank = None, None
+    for label in sorted(entries):
+        entry = entries[label]
+        if backend is not None and backend not in entry.get("backends", {}):
+            continue
+        d = bucket_distance(bucket, entry.get("bucket", {}))
+        if math.isinf(d):
+            continue
+        bigger = -sum(math.log2(max(float(v), 1.0)) for v in entry["bucket"].values() if _numeric(v))
+        rank = (d, bigger)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = entry, rank
+    return best
+
+
+def bucket_label(bucket: Mapping[str, int | str]) -> str:
+    """Canonical text key of a bucket: "batch=8,heads=128,kv_dtype=bf16,seqlen=4096"."""
+    return ",".join(f"{k}={bucket[k]}" for k in sorted(bucket))
+
+
+def running_versions(packages: list[str] | None = None) -> dict[str, str | None]:
+    """Installed versions of torch, triton and the vendor packages (None = not installed)."""
+    out = {}
+    for dist in packages or list(VERSION_PACKAGES.values()):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    if "torch" in out:
+        out["torch"] = torch.__version__
+    return out
+
+
+def device_identity(device=None) -> tuple[str, str, str]:
+    """(device name, device key, arch) of `device`, e.g. ("NVIDIA H200", "NVIDIA_H200", "sm90")."""
+    return _device(device)
+
+
+def read_store(path: str | os.PathLike) -> dict:
+    """Parse one store file (no metadata checks). Raises ValueError naming the file when malformed."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); delete it or re-run `tune`") from exc
+    if not isinstance(data, dict) or "entries" not in data or "metadata" not in data:
+        raise ValueError(f"{path}: not a pdlab tuned-config file (needs 'metadata' and 'entries')")
+    return data
+
+
+def clear_cache() -> None:
+    """Forget resolved configs, loaded files and once-only warnings (after files changed)."""
+    _RESOLVED.clear()
+    _FILES.clear()
+    _WARNED.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _numeric(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _device(device) -> tuple[str, str, str]:
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    k = str(device)
+    if k not in _FACTS:
+        facts = device_facts(device)
+        _FACTS[k] = (facts.name, facts.key, facts.arch)
+    return _FACTS[k]
+
+
+def _label(root: Path, path: Path) -> str:
+    return str(path.relative_to(SHIPPED_DIR)) if root == SHIPPED_DIR else str(path)
+
+
+def _load(path: Path, device_name: str) -> dict | None:
+    """The file's data if it exists and passes the metadata rule, else None (cached by mtime)."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    ck = (str(path), mtime)
+    if ck in _FILES:
+        return _FILES[ck]
+    data: dict | None
+    try:
+        data = read_store(path)
+    except (OSError, ValueError) as exc:
+        _warn_once(("bad", str(path)), f"skipping tuned-config file: {exc}")
+        data = None
+    if data is not None:
+        meta = data["metadata"]
+        if data.get("format") != FORMAT_VERSION:
+            _warn_once(("format", str(path)), f"skipping {path}: format {data.get('format')!r}, this pdlab "
+                       f"reads format {FORMAT_VERSION}; re-run `tune`")
+            data = None
+        elif meta.get("device") != device_name:
+            _warn_once(("device", str(path)), f"skipping {path}: tuned on {meta.get('device')!r}, this "
+                       f"device is {device_name!r}")
+            data = None
+        else:
+            recorded = meta.get("versions", {})
+            now = running_versions(list(recorded))
+            diff = {k: (v, now.get(k)) for k, v in recorded.items() if now.get(k) != v}
+            if diff:
+                text = ", ".join(f"{k} {a} (tuned) vs {b} (here)" for k, (a, b) in sorted(diff.items()))
+                _warn_once(("versions", str(path)), f"using {path} measured with other versions: {text}; "
+                           "re-run `tune` if speed matters")
+    _FILES[ck] = data
+    return data
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
+
+
+def _with_defaults(op: str, backend: str, cfg: Mapping[str, Any] | None, strict: bool) -> dict:
+    try:
+        b = registry.get_backend(op, backend)
+    except KeyError:
+        return dict(cfg or {})
+    return b.config(cfg) if strict else b.config()
