@@ -1,0 +1,381 @@
+"""Dispatch-output layouts: what the expert runners consume and what dispatch produces.
+
+Two layouts, each carrying one payload kind:
+
+- `Contiguous` (normal-mode dispatch, prefill): hidden 2-D ``[N, K]`` with the rows of local expert
+  e at ``offsets[e]:offsets[e+1]``; ``counts [E]`` int32, ``offsets [E+1]`` int32.
+- `Masked` (low-latency dispatch, decode): hidden 3-D ``[E, M_max, K]``; rows ``m >= masked_m[e]``
+  of expert e are garbage (never read).
+
+Payloads (K = the logical hidden size):
+
+- ``bf16``: hidden bf16 (fp16 / fp32 are accepted too, for CPU tests) ``[.., K]``.
+- ``fp8``: hidden float8_e4m3fn ``[.., K]`` + scales fp32 ``[.., K/128]`` (value = fp8 · scale).
+- ``nvfp4``: hidden uint8 ``[.., K/2]`` (E2M1 pairs, low nibble even) + scales float8_e4m3fn
+  ``[.., K/16]`` + global_scale fp32 scalar or ``[E]`` (value = e2m1 · scale / global_scale).
+
+`group_tokens` and `to_masked` are the single-rank building blocks of dispatch: pure layout
+functions, no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+
+from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
+from pdlab.kernels import nvfp4 as _nvfp4
+
+PAYLOADS = ("bf16", "fp8", "nvfp4")
+LAYOUTS = ("contiguous", "masked")
+FP8_BLOCK = 128
+
+_CONTIG_HINT = ("A 3-D input comes from low-latency dispatch (Masked layout): use normal-mode dispatch "
+                "with this runner, or a runner that accepts the masked layout.")
+_MASKED_HINT = ("A 2-D input comes from normal-mode dispatch (Contiguous layout): use low-latency "
+                "dispatch with this runner, or a runner that accepts the contiguous layout.")
+
+
+def _hidden_spec(layout: str, payload: str) -> Spec:
+    lead = "N" if layout == "contiguous" else "E M"
+    if payload == "bf16":
+        return Spec(f"{lead} K", "bf16|fp16|fp32", layout=layout, last_dim_contiguous=True)
+    if payload == "fp8":
+        return Spec(f"{lead} K", "fp8_e4m3", layout=layout, last_dim_contiguous=True)
+    if payload == "nvfp4":
+        return Spec(f"{lead} K/2", "uint8", layout=layout, last_dim_contiguous=True)
+    raise ValueError(f"unknown payload {payload!r}; known: {', '.join(PAYLOADS)}")
+
+
+def _scales_spec(layout: str, payload: str) -> Spec | None:
+    lead = "N" if layout == "contiguous" else "E M"
+    if payload == "fp8":
+        return Spec(f"{lead} K/128", "fp32", layout=layout)
+    if payload == "nvfp4":
+        return Spec(f"{lead} K/16", "fp8_e4m3|uint8", layout=layout)
+    return None
+
+
+@lru_cache(maxsize=None)
+def layout_op(layout: str, payload: str, op_name: str = "moe_layout") -> Op:
+    """The contract of one (layout, payload) pair, under the name of the op that checks it
+    (`moe_layout` for `validate()`, `moe_experts` for the runners)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    inputs: dict[str, Spec] = {"hidden": _hidden_spec(layout, payload)}
+    scales = _scales_spec(layout, payload)
+    if scales is not None:
+        inputs["scales"] = scales
+    if payload == "nvfp4":
+        inputs["global_scale"] = Spec("...", "fp32")
+    if layout == "contiguous":
+        inputs["counts"] = Spec("E", "int32")
+        inputs["offsets"] = Spec("E1", "int32")
+    else:
+        inputs["masked_m"] = Spec("E", "int32")
+    hint = _CONTIG_HINT if layout == "contiguous" else _MASKED_HINT
+
+    def hidden_hint(problem: str, value: object, bound: object) -> str | None:
+        if "dims" in problem:
+            return hint
+        if "dtype" in problem:
+            return (f"payload {payload!r} needs that dtype; build the layout with the payload that matches "
+                    "the tensor (bf16 → bf16|fp16|fp32, fp8 → float8_e4m3fn, nvfp4 → packed uint8).")
+        return None
+
+    return Op(op_name, inputs=inputs, hints={
+        "hidden": hidden_hint,
+        "scales": f"{payload} payload scales are one per {FP8_BLOCK if payload == 'fp8' else 16} "
+                  "elements of K along the last dim.",
+        "offsets": "offsets has one more entry than counts: offsets[0] = 0, offsets[e+1] = offsets[e] + counts[e].",
+        "global_scale": "nvfp4 global_scale is an fp32 scalar or one value per local expert [E].",
+    })
+
+
+def _check_global_scale(op: Op, backend: str | None, gs: torch.Tensor | None, num_experts: int) -> None:
+    if gs is None:
+        op.require(backend, False, "global_scale", "is required for the nvfp4 payload", gs,
+                   "fp32 scalar or [E]", "pass the activation global scale (448·6/amax = 1/input_scale).")
+    ok = gs.dim() == 0 or (gs.dim() == 1 and gs.shape[0] in (1, num_experts))
+    op.require(backend, ok, "global_scale", "has the wrong shape", gs, f"fp32 scalar or [{num_experts}]")
+
+
+@dataclass(frozen=True)
+class Contiguous:
+    """Rows grouped by local expert (normal-mode dispatch output).
+
+    hidden: [N, K] bf16|fp16|fp32 | [N, K] float8_e4m3fn | [N, K/2] uint8 (nvfp4), rows of expert e at
+        offsets[e]:offsets[e+1] (rows past offsets[E] are padding, never read).
+    counts: [E] int32. offsets: [E+1] int32, offsets[0] = 0 (cumulative counts).
+    payload: "bf16" | "fp8" | "nvfp4". scales: fp8 [N, K/128] fp32 | nvfp4 [N, K/16] float8_e4m3fn.
+    global_scale: nvfp4 only, fp32 scalar or [E]. offsets_cpu: optional host copy of offsets.
+    """
+
+    hidden: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    payload: str = "bf16"
+    scales: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    offsets_cpu: tuple[int, ...] | None = None
+
+    kind = "contiguous"
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden.shape[-1] * (2 if self.payload == "nvfp4" else 1)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        out = {"hidden": self.hidden, "counts": self.counts, "offsets": self.offsets}
+        if self.payload != "bf16":
+            out["scales"] = self.scales
+        if self.payload == "nvfp4":
+            out["global_scale"] = self.global_scale
+        return out
+
+    def validate(self, op_name: str = "moe_layout", backend: str | None = None) -> dict[str, int]:
+        """Check shapes/dtypes against the contract (no device sync); returns the bound dims
+        (N, K, E). Raises ShapeError."""
+        op = layout_op("contiguous", self.payload, op_name)
+        t = self.tensors()
+        gs = t.pop("global_scale", None)
+        dims = op.check(backend, **t)
+        op.require(backend, self.offsets.shape[0] == dims["E"] + 1, "offsets", "must have E+1 entries",
+                   self.offsets, f"[{dims['E'] + 1}] int32")
+        if self.payload == "nvfp4":
+            _check_global_scale(op, backend, gs, dims["E"])
+        return dims
+
+
+@dataclass(frozen=True)
+class Masked:
+    """Rows per local expert in a fixed-size slab (low-latency dispatch output).
+
+    hidden: [E, M_max, K] bf16|fp16|fp32 | float8_e4m3fn | [E, M_max, K/2] uint8 (nvfp4); rows
+        m >= masked_m[e] are never read. masked_m: [E] int32 (valid rows per expert, <= M_max).
+    payload / scales ([E, M_max, K/128] fp32 or [E, M_max, K/16] e4m3) / global_scale as Contiguous.
+    """
+
+    hidden: torch.Tensor
+    masked_m: torch.Tensor
+    payload: str = "bf16"
+    scales: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    kind = "masked"
+
+    @property
+    def num_experts(self) -> int:
+        return self.masked_m.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden.shape[-1] * (2 if self.payload == "nvfp4" else 1)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        out = {"masked_m": self.masked_m, "hidden": self.hidden}
+        if self.payload != "bf16":
+            out["scales"] = self.scales
+        if self.payload == "nvfp4":
+            out["global_scale"] = self.global_scale
+        return out
+
+    def validate(self, op_name: str = "moe_layout", backend: str | None = None) -> dict[str, int]:
+        """Check shapes/dtypes against the contract (no device sync); returns bound dims (E, M, K).
+        Raises ShapeError (a 2-D hidden gets the normal-vs-low-latency hint)."""
+        op = layout_op("masked", self.payload, op_name)
+        t = self.tensors()
+        gs = t.pop("global_scale", None)
+        dims = op.check(backend, **t)
+        if self.payload == "nvfp4":
+            _check_global_scale(op, backend, gs, dims["E"])
+        return dims
+
+
+Layout = Contiguous | Masked
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """How `group_tokens` permuted the (token, slot) pairs.
+
+    src_token: [N] int64, the token each grouped row came from. src_slot: [N] int64, its top-k slot.
+    row_of: [T, k] int64, the grouped row of each (token, slot), -1 where the expert is not local.
+    """
+
+    src_token: torch.Tensor
+    src_slot: torch.Tensor
+    row_of: torch.Tensor
+    num_tokens: int
+
+
+def infer_payload(hidden: torch.Tensor) -> str:
+    """"nvfp4" for uint8, "fp8" for float8_e4m3fn, else "bf16"."""
+    if hidden.dtype == torch.uint8:
+        return "nvfp4"
+    if hidden.dtype == getattr(torch, "float8_e4m3fn", None):
+        return "fp8"
+    return "bf16"
+
+
+def group_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, expert_start: int = 0,
+                 scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
+                 payload: str | None = None) -> tuple[Contiguous, GroupInfo]:
+    """Group each (token, slot) pair by its expert (one rank, no communication).
+
+    Args:
+        x: [T, K] bf16|fp16|fp32, or [T, K] fp8 / [T, K/2] uint8 (nvfp4) with `scales`.
+        topk_ids: [T, k] int32|int64 global expert ids; ids outside
+            [expert_start, expert_start + num_experts) are not local and are dropped.
+        num_experts: local expert count E. expert_start: first local expert id.
+        scales: fp8 [T, K/128] fp32 | nvfp4 [T, K/16] e4m3. global_scale: nvfp4 fp32 scalar or [E].
+    Returns:
+        (Contiguous with N = number of local pairs, rows ordered by expert then token (stable);
+        GroupInfo to scatter results back). Syncs once (N is data-dependent).
+    """
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ShapeError("group_tokens", None, "x/topk_ids", "must be [T, K] and [T, k] with the same T",
+                         "x [T, K], topk_ids [T, k]", f"x {describe_tensor(x)}, topk_ids {describe_tensor(topk_ids)}")
+    payload = payload or infer_payload(x)
+    T, k = topk_ids.shape
+    local = topk_ids.long() - expert_start
+    valid = (local >= 0) & (local < num_experts)
+    key = torch.where(valid, local, torch.full_like(local, num_experts)).flatten()
+    order = torch.sort(key, stable=True).indices
+    counts_all = torch.bincount(key, minlength=num_experts + 1)
+    counts = counts_all[:num_experts].to(torch.int32)
+    n = int(counts.sum())
+    order = order[:n]
+    src_token = order // k
+    src_slot = order % k
+    row_of = torch.full((T * k,), -1, dtype=torch.long, device=x.device)
+    row_of[order] = torch.arange(n, device=x.device)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    layout = Contiguous(x[src_token], counts, offsets, payload,
+                        scales[src_token] if scales is not None else None, global_scale)
+    return layout, GroupInfo(src_token, src_slot, row_of.view(T, k), T)
+
+
+def to_masked(layout: Contiguous, max_m: int | None = None, fill: float | None = None) -> Masked:
+    """Scatter a Contiguous layout into the Masked slab.
+
+    max_m: M_max (default: max(counts), one sync). Experts with more rows than max_m raise ValueError.
+    fill: value written into rows >= masked_m (default zeros; tests pass NaN to prove they are
+    never read; bytes for fp8/nvfp4 are filled with 0xFF = NaN / -6 pattern).
+    Returns Masked(hidden [E, max_m, K(/2)], masked_m = counts), same payload, scales likewise.
+    """
+    E = layout.num_experts
+    counts = layout.counts
+    if max_m is None:
+        max_m = int(counts.max()) if E else 0
+    elif E and bool((counts > max_m).any()):
+        raise ValueError(f"to_masked: an expert has {int(counts.max())} rows but max_m={max_m}; "
+                         "raise num_max_dispatch_tokens_per_rank / max_m")
+    n = layout.offsets.long()
+    rows = torch.arange(layout.hidden.shape[0], device=layout.hidden.device)
+    n_rows = int(n[-1]) if E else 0
+    rows = rows[:n_rows]
+    expert = torch.searchsorted(n[1:], rows, right=True)
+    pos = rows - n[expert]
+
+    def scatter(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = torch.empty((E, max_m) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        if fill is None:
+            out.zero_()
+        elif t.dtype.is_floating_point and t.element_size() > 1:
+            out.fill_(fill)
+        else:
+            out.view(torch.uint8).fill_(0xFF)
+        out[expert, pos] = t[:n_rows]
+        return out
+
+    return Masked(scatter(layout.hidden), counts.clone(), layout.payload, scatter(layout.scales),
+                  layout.global_scale)
+
+
+def to_contiguous(layout: Masked) -> Contiguous:
+    """Gather the valid rows of a Masked layout into a Contiguous one (syncs once).
+
+    Returns Contiguous(hidden [Σ masked_m, K(/2)], counts = masked_m, offsets = cumsum)."""
+    E, M = layout.hidden.shape[:2]
+    keep = torch.arange(M, device=layout.hidden.device)[None, :] < layout.masked_m.long()[:, None]
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=layout.hidden.device)
+    offsets[1:] = torch.cumsum(layout.masked_m, 0).to(torch.int32)
+    hidden = layout.hidden[keep]
+    scales = layout.scales[keep] if layout.scales is not None else None
+    return Contiguous(hidden, layout.masked_m.to(torch.int32).clone(), offsets, layout.payload, scales,
+                      layout.global_scale)
+
+
+def with_hidden(layout: Layout, hidden: torch.Tensor) -> Layout:
+    """The same layout (counts/offsets or masked_m) carrying a new bf16 hidden (e.g. expert output)."""
+    return replace(layout, hidden=hidden, payload="bf16", scales=None, global_scale=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# payload helpers
+
+
+def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 128) → (float8_e4m3fn [..., K], fp32 scales [..., K/128]),
+    scale = amax/448 per 128 elements (1 where the block is zero)."""
+    if x.shape[-1] % FP8_BLOCK:
+        raise ValueError(f"fp8 payload needs K a multiple of {FP8_BLOCK}, got K={x.shape[-1]}")
+    blocks = x.float().unflatten(-1, (-1, FP8_BLOCK))
+    amax = blocks.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2)
+    return q, scale
+
+
+def quantize_payload(x: torch.Tensor, payload: str, global_scale: torch.Tensor | float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [T, K] bf16 → (hidden, scales, global_scale) for `payload` ("bf16" returns x unchanged).
+
+    nvfp4 needs global_scale (fp32 scalar, the layer's static activation scale 1/input_scale);
+    None takes 448·6/amax(x) (one sync)."""
+    if payload == "bf16":
+        return x, None, None
+    if payload == "fp8":
+        q, s = quantize_fp8_blockwise(x)
+        return q, s, None
+    if payload == "nvfp4":
+        if global_scale is None:
+            global_scale = _nvfp4.global_scale_from_amax(x.float().abs().amax())
+        gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+        packed, sf = _nvfp4.quantize_nvfp4(x, gs)
+        return packed, sf, gs
+    raise ValueError(f"unknown payload {payload!r}; known: {', '.join(PAYLOADS)}")
+
+
+def dequantize_hidden(layout: Layout, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The layout's hidden as real values: [N, K] or [E, M, K] of `dtype` (rows past the valid ones
+    are dequantised too; callers ignore them)."""
+    h = layout.hidden
+    if layout.payload == "bf16":
+        return h.to(dtype)
+    if layout.payload == "fp8":
+        v = h.float().unflatten(-1, (-1, FP8_BLOCK)) * layout.scales.float().unsqueeze(-1)
+        return v.flatten(-2).to(dtype)
+    gs = layout.global_scale.float()
+    if gs.dim() == 1 and gs.numel() > 1:
+        if isinstance(layout, Masked):
+            gs = gs  # one per leading expert index
+        else:
+            expert = torch.repeat_interleave(torch.arange(layout.num_experts, device=h.device),
+                                             layout.counts.long(), output_size=None)
+            full = torch.ones(h.shape[0], device=h.device)
+            full[: expert.numel()] = gs[expert]
+            return _nvfp4.dequantize_nvfp4(h, layout.scales, full, dtype)
+    elif gs.dim() == 1:
+        gs = gs[0]
+    return _nvfp4.dequantize_nvfp4(h, layout.scales, gs, dtype)
