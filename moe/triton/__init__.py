@@ -1,0 +1,1 @@
+"""pdlab's own Triton kernels for MoE (routing, NVFP4 W4A16 grouped GEMMs). Import triton lazily."""
