@@ -4,6 +4,8 @@ import os
 import socket
 import time
 
+import torch
+
 
 def ok(ack, value=1):
     ack({"value": value, "pid": os.getpid()})
@@ -44,3 +46,33 @@ def dies_after_ack(ack, delay=0.5):
 def exits_cleanly_after_ack(ack):
     ack({})
     time.sleep(0.3)
+
+
+def prefill_child(meta, name, q):
+    try:
+        src_pool = [torch.full((4, 8, 576), float(l + 1)) for l in range(3)]
+        src = _ct("local", name)
+        src.register(src_pool, None)
+        h = src.send_pages(src.add_peer(meta), "x", [1, 2], [3, 0], 12, notify={"first_token": 5})
+        src.wait(h, timeout=10)
+        q.put("ok")
+    except BaseException as e:  # report to the parent instead of hanging it
+        q.put(repr(e))
+
+
+def cuda_prefill_child(meta, name, q):
+    try:
+        src_pool = [torch.full((8, 64, 576), float(l + 1), dtype=torch.bfloat16, device="cuda:0") for l in range(3)]
+        src = _ct("local", name)
+        src.register(src_pool, None)
+        h = src.send_pages(src.add_peer(meta), "g", [2], [5], 64, notify={"first_token": 3})
+        src.wait(h, timeout=30)
+        q.put("ok")
+    except BaseException as e:
+        q.put(repr(e))
+
+
+def _ct(*a, **k):
+    from pdlab.runtime.disagg.transfer import create_transfer
+
+    return create_transfer(*a, **k)

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV transfer, roles, bootstrap, launch."""
