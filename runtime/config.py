@@ -1,0 +1,171 @@
+"""Runtime configuration: one validated, frozen object per layer, each extending the one below:
+`EngineConfig` (model, device, KV memory, CUDA graphs) → `SchedulerConfig` (batching, retraction,
+role) → `ServerConfig` (HTTP). Built from CLI flags, a YAML/JSON file (`--config`), or both (flags
+win). Impossible settings are rejected when the object is built, with the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the setting, why, and the fix."""
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str | None = Field(None, description="local HF directory; none = the embedded tiny default model")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="activation dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field("auto", description="KV cache dtype (auto = dtype; fp8 = e4m3 bytes + scale)")
+    kv_scale: float = Field(1.0, gt=0, description="dequant scale of an fp8 KV cache")
+    page_size: int = Field(64, ge=1, le=128, description="tokens per KV page")
+    allocator: Literal["auto", "token", "paged"] = Field("auto", description="KV allocator (auto: token for page size 1, else paged)")
+    max_total_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (overrides --mem-fraction-static)")
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="share of free device memory for the KV pool")
+    max_context_len: int | None = Field(None, ge=2, description="longest prompt+output (default: the model's)")
+    disable_cuda_graph: bool = Field(False, description="run decode eagerly on CUDA")
+    cuda_graph_bs: list[int] | None = Field(None, description="decode batch sizes to capture (default 1,2,4,8,16,24,32,...)")
+    kv_backup_chunk_pages: int = Field(256, ge=1, description="pages per chunk of a KV backup copy")
+    seed: int = Field(0, ge=0, description="seed of the embedded model's random weights and of unseeded requests")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.allocator == "token" and self.page_size != 1:
+            raise ValueError(f"allocator 'token' manages single-token slots but page_size is {self.page_size}; "
+                             "use --allocator paged (or auto), or --page-size 1")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.device.startswith("cuda"):
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} requested but CUDA is not available here; use --device cpu")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ValueError(f"cuda_graph_bs must be positive batch sizes, got {self.cuda_graph_bs}")
+        return self
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            import torch
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "fp32" if self.resolved_device == "cpu" else "bf16"
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return self.resolved_dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        return self.resolved_device.startswith("cuda") and not self.disable_cuda_graph
+
+
+class SchedulerConfig(EngineConfig):
+    max_running_requests: int = Field(256, ge=1, description="requests decoding at once")
+    chunked_prefill_size: int = Field(8192, ge=1, description="most prompt tokens of one request per step (longer prompts are chunked)")
+    max_prefill_tokens: int = Field(16384, ge=1, description="token budget of one prefill step over all its requests")
+    decode_reserve_tokens: int = Field(16, ge=0, description="tokens of headroom kept per running decode when admitting new requests")
+    retract_mode: Literal["backup", "recompute"] = Field("backup", description="retracted KV: copy to CPU, or drop and recompute")
+    role: Literal["colocated", "prefill", "decode"] = Field("colocated", description="which phases this server runs")
+
+    @model_validator(mode="after")
+    def _check_sched(self):
+        if self.chunked_prefill_size > self.max_prefill_tokens:
+            raise ValueError(f"chunked_prefill_size {self.chunked_prefill_size} exceeds max_prefill_tokens "
+                             f"{self.max_prefill_tokens}, so a chunk could never be scheduled; raise "
+                             "--max-prefill-tokens or lower --chunked-prefill-size")
+        if self.cuda_graph_bs is not None and max(self.cuda_graph_bs) > self.max_running_requests:
+            raise ValueError(f"cuda_graph_bs {max(self.cuda_graph_bs)} exceeds max_running_requests "
+                             f"{self.max_running_requests}; drop the larger sizes")
+        return self
+
+
+class ServerConfig(SchedulerConfig):
+    host: str = Field("127.0.0.1", description="bind address (127.0.0.1 = this machine only)")
+    port: int = Field(30000, ge=0, le=65535, description="TCP port (0 = any free port)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY'")
+    served_model_name: str = Field("pdlab", min_length=1, description="model id reported by /v1/models")
+    max_queue: int = Field(4096, ge=1, description="requests waiting before new ones get 503")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of config fields (snake_case or kebab-case keys)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML/JSON file to --config")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        raise ConfigError(f"config file {p}: cannot parse ({exc}); fix the syntax") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: expected a mapping of settings, got {type(data).__name__}")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def build_config(cls: type[BaseModel], file: str | None = None, **overrides: Any):
+    """Build `cls` from an optional file plus overrides (None values ignored); ConfigError on bad settings."""
+    data = load_config_file(file) if file else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "config"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown setting; known: {', '.join(sorted(cls.model_fields))}"
+            lines.append(f"{loc}: {msg}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
+    """One `--kebab-name` flag per field of `cls` (default None: only given flags override the file)."""
+    parser.add_argument("--config", default=None, help="YAML/JSON file of settings (flags override it)")
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        ann = field.annotation
+        help_ = f"{field.description or ''} (default: {field.default})"
+        if ann is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=help_)
+            continue
+        base, choices, nargs = _arg_type(ann)
+        parser.add_argument(flag, type=base, choices=choices, nargs=nargs, default=None, help=help_)
+
+
+def config_from_args(cls: type[BaseModel], args: argparse.Namespace):
+    values = {name: getattr(args, name, None) for name in cls.model_fields}
+    return build_config(cls, getattr(args, "config", None), **values)
+
+
+def _arg_type(ann: Any) -> tuple[Any, list | None, str | None]:
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        ann = next(a for a in args if a is not type(None))
+        args = typing.get_args(ann)
+    if typing.get_origin(ann) is Literal:
+        return str, list(args), None
+    if typing.get_origin(ann) is list:
+        return args[0], None, "+"
+    return ann, None, None

@@ -1,0 +1,174 @@
+"""Request and batch state shared by the scheduler, engine and server. Imports no other runtime module.
+
+Lengths (one meaning each): `seq_len` = prompt + generated tokens; `cached_len` = leading tokens whose
+KV rows sit in the pool; `extend_len` = seq_len - cached_len (tokens whose KV is still to compute).
+A request is sampled in a step when that step brings cached_len up to seq_len.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ReqStatus(str, enum.Enum):
+    WAITING = "waiting"  # queued, no pages (new, or retracted with recompute)
+    PREFILLING = "prefilling"  # part of the prompt computed (chunked prefill), holds pages
+    RUNNING = "running"  # decoding, holds pages
+    RETRACTED = "retracted"  # pages given back; KV backed up on CPU (or dropped for recompute)
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: pages pre-allocated, KV written by a peer
+    HANDED_OFF = "handed_off"  # prefill role: KV and first token given to the transfer hook
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client disconnect or an explicit abort
+    ERROR = "error"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. temperature 0 = greedy; top_k -1 = off; top_p 1 = off;
+    min_p 0 = off; seed None = a random one drawn at arrival (sampling stays reproducible per seed,
+    whatever the batch); logprobs None = none, n >= 0 = the chosen token's logprob plus the top n."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field and the allowed range."""
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_rid_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request. Owned by the scheduler; the engine only reads it.
+
+    prompt_ids / output_ids: host lists of token ids. pages: page ids in the KV pool, in order
+    (page i holds positions [i*page_size, (i+1)*page_size)). backup: CPU copy of the KV while
+    retracted (None = recompute on resume). table_row: this request's row in the device page table.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    cached_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    table_row: int = -1
+    table_len: int = 0  # how many of `pages` are written into the device page-table row
+    backup: Any = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    seed: int = 0
+    order: int = field(default_factory=lambda: next(_rid_counter))  # arrival order, for policies
+    admitted_at: int = -1  # admission counter (retraction victim order)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_retractions: int = 0
+    output_logprobs: list[Any] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # role hooks (e.g. transfer ids) keep theirs here
+
+    def __post_init__(self) -> None:
+        if not self.rid:
+            self.rid = f"req-{self.order}"
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def extend_len(self) -> int:
+        return self.seq_len - self.cached_len
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end] if end > len(self.prompt_ids) \
+            else self.prompt_ids[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (ReqStatus.FINISHED, ReqStatus.ABORTED)
+
+
+@dataclass
+class Batch:
+    """One forward step. Filled by the scheduler: reqs, extend_lens (new tokens per request, each
+    starting at req.cached_len), is_decode. The engine reads it and builds the device tensors."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    is_decode: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def samples(self, i: int) -> bool:
+        """True when request i reaches its full length in this step (its logits are sampled)."""
+        r = self.reqs[i]
+        return r.cached_len + self.extend_lens[i] == r.seq_len
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step: new token ids (0 or 1 here), new text, and on finish the
+    reason. Sent from the engine loop to whoever waits on the request (HTTP handler, offline API)."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)  # per new token: (logprob, [(id, logprob), ...])
+    error: str | None = None

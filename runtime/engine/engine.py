@@ -1,0 +1,242 @@
+"""Engine: owns the model, the KV pool, the device page table, the decode CUDA graphs and the
+sampler. `forward(batch)` turns a scheduled `Batch` into device tensors, runs the model and samples;
+it never calls back into the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdlab.runtime.config import ConfigError, EngineConfig
+from pdlab.runtime.context import ForwardContext
+from pdlab.runtime.core import Batch
+from pdlab.runtime.engine.sample import SampleOutput, SamplingTensors, sample
+from pdlab.runtime.memory.pool import MLAKVPool
+from pdlab.runtime.memory.table import PageTable
+
+log = logging.getLogger("pdlab.runtime")
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class ForwardOutput:
+    """Host results of one step for the requests that sampled (batch order, others skipped).
+
+    sampled: indices into batch.reqs that got a token; next_ids: their tokens; logprobs: per sampled
+    request None or (chosen_logprob, [(token_id, logprob), ...])."""
+
+    sampled: list[int]
+    next_ids: list[int]
+    logprobs: list
+    gpu_ms: float = 0.0
+
+
+class Engine:
+    """Runs forward steps for the scheduler.
+
+    model: object with `forward(input_ids [T] int64, positions [T] int64, ctx) -> logits [B, V] fp32`;
+    None loads `pdlab.runtime.model.load_model(cfg.model_path, device, dtype)`.
+    num_layers / vocab_size / max_context_len: taken from `model_config` (HF names) unless given.
+    """
+
+    def __init__(self, cfg: EngineConfig, model=None, tokenizer=None, model_config=None, *,
+                 max_running_requests: int = 256, graph_capture: bool | None = None):
+        self.cfg = cfg
+        self.device = torch.device(cfg.resolved_device)
+        self.dtype = TORCH_DTYPES[cfg.resolved_dtype]
+        if model is None:
+            from pdlab.runtime.model import load_model  # the model package is optional for the engine
+            model, tokenizer, model_config = load_model(cfg.model_path, self.device, self.dtype)
+        self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
+        self.num_layers = int(_attr(model_config, "num_hidden_layers"))
+        self.vocab_size = int(_attr(model_config, "vocab_size"))
+        model_ctx = int(getattr(model_config, "max_position_embeddings", 0) or 0) or 4096
+        self.max_context_len = cfg.max_context_len or model_ctx
+        if cfg.max_context_len and model_ctx and cfg.max_context_len > model_ctx:
+            log.warning("max_context_len %d exceeds the model's max_position_embeddings %d",
+                        cfg.max_context_len, model_ctx)
+        self.page_size = cfg.page_size
+        self.max_running_requests = max_running_requests
+        self.pool = MLAKVPool(self.num_layers, self._num_pages(), cfg.page_size, cfg.resolved_kv_dtype,
+                              self.device, kv_scale=cfg.kv_scale,
+                              allocator=None if cfg.allocator == "auto" else cfg.allocator,
+                              copy_chunk_pages=cfg.kv_backup_chunk_pages)
+        max_pages = -(-self.max_context_len // cfg.page_size)
+        if self.pool.allocator.capacity < max_pages:
+            raise ConfigError(
+                f"the KV pool holds {self.pool.allocator.capacity} pages of {cfg.page_size} tokens, fewer than one "
+                f"maximal request needs ({max_pages} pages for max_context_len {self.max_context_len}); raise "
+                "--max-total-tokens / --mem-fraction-static or lower --max-context-len")
+        self.page_table = PageTable(max_running_requests, max_pages, self.device)
+        self.graphs = None
+        use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
+        if use_graph:
+            from pdlab.runtime.engine.graph import GraphRunner
+            self.graphs = GraphRunner(self, cfg.cuda_graph_bs)
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def _num_pages(self) -> int:
+        cfg = self.cfg
+        if cfg.max_total_tokens is not None:
+            return -(-cfg.max_total_tokens // cfg.page_size) + 1  # + the dummy page
+        per_page = MLAKVPool.bytes_per_token(self.num_layers, cfg.resolved_kv_dtype) * cfg.page_size
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.mem_fraction_static
+        else:
+            budget = min(_host_available_bytes() * cfg.mem_fraction_static, 4 << 30)  # CPU: at most 4 GiB
+        return max(2, int(budget // per_page))
+
+    # ---- one step ----------------------------------------------------------------------------
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """Run one step. Every request must already hold pages for cached_len + extend_len tokens."""
+        reqs = batch.reqs
+        for r, n in zip(reqs, batch.extend_lens):
+            if len(r.pages) * self.page_size < r.cached_len + n:
+                raise RuntimeError(f"request {r.rid}: {len(r.pages)} pages cannot hold {r.cached_len + n} tokens; "
+                                   "the scheduler must allocate before the step")
+        self.page_table.sync(reqs)
+        t0 = time.perf_counter()
+        if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
+            logits = self.graphs.replay(reqs)
+        else:
+            input_ids, positions, ctx = self.prepare(batch)
+            logits = self.model.forward(input_ids, positions, ctx)
+        sampled = [i for i in range(len(reqs)) if batch.samples(i)]
+        if not sampled:
+            return ForwardOutput([], [], [])
+        if len(sampled) != len(reqs):
+            logits = logits[torch.tensor(sampled, device=logits.device)]
+        sreqs = [reqs[i] for i in sampled]
+        st = SamplingTensors.from_reqs(sreqs, self.vocab_size, logits.device)
+        out = sample(logits, st)
+        next_ids, lps = _to_host(out, sreqs)
+        return ForwardOutput(sampled, next_ids, lps, gpu_ms=(time.perf_counter() - t0) * 1e3)
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Device tensors of a step: input_ids [T] int64, positions [T] int64, and its ForwardContext."""
+        reqs, ext = batch.reqs, batch.extend_lens
+        ps = self.page_size
+        if batch.is_decode:
+            host = torch.tensor([[r.token_at(r.cached_len) for r in reqs], [r.cached_len for r in reqs],
+                                 [r.table_row for r in reqs]], dtype=torch.int64)
+            host = host.pin_memory() if self.device.type == "cuda" else host
+            dev = host.to(self.device, non_blocking=True)
+            return self.decode_tensors(dev[0], dev[1], dev[2], len(reqs))
+        ids, pos, slots = [], [], []
+        for r, n in zip(reqs, ext):
+            ids.extend(r.tokens(r.cached_len, r.cached_len + n))
+            p = np.arange(r.cached_len, r.cached_len + n, dtype=np.int64)
+            pos.append(p)
+            slots.append(np.asarray(r.pages, dtype=np.int64)[p // ps] * ps + p % ps)
+        lens = np.asarray(ext, dtype=np.int64)
+        seqlens = np.asarray([r.cached_len + n for r, n in zip(reqs, ext)], dtype=np.int32)
+        qo = np.zeros(len(reqs) + 1, dtype=np.int32)
+        qo[1:] = np.cumsum(lens)
+        d = self.device
+        max_pages = int(max(-(-s // ps) for s in seqlens))
+        rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64, device=d)
+        ctx = ForwardContext(
+            is_decode=False, block_table=self.page_table.table[rows, :max_pages],
+            seqlens=torch.from_numpy(seqlens).to(d), qo_indptr=torch.from_numpy(qo).to(d),
+            slots=torch.from_numpy(np.concatenate(slots)).to(d),
+            logits_indices=torch.from_numpy(qo[1:].astype(np.int64) - 1).to(d),
+            kv_caches=self.pool.kv_caches, kv_scale=self.pool.kv_scale, max_q_len=int(lens.max()))
+        return (torch.tensor(ids, dtype=torch.int64).to(d), torch.from_numpy(np.concatenate(pos)).to(d), ctx)
+
+    def decode_tensors(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                       bs: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Decode-step tensors from device input_ids/positions/rows [bs] int64 (graph-safe: no host sync).
+        Padded rows use the dummy table row: they read and write only the reserved page 0."""
+        ps = self.page_size
+        block_table = self.page_table.table.index_select(0, rows)
+        page = block_table.gather(1, (positions // ps)[:, None])[:, 0].to(torch.int64)
+        ctx = ForwardContext(
+            is_decode=True, block_table=block_table, seqlens=(positions + 1).to(torch.int32),
+            qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device), slots=page * ps + positions % ps,
+            logits_indices=torch.arange(bs, dtype=torch.int64, device=self.device),
+            kv_caches=self.pool.kv_caches, kv_scale=self.pool.kv_scale, max_q_len=1)
+        return input_ids, positions, ctx
+
+    # ---- start-up report ----------------------------------------------------------------------
+    def describe(self) -> list[str]:
+        """Lines for the start-up log: KV pool, graphs, and which backend + config each op uses."""
+        p = self.pool
+        lines = [f"device {self.device}, dtype {self.cfg.resolved_dtype}, KV {p.kv_dtype} page {p.page_size}: "
+                 f"{p.allocator.capacity} pages = {p.max_tokens} tokens over {p.num_layers} layers "
+                 f"({type(p.allocator).__name__}), max context {self.max_context_len}",
+                 "cuda graphs: " + (f"batch sizes {self.graphs.batch_sizes}" if self.graphs else "off (eager)")]
+        lines += describe_ops(self.device)
+        return lines
+
+
+def describe_ops(device: torch.device) -> list[str]:
+    """One line per registered op: the backend selected on `device` and where its config comes from."""
+    from pdlab.kernels import registry
+    try:
+        from pdlab.kernels.tuned import resolve_config
+    except ImportError:
+        resolve_config = None
+    lines = []
+    for op in registry.ops():
+        try:
+            b = registry.select(op, device=device)
+        except Exception as exc:
+            lines.append(f"op {op}: no usable backend ({exc})")
+            continue
+        source = "default"
+        cfg = b.config()
+        if resolve_config is not None:
+            try:
+                cfg, source = resolve_config(op, b.name, {}, device=device)
+            except Exception as exc:
+                source = f"default (tuned lookup failed: {exc})"
+        lines.append(f"op {op}: backend {b.name}, config {source} {dict(cfg) if cfg else ''}".rstrip())
+    return lines
+
+
+def _attr(cfg, name: str):
+    if cfg is None or getattr(cfg, name, None) is None:
+        raise ConfigError(f"model config lacks {name!r}; the model loader must return a config with it")
+    return getattr(cfg, name)
+
+
+def _to_host(out: SampleOutput, reqs) -> tuple[list[int], list]:
+    """One device→host transfer for tokens and logprobs."""
+    parts = [out.next_ids.to(torch.float64)[:, None]]
+    if out.chosen_logprobs is not None:
+        parts.append(out.chosen_logprobs.to(torch.float64)[:, None])
+        if out.top_ids is not None:
+            parts += [out.top_ids.to(torch.float64), out.top_logprobs.to(torch.float64)]
+    host = torch.cat(parts, dim=1).cpu().numpy() if len(parts) > 1 else None
+    if host is None:
+        return out.next_ids.tolist(), [None] * len(reqs)
+    ids = host[:, 0].astype(np.int64).tolist()
+    lps = []
+    n = out.top_ids.shape[1] if out.top_ids is not None else 0
+    for i, r in enumerate(reqs):
+        want = r.params.logprobs
+        if want is None:
+            lps.append(None)
+            continue
+        top = [(int(host[i, 2 + j]), float(host[i, 2 + n + j])) for j in range(min(want, n))]
+        lps.append((float(host[i, 1]), top))
+    return ids, lps
+
+
+def _host_available_bytes() -> int:
+    try:
+        return os_sysconf("SC_AVPHYS_PAGES") * os_sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def os_sysconf(name: str) -> int:
+    import os
+    return int(os.sysconf(name))

@@ -1,0 +1,157 @@
+"""The engine loop (one for online and offline use) and the offline `LLM.generate()` API.
+
+`EngineLoop` owns a scheduler and runs `run_once()` = drain the inbox (submits, aborts, calls from
+other threads) → one scheduler step → hand each `StepOutput` to the sink of its request. The HTTP
+server runs it in a background thread (`start()`); `LLM.generate()` drives it in the caller's thread.
+Only the loop thread touches the scheduler, engine and KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Any, Callable
+
+from pdlab.runtime.config import SchedulerConfig, build_config
+from pdlab.runtime.core import FinishReason, Req, SamplingParams, StepOutput
+from pdlab.runtime.scheduler.output import TextCodec
+from pdlab.runtime.scheduler.scheduler import RoleHooks, Scheduler
+
+log = logging.getLogger("pdlab.runtime")
+Sink = Callable[[StepOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        scheduler.on_output = self._dispatch
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.errors = 0
+
+    # ---- thread-safe entry points --------------------------------------------------------------
+    def submit(self, req: Req, sink: Sink) -> None:
+        """Queue a request; ValueError (bad request) is raised here, in the caller's thread."""
+        self.scheduler.validate(req)
+        self._inbox.put(("add", req, sink))
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        self._inbox.put(("abort", rid, reason))
+
+    def call(self, fn: Callable[[Scheduler], Any]) -> None:
+        """Run fn(scheduler) in the loop thread (role hooks: kv_ready, preallocate, release...)."""
+        self._inbox.put(("call", fn, None))
+
+    # ---- running ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pdlab-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.run_once(block=True)
+
+    def run_once(self, block: bool = False) -> bool:
+        """Drain the inbox, then run one step. Blocks briefly on an empty inbox when idle and `block`."""
+        if block and not self.scheduler.has_work and self._inbox.empty():
+            try:
+                self._handle(self._inbox.get(timeout=0.05))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        try:
+            return self.scheduler.step()
+        except Exception as exc:  # a bug in one step must not take the server down: fail the batch
+            self.errors += 1
+            log.error("engine step failed: %s\n%s", exc, traceback.format_exc())
+            for rid in list(self.scheduler.by_rid):
+                self.scheduler.abort(rid, f"internal error: {type(exc).__name__}: {exc}")
+            return False
+
+    def _handle(self, item) -> None:
+        kind, a, b = item
+        if kind == "add":
+            self._sinks[a.rid] = b
+            try:
+                self.scheduler.add_request(a)
+            except ValueError as exc:
+                self._dispatch(StepOutput(a.rid, [], "", True, FinishReason.ERROR, error=str(exc)))
+        elif kind == "abort":
+            self.scheduler.abort(a, b)
+        elif kind == "call":
+            a(self.scheduler)
+
+    def _dispatch(self, out: StepOutput) -> None:
+        sink = self._sinks.pop(out.rid, None) if out.finished else self._sinks.get(out.rid)
+        if sink is not None:
+            try:
+                sink(out)
+            except Exception:
+                log.exception("output sink of %s failed", out.rid)
+
+
+class LLM:
+    """Offline generation over the same loop. `LLM(model=..., tokenizer=..., model_config=..., **settings)`
+    with settings = SchedulerConfig fields (e.g. page_size=64, kv_dtype="fp8", max_total_tokens=4096)."""
+
+    def __init__(self, cfg: SchedulerConfig | None = None, *, model=None, tokenizer=None, model_config=None,
+                 hooks: RoleHooks | None = None, metrics=None, **settings):
+        from pdlab.runtime.engine.engine import Engine
+        self.cfg = cfg or build_config(SchedulerConfig, **settings)
+        self.engine = Engine(self.cfg, model, tokenizer, model_config,
+                             max_running_requests=self.cfg.max_running_requests)
+        tok = self.engine.tokenizer
+        eos = getattr(self.engine.model_config, "eos_token_id", None)
+        self.codec = TextCodec(tok, [eos] if isinstance(eos, int) else list(eos or [])) if tok is not None else None
+        self.scheduler = Scheduler(self.cfg, self.engine, self.codec, hooks=hooks, metrics=metrics)
+        self.loop = EngineLoop(self.scheduler)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 max_steps: int = 1_000_000) -> list[dict]:
+        """Generate for each prompt (text or token ids). Returns per prompt a dict with token_ids,
+        text, finish_reason, logprobs, num_retractions, error."""
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: dict[str, dict] = {}
+        reqs = []
+        for p, sp in zip(prompts, plist):
+            ids = self.codec.encode(p) if isinstance(p, str) else list(p)
+            req = Req(ids, sp)
+            reqs.append(req)
+            results[req.rid] = {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "error": None}
+            self.loop.submit(req, lambda out, res=results[req.rid]: _collect(res, out))
+        steps = 0
+        while any(r["finish_reason"] is None for r in results.values()):
+            self.loop.run_once()
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"generate() did not finish within {max_steps} steps")
+        out = []
+        for req in reqs:
+            res = results[req.rid]
+            res["num_retractions"] = req.num_retractions
+            out.append(res)
+        return out
+
+
+def _collect(res: dict, out: StepOutput) -> None:
+    res["token_ids"] += out.token_ids
+    res["text"] += out.text
+    res["logprobs"] += out.logprobs
+    if out.finished:
+        res["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+        res["error"] = out.error

@@ -1,0 +1,95 @@
+"""Host-side post-processing of sampled tokens: incremental detokenization and stop checks
+(EOS, stop token ids, stop strings, max_tokens, context limit)."""
+
+from __future__ import annotations
+
+from pdlab.runtime.core import FinishReason, Req
+
+
+class TextCodec:
+    """Adapter over a tokenizer: `tokenizers.Tokenizer`, a transformers tokenizer, or any object with
+    encode(text) -> ids | Encoding and decode(ids) -> str. eos_token_ids: ids that end generation."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None):
+        self.tok = tokenizer
+        ids = list(eos_token_ids or [])
+        for name in ("eos_token_id",):
+            v = getattr(tokenizer, name, None)
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+        self.eos_token_ids = ids
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            enc = self.tok.encode(text, add_special_tokens=False)
+        except TypeError:
+            enc = self.tok.encode(text)
+        return list(getattr(enc, "ids", enc))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        try:
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        except TypeError:
+            return self.tok.decode(ids)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat: the tokenizer's chat template when it has one, else a plain
+        "role: content" transcript ending with "assistant:"."""
+        apply = getattr(self.tok, "apply_chat_template", None)
+        if apply is not None:
+            try:
+                out = apply(messages, add_generation_prompt=True, tokenize=True)
+                return list(out["input_ids"] if isinstance(out, dict) else out)
+            except Exception:
+                pass
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+
+class OutputState:
+    """Per-request detokenization state (kept in req.meta["out"])."""
+
+    __slots__ = ("prefix_offset", "read_offset", "text", "sent")
+
+    def __init__(self):
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.sent = 0
+
+
+def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len: int) -> tuple[str, FinishReason | None]:
+    """Append `token` to req (already done by the caller) and return (new text to emit, finish reason)."""
+    p = req.params
+    st: OutputState = req.meta.setdefault("out", OutputState())
+    eos = codec.eos_token_ids if codec is not None else []
+    finish = None
+    hide = False
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
+        finish, hide = FinishReason.STOP, True
+    if codec is not None and not hide:
+        ids = req.output_ids
+        prefix = codec.decode(ids[st.prefix_offset:st.read_offset], p.skip_special_tokens)
+        full = codec.decode(ids[st.prefix_offset:], p.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            st.text += full[len(prefix):]
+            st.prefix_offset = st.read_offset
+            st.read_offset = len(ids)
+    elif codec is not None:
+        st.read_offset = len(req.output_ids)
+    if p.stop and st.text:
+        longest = max(len(s) for s in p.stop)
+        start = max(0, st.sent - longest + 1)
+        hits = [i for i in (st.text.find(s, start) for s in p.stop) if i >= 0]
+        if hits:
+            st.text = st.text[:min(hits)]
+            finish = FinishReason.STOP
+    if finish is None and (len(req.output_ids) >= p.max_tokens or req.seq_len >= max_context_len):
+        finish = FinishReason.LENGTH
+    if finish is None and p.stop:
+        safe = max(st.sent, len(st.text) - (max(len(s) for s in p.stop) - 1))  # hold back a possible stop prefix
+    else:
+        safe = len(st.text)
+    new = st.text[st.sent:safe]
+    st.sent = max(st.sent, safe)
+    return new, finish

@@ -1,0 +1,313 @@
+"""Scheduler: continuous batching over one engine. One `step()` = schedule → engine.forward →
+post-process (append tokens, stop checks, free finished requests, emit `StepOutput`s).
+
+Policy per step: a prefill step when the prefill manager can admit or continue something (chunked
+requests alternate with decode steps so running decodes are never starved by a long prompt),
+otherwise a decode step over every running request. Decode steps first make sure each request has a
+page for its next token, retracting victims (retract.py) when the pool runs dry.
+
+Roles (issue: prefill/decode disaggregation): `role="colocated"` runs both phases. A `RoleHooks`
+object plugs the other cases in without subclassing: after a request's prompt is computed and its
+first token sampled, `hooks.on_prefill_done(sched, req)` may take the request over (prefill role:
+its pages stay allocated until `release(rid)`); a decode server admits requests whose KV a peer
+writes with `preallocate(req)` → `kv_ready(rid, first_token)` / `kv_failed(rid, why)`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable
+
+from pdlab.runtime.config import SchedulerConfig
+from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, StepOutput
+from pdlab.runtime.env import ENV
+from pdlab.runtime.scheduler.decode import DecodeManager
+from pdlab.runtime.scheduler.output import TextCodec, process_token
+from pdlab.runtime.scheduler.prefill import PrefillManager
+from pdlab.runtime.scheduler.retract import pick_victim, retract
+
+log = logging.getLogger("pdlab.runtime")
+
+
+class RoleHooks:
+    """Extension points for non-colocated roles. The default does nothing (colocated)."""
+
+    def on_prefill_done(self, sched: "Scheduler", req: Req) -> bool:
+        """Called after req's prompt KV is complete and its first token sampled. Return True to take
+        ownership (the scheduler stops scheduling it; call `sched.release(req.rid)` when done)."""
+        return False
+
+    def poll(self, sched: "Scheduler") -> None:
+        """Called once per loop iteration (e.g. to complete finished KV transfers)."""
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, engine, codec: TextCodec | None = None,
+                 on_output: Callable[[StepOutput], None] | None = None, hooks: RoleHooks | None = None,
+                 metrics=None):
+        self.cfg = cfg
+        self.engine = engine
+        self.pool = engine.pool
+        self.codec = codec
+        self.on_output = on_output or (lambda out: None)
+        self.hooks = hooks or RoleHooks()
+        self.metrics = metrics
+        self.max_context_len = engine.max_context_len
+        self.waiting: list[Req] = []  # sorted by arrival order
+        self.decode = DecodeManager(self.pool.page_size, cfg.decode_reserve_tokens)
+        self.prefill = PrefillManager(self.pool, cfg.chunked_prefill_size, cfg.max_prefill_tokens,
+                                      cfg.max_running_requests, cfg.decode_reserve_tokens)
+        self.parked: dict[str, Req] = {}  # WAITING_FOR_KV / HANDED_OFF: pages held for a role hook
+        self.by_rid: dict[str, Req] = {}
+        self.num_retractions = 0
+        self.num_admitted = 0
+        self._last_was_chunk = False
+        self.last_step: dict = {}
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def validate(self, req: Req) -> None:
+        """Raise ValueError (sent to the client as a 400) for a request that can never run."""
+        req.params.validate()
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.engine.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.engine.vocab_size}); got "
+                             f"{min(req.prompt_ids)}..{max(req.prompt_ids)}")
+        if req.prompt_len >= self.max_context_len:
+            raise ValueError(f"the prompt has {req.prompt_len} tokens; this server's context is "
+                             f"{self.max_context_len} tokens (prompt + output); shorten the prompt")
+        if req.prompt_len + req.params.max_tokens > self.max_context_len:
+            raise ValueError(f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
+                             f"the context of {self.max_context_len} tokens; lower max_tokens to at most "
+                             f"{self.max_context_len - req.prompt_len}")
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        if req.rid in self.by_rid:
+            raise ValueError(f"request id {req.rid!r} is already in flight; use a unique id")
+        if req.params.seed is not None:
+            req.seed = req.params.seed
+        elif not req.seed:
+            req.seed = (hash((req.rid, req.order, self.cfg.seed)) & ((1 << 62) - 1)) or 1
+        req.status = ReqStatus.WAITING
+        self.by_rid[req.rid] = req
+        self._enqueue(req)
+
+    def abort(self, rid: str, reason: str = "aborted") -> bool:
+        """Stop a request wherever it is and free its pages. False if it is unknown or finished."""
+        req = self.by_rid.get(rid)
+        if req is None:
+            return False
+        self._finish(req, FinishReason.ABORT, error=reason if reason != "aborted" else None)
+        return True
+
+    # ---- disaggregation hooks ----------------------------------------------------------------
+    def preallocate(self, req: Req) -> list[int] | None:
+        """Decode role: reserve pages for req's prompt KV (+1 token) that a peer will write.
+        Returns the page ids, or None when they do not fit now (retry later)."""
+        self.validate(req)
+        need = -(-(req.prompt_len + 1) // self.pool.page_size)
+        if need > self.pool.num_free_pages - self.decode.reserve_pages():
+            return None
+        req.pages = self.pool.allocate(need)
+        req.status = ReqStatus.WAITING_FOR_KV
+        req.seed = req.params.seed if req.params.seed is not None else (hash(req.rid) & ((1 << 62) - 1)) or 1
+        self.by_rid[req.rid] = req
+        self.parked[req.rid] = req
+        return req.pages
+
+    def kv_ready(self, rid: str, first_token: int) -> None:
+        """Decode role: the prompt KV of a preallocated request is in its pages; continue decoding."""
+        req = self.parked.pop(rid)
+        req.cached_len = req.prompt_len
+        req.admitted_at = self.num_admitted
+        self.num_admitted += 1
+        req.status = ReqStatus.RUNNING
+        self._append_token(req, first_token, None)
+        if not req.finished:
+            self.decode.add(req)
+
+    def kv_failed(self, rid: str, why: str) -> None:
+        req = self.by_rid.get(rid)
+        if req is not None:
+            self._finish(req, FinishReason.ERROR, error=why)
+
+    def release(self, rid: str) -> None:
+        """Prefill role: the hook is done with a handed-off request; free its pages."""
+        req = self.parked.pop(rid, None)
+        if req is not None:
+            self._free_pages(req)
+            req.status = ReqStatus.FINISHED
+            self.by_rid.pop(rid, None)
+
+    # ---- the step ------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.decode.running or self.prefill.prefilling)
+
+    def step(self) -> bool:
+        """Run one batch if there is work; returns whether a batch ran."""
+        self.hooks.poll(self)
+        t0 = time.perf_counter()
+        batch = self._schedule()
+        if batch is None:
+            return False
+        t1 = time.perf_counter()
+        out = self.engine.forward(batch)
+        t2 = time.perf_counter()
+        self._process(batch, out)
+        t3 = time.perf_counter()
+        self.last_step = {"decode": batch.is_decode, "bs": batch.size, "tokens": batch.num_tokens,
+                          "schedule_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "process_ms": (t3 - t2) * 1e3}
+        if ENV.check_invariants:
+            self.check_invariants()
+        return True
+
+    def _schedule(self) -> Batch | None:
+        for _ in range(len(self.prefill.prefilling) + len(self.decode.running) + 2):
+            want_decode = self._last_was_chunk and self.decode.running
+            if not want_decode:
+                plan = self.prefill.plan(self.waiting, len(self.decode.running), self.decode.reserve_pages(),
+                                         self.num_admitted)
+                self.num_admitted += len(plan.admitted)
+                for r in plan.admitted:
+                    self.waiting.remove(r)
+                for r in plan.to_decode:
+                    self.decode.add(r)
+                if plan.reqs:
+                    self._last_was_chunk = any(r.cached_len + n < r.seq_len for r, n in zip(plan.reqs, plan.extend_lens))
+                    return Batch(plan.reqs, plan.extend_lens, is_decode=False)
+            self._last_was_chunk = False
+            if self.decode.running:
+                return self._decode_batch()
+            if not self.prefill.prefilling:
+                return None
+            # chunked requests hold the pages and none can continue: park the newest one
+            victim = pick_victim(self.prefill.prefilling)
+            if victim is None:
+                raise RuntimeError("a lone prefill cannot get pages: the pool is smaller than one request "
+                                   "(should have been rejected at start-up)")
+            self._retract(victim)
+        return None
+
+    def _decode_batch(self) -> Batch:
+        while True:
+            need = sum(self.decode.pages_for_step(r) for r in self.decode.running)
+            if need <= self.pool.num_free_pages:
+                break
+            victim = pick_victim(self.decode.running + self.prefill.prefilling)
+            if victim is None:
+                raise RuntimeError("out of KV pages with a single running request; the pool is smaller "
+                                   "than one request (should have been rejected at start-up)")
+            self._retract(victim)
+        for r in self.decode.running:
+            n = self.decode.pages_for_step(r)
+            if n:
+                r.pages += self.pool.allocate(n)
+        reqs = list(self.decode.running)
+        return Batch(reqs, [1] * len(reqs), is_decode=True)
+
+    def _retract(self, req: Req) -> None:
+        if req in self.decode.running:
+            self.decode.remove(req)
+        if req in self.prefill.prefilling:
+            self.prefill.prefilling.remove(req)
+        retract(req, self.pool, self.engine.page_table, self.cfg.retract_mode)
+        self.num_retractions += 1
+        if self.metrics is not None:
+            self.metrics.on_retract()
+        log.debug("retracted %s (cached %d tokens, backup=%s)", req.rid, req.cached_len, req.backup is not None)
+        self._enqueue(req)
+
+    def _process(self, batch: Batch, out) -> None:
+        for r, n in zip(batch.reqs, batch.extend_lens):
+            r.cached_len += n
+        for i, tok, lp in zip(out.sampled, out.next_ids, out.logprobs):
+            r = batch.reqs[i]
+            if r.finished:
+                continue
+            if r.status == ReqStatus.PREFILLING:
+                self.prefill.prefilling.remove(r)
+                r.status = ReqStatus.RUNNING
+                self._append_token(r, tok, lp)
+                if r.finished:
+                    continue
+                if self.hooks.on_prefill_done(self, r):
+                    r.status = ReqStatus.HANDED_OFF
+                    self.parked[r.rid] = r
+                elif self.cfg.role == "prefill":
+                    self._finish(r, FinishReason.LENGTH)
+                else:
+                    self.decode.add(r)
+            else:
+                self._append_token(r, tok, lp)
+
+    def _append_token(self, r: Req, tok: int, lp) -> None:
+        now = time.perf_counter()
+        r.output_ids.append(int(tok))
+        if lp is not None:
+            r.output_logprobs.append(lp)
+        if self.metrics is not None:
+            self.metrics.on_token(r, now)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.last_token_time = now
+        text, finish = process_token(r, int(tok), self.codec, self.max_context_len)
+        if finish is not None:
+            self._finish(r, finish, text=text, new_ids=[int(tok)], new_lps=[lp] if lp is not None else [])
+        else:
+            self.on_output(StepOutput(r.rid, [int(tok)], text, False, None, r.prompt_len, len(r.output_ids),
+                                      [lp] if lp is not None else []))
+
+    def _finish(self, r: Req, reason: FinishReason, text: str = "", new_ids: list[int] | None = None,
+                new_lps: list | None = None, error: str | None = None) -> None:
+        if r.finished:
+            return
+        if r in self.decode.running:
+            self.decode.remove(r)
+        if r in self.prefill.prefilling:
+            self.prefill.prefilling.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.parked.pop(r.rid, None)
+        self._free_pages(r)
+        r.backup = None
+        r.status = ReqStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else ReqStatus.FINISHED
+        r.finish_reason = reason
+        r.error = error
+        self.by_rid.pop(r.rid, None)
+        if self.metrics is not None:
+            self.metrics.on_finish(r)
+        self.on_output(StepOutput(r.rid, new_ids or [], text, True, reason, r.prompt_len, len(r.output_ids),
+                                  new_lps or [], error))
+
+    def _free_pages(self, r: Req) -> None:
+        if r.pages:
+            self.pool.free(r.pages)
+            r.pages = []
+        self.engine.page_table.release(r)
+
+    def _enqueue(self, req: Req) -> None:
+        keys = [w.order for w in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, req.order), req)
+
+    # ---- checks and stats ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Every allocated page belongs to exactly one live request; raises AssertionError otherwise."""
+        holders = self.decode.running + self.prefill.prefilling + list(self.parked.values())
+        owned = [p for r in holders for p in r.pages]
+        assert len(owned) == len(set(owned)), "a page is owned by two requests"
+        in_use = self.pool.allocator.capacity - self.pool.num_free_pages
+        assert in_use == len(owned), f"{in_use} pages in use but requests own {len(owned)} (leak)"
+        for r in self.waiting:
+            assert not r.pages, f"waiting request {r.rid} holds pages"
+        live = {r.rid for r in holders + self.waiting}
+        assert live == set(self.by_rid), "a request was lost or duplicated"
+
+    def stats(self) -> dict:
+        return {"num_waiting": len(self.waiting), "num_running": len(self.decode.running),
+                "num_prefilling": len(self.prefill.prefilling), "num_parked": len(self.parked),
+                "kv_usage": self.pool.usage, "kv_free_pages": self.pool.num_free_pages,
+                "num_retractions": self.num_retractions}
