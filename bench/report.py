@@ -79,8 +79,14 @@ def print_table(df: pd.DataFrame, title: str, columns: Sequence[str] | None = No
     for c in cols:
         table.add_column(str(c), justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left")
     for _, row in df[cols].iterrows():
-        table.add_row(*[floatfmt.format(v) if isinstance(v, float) else str(v) for v in row])
+        table.add_row(*[_cell(v, floatfmt) for v in row])
     Console(width=max(120, sum(len(str(c)) + 6 for c in cols))).print(table)
+
+
+def _cell(value: object, floatfmt: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return floatfmt.format(value) if isinstance(value, float) else str(value)
 
 
 @contextmanager

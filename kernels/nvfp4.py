@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from pdlab.kernels.contracts import Op, Spec
+from pdlab.kernels.registry import register_backend
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -41,6 +42,19 @@ QUANTIZE = Op(
     outputs={"packed": Spec("... K/2", "uint8"), "scales": Spec("... K/16", "fp8_e4m3")},
     hints={"x": "NVFP4 quantizes along the last dim in blocks of 16: K must be a multiple of 16 "
                 "(pad the hidden size, or keep this tensor in bf16)."},
+)
+# The same op when masked_m is given: grouped input only.
+QUANTIZE_MASKED = Op(
+    "nvfp4_quantize",
+    inputs={
+        "x": Spec("E M K", "bf16|fp16|fp32", layout="masked", last_dim_contiguous=True),
+        "masked_m": Spec("E", "int32"),
+    },
+    outputs={"packed": Spec("E M K/2", "uint8"), "scales": Spec("E M K/16", "fp8_e4m3")},
+    hints={"x": lambda problem, value, dims: (
+        "masked_m means grouped input [E, M_max, K] (low-latency dispatch output); a 2-D [N, K] input "
+        "is the contiguous layout: quantize it without masked_m." if "dims" in problem else
+        "NVFP4 quantizes along the last dim in blocks of 16: K must be a multiple of 16.")},
 )
 
 
@@ -101,9 +115,11 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
         packed: [..., K/2] uint8, low nibble = even element.
         scales: [..., K/16] float8_e4m3fn, row-major (not swizzled; see `swizzle_scales_128x4`).
     """
-    QUANTIZE.check("torch", x=x, masked_m=masked_m)
-    if masked_m is not None and x.dim() != 3:
-        QUANTIZE.require("torch", False, "x", "must be 3-D [E, M, K] when masked_m is given", x, "[E, M, K]")
+    if masked_m is None:
+        QUANTIZE.check("torch", x=x)
+    else:
+        QUANTIZE_MASKED.check("torch", x=x, masked_m=masked_m)
+    _check_k(x, "torch")
     gs = _expand_global_scale(global_scale, x)
     xf = x.float()
     blocks = xf.unflatten(-1, (-1, BLOCK))  # [..., K/16, 16]
@@ -119,6 +135,60 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
         packed = packed * keep[..., None].to(torch.uint8)
         sf = torch.where(keep[..., None], sf.float(), 0.0).to(torch.float8_e4m3fn)
     return packed, sf
+
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torch.Tensor | None = None, *,
+             swizzle: bool = False, backend: str | None = None,
+             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize `x` with the best usable backend (or `backend`), bit-exact with `quantize_nvfp4`.
+
+    Args:
+        x: [..., K] bf16 | fp16 | fp32, stride(-1) == 1, K a multiple of 16 (1-D, [M, K] or [E, M, K]).
+        global_scale: fp32 tensor with 1 element, or [x.shape[0]] (one per expert / leading index),
+            on x's device; a Python float is turned into a tensor (one small copy: pass a tensor
+            when capturing CUDA graphs).
+        masked_m: optional [E] int32 on x's device, x then [E, M_max, K]: rows m >= masked_m[e] are
+            not read and come back as zero bytes and zero scales.
+        swizzle: return the scales in the 128x4 layout ([(E,) ceil(M/128), ceil(K/64), 32, 4, 4],
+            padding zero) instead of row-major; 2-D and 3-D x only.
+        backend: a registered backend name ("torch", "triton"); default: the preferred usable one.
+        config: launch knobs of that backend (see `registry.get_backend("nvfp4_quantize", name)`).
+    Returns:
+        packed: [..., K/2] uint8, low nibble = even element.
+        scales: [..., K/16] float8_e4m3fn (or the swizzled shape above).
+    Graph-safe: with a tensor global_scale, yes for the triton backend."""
+    from pdlab.kernels import registry
+
+    chosen = registry.select(QUANTIZE.name, backend, device=x.device if isinstance(x, torch.Tensor) else None)
+    if masked_m is None:
+        QUANTIZE.check(chosen.name, x=x)
+    else:
+        QUANTIZE_MASKED.check(chosen.name, x=x, masked_m=masked_m)
+    _check_k(x, chosen.name)
+    if swizzle and x.dim() not in (2, 3):
+        QUANTIZE.require(chosen.name, False, "x", "must be 2-D or 3-D for swizzled scales", x, "[M, K] or [E, M, K]")
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = torch.full((1,), float(global_scale), dtype=torch.float32, device=x.device)
+    lead = x.shape[0] if x.dim() >= 2 else 1
+    QUANTIZE.require(chosen.name, global_scale.dtype == torch.float32 and global_scale.numel() in (1, lead)
+                     and global_scale.device == x.device, "global_scale", "does not fit", global_scale,
+                     f"fp32 with 1 or {lead} elements on {x.device}",
+                     "pass torch.tensor([448*6/amax], dtype=torch.float32, device=x.device), or one per expert")
+    return chosen.impl(x, global_scale, masked_m, swizzle=swizzle, config=chosen.config(config))
+
+
+@register_backend(QUANTIZE.name, "torch", archs=("cpu", "cuda"), priority=0, reference=True)
+def _quantize_torch(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch.Tensor | None = None, *,
+                    swizzle: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference (`quantize_nvfp4`) behind the op interface; swizzles afterwards when asked."""
+    gs = global_scale.reshape(()) if global_scale.numel() == 1 else global_scale
+    packed, scales = quantize_nvfp4(x, gs, masked_m)
+    return packed, swizzle_scales_128x4(scales) if swizzle else scales
+
+
+def _check_k(x: torch.Tensor, backend: str) -> None:
+    QUANTIZE.require(backend, x.shape[-1] % BLOCK == 0, "x", f"has K={x.shape[-1]}, not a multiple of {BLOCK}",
+                     x, "[..., K] with K % 16 == 0")
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | float,
@@ -209,3 +279,7 @@ def as_torch_fp4(packed: torch.Tensor) -> torch.Tensor:
 def from_torch_fp4(t: torch.Tensor) -> torch.Tensor:
     """torch.float4_e2m1fn_x2 [..., K/2] → uint8 bytes [..., K/2] (no copy)."""
     return t.view(torch.uint8)
+
+
+# The other backends register themselves on import (their heavy packages load only when they run).
+import pdlab.kernels.triton.nvfp4_quant  # noqa: E402,F401

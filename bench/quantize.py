@@ -1,0 +1,165 @@
+"""`bench quantize`: NVFP4 quantization (bf16 -> packed e2m1 + e4m3 scales) per backend and shape.
+
+Reports time per call, GB/s counting bytes read + written, % of the device's HBM bandwidth
+(measured with --measure-peaks, else cached or datasheet), and whether each backend's output is
+bit-exact with the torch reference (packed bytes, row-major scales and the 128x4 swizzled scales).
+Exit code 1 if any backend that ran is not bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pandas as pd
+import torch
+
+GPU_M = [1, 128, 1024, 4096, 16384]
+GPU_K = [7168, 2048]
+CPU_M = [1, 16, 128]
+CPU_K = [2048]
+# A few launch configs tried by --sweep at M=4096, K=7168 (the tuner searches the full space).
+SWEEP = [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w}
+         for bm, bk, w in [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4),
+                           (8, 512, 8), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8)]]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--m", type=int, nargs="+", help="rows (default: 1 128 1024 4096 16384 on GPU, 1 16 128 on CPU)")
+    p.add_argument("--k", type=int, nargs="+", help="hidden sizes (default: 7168 2048 on GPU, 2048 on CPU)")
+    p.add_argument("--backends", default="torch,triton", help="comma-separated backends (default: torch,triton)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--grouped", type=str, default=None,
+                   help="also run a masked grouped shape E,M_max (default on GPU: 32,256; 'none' to skip)")
+    p.add_argument("--sweep", action="store_true", help="also time the triton backend over a few launch configs")
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--measure-peaks", action="store_true",
+                   help="measure this GPU's copy bandwidth and bf16 rate first (cached for later runs)")
+    p.add_argument("--out", default=None, help="results folder (default: bench/results/<device>/quantize)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdlab.bench import report
+    from pdlab.kernels import arch, nvfp4, registry
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    facts = arch.device_facts()
+    if args.measure_peaks:
+        if not cuda:
+            print("--measure-peaks needs a CUDA GPU; using no bandwidth figure on CPU")
+        else:
+            facts = arch.with_peaks(facts, arch.measure_peaks())
+    peak_bw = facts.peaks.hbm_bytes_per_s if facts.peaks else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    ms = args.m or (GPU_M if cuda else CPU_M)
+    ks = args.k or (GPU_K if cuda else CPU_K)
+    grouped = args.grouped if args.grouped is not None else ("32,256" if cuda else "4,16")
+    cases = [(m, k, None) for k in ks for m in ms]
+    if grouped and grouped != "none":
+        e, m_max = (int(v) for v in grouped.split(","))
+        cases.append((m_max, ks[0], e))
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    jobs = [(case, name, None) for case in cases for name in names]
+    if args.sweep:
+        jobs += [((4096, 7168, None), "triton", cfg) for cfg in SWEEP]
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    rows, ref_cache = [], {}
+    with report.progress(len(jobs), f"nvfp4 quantize on {facts.name}") as advance:
+        for (m, k, e), name, cfg in jobs:
+            label = f"[{e}, {m}, {k}] masked" if e else f"[{m}, {k}]"
+            row = {"shape": label, "M": m, "K": k, "E": e or 0, "backend": name, "dtype": args.dtype,
+                   "config": _cfg_text(cfg)}
+            reason = _reason(registry, name)
+            if reason:
+                rows.append(row | {"status": "skipped", "reason": reason})
+                advance(f"{name} {label}: skipped")
+                continue
+            key = (m, k, e)
+            if key not in ref_cache:
+                ref_cache[key] = _inputs_and_reference(nvfp4, m, k, e, dtype, device, gen)
+            x, gs, masked_m, ref = ref_cache[key]
+            try:
+                out = nvfp4.quantize(x, gs, masked_m, backend=name, config=cfg)
+                out_sw = nvfp4.quantize(x, gs, masked_m, backend=name, config=cfg, swizzle=True)
+                exact = (torch.equal(out[0], ref[0]) and torch.equal(out[1].view(torch.uint8), ref[1])
+                         and torch.equal(out_sw[1].view(torch.uint8), ref[2]))
+                timing = _time(lambda: nvfp4.quantize(x, gs, masked_m, backend=name, config=cfg),
+                               device, args.repeats)
+            except Exception as exc:  # a config that fails to compile is a result, not a crash
+                rows.append(row | {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                advance(f"{name} {label}: error")
+                continue
+            live_rows = int(masked_m.sum()) if masked_m is not None else m
+            nbytes = live_rows * k * x.element_size() + (x.numel() // k) * (k // 2 + k // 16)
+            gbps = nbytes / timing.seconds / 1e9
+            row |= {"status": "ok", "time_us": timing.median_ms * 1e3, "p10_us": timing.p10_ms * 1e3,
+                    "p90_us": timing.p90_ms * 1e3, "gbps": gbps,
+                    "pct_bw": 100 * gbps * 1e9 / peak_bw if peak_bw else float("nan"),
+                    "bit_exact": "ref" if registry.get_backend(nvfp4.QUANTIZE.name, name).reference else exact,
+                    "timing": timing.kind, "bytes": nbytes}
+            rows.append(row)
+            advance(f"{name} {label}: {timing.median_ms * 1e3:.1f} us")
+
+    df = pd.DataFrame(rows)
+    out_dir = args.out or report.default_out_dir("quantize")
+    meta = report.provenance(facts, {"peak_bw_bytes_per_s": peak_bw, "dtype": args.dtype,
+                                     "bytes": "read x (live rows) + write packed K/2 + scales K/16 per row"})
+    path = report.save(df, out_dir, "quantize", meta)
+    cols = [c for c in ["shape", "backend", "config", "status", "time_us", "gbps", "pct_bw", "bit_exact", "timing"]
+            if c in df.columns]
+    bw_note = f"{peak_bw / 1e12:.2f} TB/s ({facts.peaks.source})" if peak_bw else "no bandwidth figure"
+    kind = "CPU timings (perf_counter)" if not cuda else "CUDA-event timings, L2 flushed"
+    report.print_table(df, f"NVFP4 quantize on {facts.name}, {kind}; pct_bw = % of {bw_note}", cols)
+    if "reason" in df:
+        for (backend, status), reason in df.dropna(subset=["reason"]).groupby(["backend", "status"])["reason"]:
+            print(f"{backend} {status}: {'; '.join(sorted(set(reason)))}")
+    ok = df[df["status"] == "ok"]
+    if not args.no_plot and len(ok):
+        report.plot_bars(ok[ok["config"] == "default"], "shape", "gbps", "backend", path.with_suffix(".png"),
+                         f"NVFP4 quantize ({args.dtype}) on {facts.name}", "GB/s (read + write)",
+                         hline=peak_bw / 1e9 if peak_bw else None, hline_label="HBM bandwidth")
+    ran = sorted(set(ok["backend"])) if len(ok) else []
+    print(f"backends that ran: {', '.join(ran) or 'none'}; results in {path.parent}")
+    bad = ok[ok["bit_exact"].astype(str) == "False"] if len(ok) else ok
+    if len(bad):
+        print(f"NOT bit-exact vs the torch reference: {', '.join(sorted(set(bad['backend'] + ' ' + bad['shape'])))}")
+        return 1
+    return 0
+
+
+def _reason(registry, name: str) -> str | None:
+    try:
+        return registry.unavailable_reason("nvfp4_quantize", name)
+    except KeyError as exc:
+        return str(exc)
+
+
+def _cfg_text(cfg: dict | None) -> str:
+    return "default" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def _inputs_and_reference(nvfp4, m, k, e, dtype, device, gen):
+    shape = (e, m, k) if e else (m, k)
+    # activations with outlier channels, so block scales span a wide range
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    x = x * torch.exp(2 * torch.randn(k, generator=gen, device=device)).clamp(max=50)
+    x = x.to(dtype)
+    masked_m = None
+    if e:
+        masked_m = torch.randint(0, m + 1, (e,), generator=gen, device=device, dtype=torch.int32)
+        amax = x.float().abs().amax(dim=(1, 2))
+    else:
+        amax = x.float().abs().amax().reshape(1)
+    gs = nvfp4.global_scale_from_amax(amax).to(device)
+    p, s = nvfp4.quantize(x, gs, masked_m, backend="torch")
+    return x, gs, masked_m, (p, s.view(torch.uint8), nvfp4.swizzle_scales_128x4(s).view(torch.uint8))
+
+
+def _time(fn, device, repeats):
+    from pdlab.bench.harness import bench
+
+    return bench(fn, device=device, warmup=5 if device.type == "cuda" else 1,
+                 repeats=repeats if device.type == "cuda" else min(repeats, 10), flush_l2=True)

@@ -1,0 +1,80 @@
+"""Backend `triton` of op `nvfp4_quantize`: row-wise [M, K] and masked grouped [E, M, K] NVFP4
+quantization in one Triton kernel (kernels/triton/_nvfp4_quant_kernel.py), bit-exact with the
+torch reference on GPU and under the CPU interpreter (TRITON_INTERPRET=1, for tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pdlab.kernels.registry import register_backend
+
+
+def _probe() -> str | None:
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "on CPU only under the Triton interpreter (set TRITON_INTERPRET=1 before starting; tests do)"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_config(rows: int, k: int) -> dict:
+    """The launch config used when none is given: 8 x 512 tiles, shrunk for tiny inputs."""
+    return {"BLOCK_M": min(8, _next_pow2(rows)), "BLOCK_K": max(16, min(512, _next_pow2(k))), "num_warps": 4}
+
+
+@register_backend(
+    "nvfp4_quantize", "triton", archs=("cpu", "cuda"), packages=("triton",), probe=_probe, priority=50,
+    config_space={"BLOCK_M": [1, 2, 4, 8, 16, 32], "BLOCK_K": [64, 128, 256, 512, 1024, 2048],
+                  "num_warps": [1, 2, 4, 8]},
+    default_config={"BLOCK_M": 8, "BLOCK_K": 512, "num_warps": 4},
+    options={"swizzle": True, "masked": True, "input_dtypes": ("bf16", "fp16", "fp32")},
+)
+def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch.Tensor | None = None, *,
+                    swizzle: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton NVFP4 quantization; called through `pdlab.kernels.nvfp4.quantize` (which checks inputs).
+
+    Args:
+        x: [R, K] or [E, M, K] (masked) bf16 | fp16 | fp32, stride(-1) == 1, K % 16 == 0.
+        global_scale: fp32 [1] (one for all rows) or [lead] (one per index of x's first dim).
+        masked_m: [E] int32 or None; rows m >= masked_m[e] are written as zero bytes / zero scales.
+        swizzle: write the scales in the 128x4 layout [(E,) ceil(M/128), ceil(K/64), 32, 4, 4].
+        config: BLOCK_M, BLOCK_K, num_warps (defaults from `default_config`).
+    Returns: packed [..., K/2] uint8, scales [..., K/16] (or swizzled) float8_e4m3fn.
+    Graph-safe: yes (no host sync; allocates its outputs)."""
+    from pdlab.kernels.triton._nvfp4_quant_kernel import nvfp4_quant_kernel
+
+    K = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)  # a view unless the leading dims cannot merge
+    R = x2.shape[0]
+    per_lead = R // x.shape[0] if x.dim() >= 2 else R  # rows per index of x's first dim
+    grouped = x.dim() == 3
+    rows_per_group = per_lead if grouped else R  # masked_m and swizzle tiles are per group
+    cfg = default_config(R, K)
+    cfg.update(config or {})
+    k16 = K // 16
+    packed = torch.empty((*x.shape[:-1], K // 2), dtype=torch.uint8, device=x.device)
+    if swizzle:
+        mt, kt = (rows_per_group + 127) // 128, (k16 + 3) // 4
+        alloc = torch.zeros if (rows_per_group % 128 or k16 % 4) else torch.empty
+        scales = alloc((*x.shape[:-2], mt, kt, 32, 4, 4), dtype=torch.uint8, device=x.device)
+        sw_group = mt * kt * 512
+    else:
+        scales = torch.empty((*x.shape[:-1], k16), dtype=torch.uint8, device=x.device)
+        kt, sw_group = 0, 0
+    gs = global_scale.reshape(-1)
+    gs_stride = 1 if gs.numel() > 1 else 0
+    grid = (_cdiv(R, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"]))
+    nvfp4_quant_kernel[grid](
+        x2, gs, masked_m if masked_m is not None else gs, packed, scales,
+        R, K, x2.stride(0), rows_per_group, per_lead, gs_stride, kt, sw_group,
+        HAS_MASK=masked_m is not None, SWIZZLE=swizzle, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"])
+    return packed, scales.view(torch.float8_e4m3fn)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
