@@ -1,0 +1,100 @@
+"""MoEConfig: the shape of one DeepSeek-style MoE layer (routed experts, routing groups, scaling)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer's shape.
+
+    num_experts: routed experts E. top_k: experts per token. hidden_size: H (model width).
+    intermediate_size: I (per routed expert; gate_up is [2I, H], down [H, I]).
+    n_group / topk_group: DeepSeek group-limited routing (experts split into n_group groups, the
+    top topk_group groups kept). routed_scaling_factor: multiplies the routed weights.
+    norm_topk_prob: renormalise the top-k weights to sum to 1 (before the scaling factor).
+    n_shared_experts / shared_intermediate_size: the shared expert(s) beside the routed ones
+    (informational: the layer takes the shared expert as a module).
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    n_shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_experts <= 0 or self.top_k <= 0 or self.top_k > self.num_experts:
+            problems.append(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.n_group <= 0 or self.num_experts % self.n_group:
+            problems.append(f"num_experts={self.num_experts} must be divisible by n_group={self.n_group}")
+        if not 1 <= self.topk_group <= max(self.n_group, 1):
+            problems.append(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        elif self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            problems.append(f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts "
+                            f"hold fewer than top_k={self.top_k} experts")
+        if self.hidden_size <= 0 or self.intermediate_size <= 0:
+            problems.append("hidden_size and intermediate_size must be positive")
+        if problems:
+            raise ValueError("MoEConfig: " + "; ".join(problems))
+
+    @property
+    def flops_per_token_expert(self) -> int:
+        """FLOPs of one (token, expert) pair: gate_up (2·H·2I) + down (2·I·H)."""
+        return 6 * self.hidden_size * self.intermediate_size
+
+    def local(self, ep_size: int) -> int:
+        """Experts per rank under expert parallelism of `ep_size` ranks (ValueError if uneven)."""
+        if ep_size <= 0 or self.num_experts % ep_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={ep_size}; "
+                             f"choose an EP size that divides it")
+        return self.num_experts // ep_size
+
+    def scaled(self, **changes: Any) -> "MoEConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> "MoEConfig":
+        """From an HF DeepseekV3 config (a dict, or a path to config.json / its folder)."""
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+        missing = [k for k in ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+                   if k not in config]
+        if missing:
+            raise ValueError(f"config has no {', '.join(missing)}: not a DeepseekV3-style MoE config "
+                             f"(model_type={config.get('model_type')!r})")
+        return cls(num_experts=int(config["n_routed_experts"]), top_k=int(config["num_experts_per_tok"]),
+                   hidden_size=int(config["hidden_size"]), intermediate_size=int(config["moe_intermediate_size"]),
+                   n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
+                   routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                   norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+                   n_shared_experts=int(config.get("n_shared_experts") or 0))
+
+
+DEEPSEEK_R1 = MoEConfig(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1)
+
+PRESETS = {"deepseek-r1": DEEPSEEK_R1, "deepseek-v3": DEEPSEEK_R1}
+
+
+def resolve_model(name_or_path: str) -> MoEConfig:
+    """A preset name (deepseek-r1, deepseek-v3) or a path to an HF config.json / model folder."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if os.path.exists(name_or_path):
+        return MoEConfig.from_hf(name_or_path)
+    raise ValueError(f"unknown model {name_or_path!r}: use one of {', '.join(PRESETS)} or a path to an HF "
+                     "DeepseekV3 config.json")

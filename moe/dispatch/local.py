@@ -1,0 +1,42 @@
+"""`local` dispatch: one rank, no communication (the default on one GPU or the CPU).
+
+Dispatch groups the (token, expert) pairs by expert (normal) or scatters them into the masked slab
+(low-latency, no host sync, so it can be captured in a CUDA graph); combine is the fp32 weighted
+sum over each token's experts."""
+
+from __future__ import annotations
+
+import torch
+
+from pdlab.kernels.registry import register_backend
+from pdlab.moe.dispatch.base import BaseDispatcher, DispatchHandle, TokenPayload, expand, reduce_rows
+from pdlab.moe.layouts import Layout
+
+
+class LocalDispatcher(BaseDispatcher):
+    """All experts on this rank: dispatch = layout building, combine = weighted reduction."""
+
+    name = "local"
+
+    def __init__(self, num_experts: int, hidden_size: int, **kwargs):
+        kwargs.pop("group", None)
+        kwargs.update(rank=0, world_size=1)
+        super().__init__(num_experts, hidden_size, **kwargs)
+
+    def _dispatch(self, tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  mode: str) -> tuple[Layout, DispatchHandle]:
+        layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, self.max_m())
+        out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
+        return layout, self._handle(mode, layout, topk_ids.shape[0], out_dtype, exp)
+
+    def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
+        return reduce_rows(y, handle.state, int(self.config["chunk_rows"])).to(handle.out_dtype)
+
+
+@register_backend("moe_dispatch", "local", archs=("cpu", "cuda"), priority=10, reference=True,
+                  config_space={"chunk_rows": [2048, 4096, 8192]}, default_config={"chunk_rows": 4096},
+                  options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),
+                           "layouts": ("contiguous", "masked"), "max_ranks": 1})
+def create_local(num_experts: int, hidden_size: int, **kwargs) -> LocalDispatcher:
+    """One rank, no communication: every expert is local."""
+    return LocalDispatcher(num_experts, hidden_size, **kwargs)

@@ -1,0 +1,164 @@
+"""`nccl` dispatch: torch.distributed all-to-all (NCCL on GPUs, gloo on CPU); any number of ranks.
+
+Dispatch, per chunk of tokens:
+1. each token's destination ranks (its experts' owners), de-duplicated: one row per (token, rank);
+2. the per-rank row counts are exchanged (all_to_all_single of [R] int64, then one host sync);
+3. one all_to_all_single moves packed rows: [topk ids (int32 k) | topk weights (fp32 k) | payload
+   data | payload scales], padded to 16 bytes — so a token crosses each link once, whatever the
+   number of its experts on that rank;
+4. the receiver expands the rows into its expert layout (see `base.expand`).
+Combine: the receiver sums its local experts' weighted outputs per row in fp32, sends the row sums
+back (bf16 by default, `combine_dtype`), and the sender sums over ranks in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdlab.kernels.registry import register_backend
+from pdlab.moe.dispatch.base import BaseDispatcher, DispatchHandle, TokenPayload, expand, reduce_rows
+from pdlab.moe.layouts import Layout
+
+_ALIGN = 16
+_COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class _Chunk:
+    send_token: torch.Tensor  # [n_send] int64, token of each sent row, rank-major order
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+
+
+@dataclass
+class _State:
+    expansion: object
+    chunks: list[_Chunk]
+    row_bytes: int
+
+
+class NcclDispatcher(BaseDispatcher):
+    """All-to-all over a torch.distributed process group (the fallback that always exists).
+
+    combine_dtype: "bf16" (default, DeepEP's choice) or "fp32" for the partial sums sent back."""
+
+    name = "nccl"
+
+    def __init__(self, num_experts: int, hidden_size: int, *, combine_dtype: str = "bf16", **kwargs):
+        super().__init__(num_experts, hidden_size, **kwargs)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("nccl dispatch needs torch.distributed initialised (init_process_group with "
+                               "nccl on GPUs or gloo on CPU); on one rank use dispatcher='local'")
+        if combine_dtype not in _COMBINE_DTYPES:
+            raise ValueError(f"combine_dtype must be one of {', '.join(_COMBINE_DTYPES)}, got {combine_dtype!r}")
+        self.combine_dtype = _COMBINE_DTYPES[combine_dtype]
+        self._dist = dist
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    def _dispatch(self, tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  mode: str) -> tuple[Layout, DispatchHandle]:
+        T, k = topk_ids.shape
+        R, dev = self.world_size, tokens.data.device
+        dest = topk_ids.long() // self.num_local_experts
+        in_rank = torch.zeros((T, R), dtype=torch.bool, device=dev)
+        if T:
+            in_rank.scatter_(1, dest, True)
+        parts = self._wire_parts(tokens, topk_ids, topk_weights)
+        row_bytes = sum(p.shape[1] for p in parts)
+        pad = (-row_bytes) % _ALIGN
+        if pad:
+            parts.append(torch.zeros((T, pad), dtype=torch.uint8, device=dev))
+        row_bytes += pad
+        num_chunks = max(1, min(int(self.config["num_chunks"]), max(T, 1)))
+        bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
+        chunks, received, sent_rows = [], [], 0
+        for t0, t1 in zip(bounds[:-1], bounds[1:]):
+            pairs = in_rank[t0:t1].t().nonzero()  # (rank, token) sorted rank-major
+            send_token = pairs[:, 1] + t0
+            send_counts = in_rank[t0:t1].sum(0)
+            recv_counts = torch.empty_like(send_counts)
+            self._dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            splits = torch.stack([send_counts, recv_counts]).cpu().tolist()
+            rows = torch.cat([p.index_select(0, send_token) for p in parts], dim=1)
+            recv = torch.empty((sum(splits[1]), row_bytes), dtype=torch.uint8, device=dev)
+            self._dist.all_to_all_single(recv, rows, splits[1], splits[0], group=self.group)
+            chunks.append(_Chunk(send_token, splits[0], splits[1]))
+            received.append(recv)
+            sent_rows += sum(splits[0]) - splits[0][self.rank]
+        recv = received[0] if len(received) == 1 else torch.cat(received)
+        recv_tokens, recv_ids, recv_w = self._unpack(recv, tokens, k)
+        layout, exp = expand(recv_tokens, recv_ids, recv_w, self.expert_start, self.num_local_experts, mode,
+                             self.max_m())
+        out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
+        return layout, self._handle(mode, layout, T, out_dtype, _State(exp, chunks, row_bytes),
+                                    bytes_sent=sent_rows * row_bytes)
+
+    @staticmethod
+    def _wire_parts(tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> list[torch.Tensor]:
+        """Byte views [T, b] of everything one row carries (ids and weights first: 4-byte aligned)."""
+        ids = topk_ids.to(torch.int32).contiguous()
+        w = topk_weights.float().contiguous()
+        return [ids.view(torch.uint8), w.view(torch.uint8)] + [p.contiguous().view(torch.uint8) for p in tokens.parts()]
+
+    @staticmethod
+    def _unpack(recv: torch.Tensor, like: TokenPayload, k: int
+                ) -> tuple[TokenPayload, torch.Tensor, torch.Tensor]:
+        col = 0
+
+        def take(nbytes: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+            nonlocal col
+            out = recv[:, col:col + nbytes].view(dtype)
+            col += nbytes
+            return out if out.shape[1] == width else out.reshape(recv.shape[0], width)
+
+        ids = take(4 * k, torch.int32, k)
+        w = take(4 * k, torch.float32, k)
+        d = like.data
+        data = take(d.shape[1] * d.element_size(), d.dtype, d.shape[1])
+        scales = None
+        if like.scales is not None:
+            s = like.scales
+            scales = take(s.shape[1] * s.element_size(), s.dtype, s.shape[1])
+        return TokenPayload(like.kind, data, scales, like.global_scale), ids, w
+
+    # --- combine ------------------------------------------------------------------------------
+
+    def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
+        state: _State = handle.state
+        partial = reduce_rows(y, state.expansion, int(self.config["chunk_rows"])).to(self.combine_dtype)
+        H = partial.shape[1]
+        out = torch.zeros((handle.num_tokens, H), dtype=torch.float32, device=partial.device)
+        r0 = 0
+        for chunk in state.chunks:
+            n_recv = sum(chunk.recv_splits)
+            back = torch.empty((sum(chunk.send_splits), H), dtype=partial.dtype, device=partial.device)
+            # sent as bytes: gloo has no bf16 all-to-all
+            self._dist.all_to_all_single(back.view(torch.uint8), partial[r0:r0 + n_recv].contiguous().view(torch.uint8),
+                                         chunk.send_splits, chunk.recv_splits, group=self.group)
+            r0 += n_recv
+            out.index_add_(0, chunk.send_token, back.float())
+        return out.to(handle.out_dtype)
+
+
+def _probe() -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    return None
+
+
+@register_backend("moe_dispatch", "nccl", archs=("cpu", "cuda"), probe=_probe, priority=20,
+                  config_space={"num_chunks": [1, 2, 4], "chunk_rows": [2048, 4096, 8192]},
+                  default_config={"num_chunks": 1, "chunk_rows": 4096},
+                  options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),
+                           "layouts": ("contiguous", "masked"), "dedup_per_rank": True,
+                           "needs_process_group": True})
+def create_nccl(num_experts: int, hidden_size: int, **kwargs) -> NcclDispatcher:
+    """torch.distributed all_to_all_single (NCCL on GPUs, gloo on CPU), counts exchanged first."""
+    return NcclDispatcher(num_experts, hidden_size, **kwargs)
