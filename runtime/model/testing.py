@@ -1,5 +1,5 @@
-"""Test helpers for the model tests: tiny transformers DeepseekV3 checkpoints and a minimal paged KV
-with ForwardContext construction (page size 16, shuffled page ids)."""
+"""Helpers for model tests (not used when serving): tiny transformers DeepseekV3 checkpoints and a
+minimal paged KV that builds ForwardContexts (page size 16, shuffled page ids)."""
 
 from __future__ import annotations
 
