@@ -1,0 +1,163 @@
+"""The `moe_experts` op: gate_up → SiLU·mul → down for every local expert, on a dispatch layout.
+
+    run_experts(layout, weights, *, runner=None, config=None, expected_m=None) -> same layout, bf16
+
+A runner is a backend of op "moe_experts" (one file each under `moe/runners/`) that declares the
+layouts and payloads it accepts in its registry options::
+
+    options={"layouts": ("contiguous", "masked"), "payloads": ("bf16", "nvfp4"), "weights": ("nvfp4",)}
+
+The layout's contract is checked at this boundary under the op name `moe_experts` and the runner's
+name, so a 2-D (normal-dispatch) hidden handed to a masked-only runner raises ShapeError with the
+hint to change dispatch mode or runner. `check_pairing` rejects impossible dispatch/runner pairs when
+a layer is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from pdlab.kernels import registry
+from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
+from pdlab.moe.layouts import Contiguous, Layout, Masked, layout_op, with_hidden
+from pdlab.moe.weights import ExpertWeights
+
+OP = "moe_experts"
+
+WEIGHTS = Op(
+    OP,
+    inputs={"w13_weight": Spec("E 2*I K/2", "uint8"), "w2_weight": Spec("E K I/2", "uint8"),
+            "w13": Spec("E 2*I K", "bf16|fp16|fp32"), "w2": Spec("E K I", "bf16|fp16|fp32")},
+    hints={k: "the experts' weights must match the layout: E local experts and hidden size K."
+           for k in ("w13_weight", "w2_weight", "w13", "w2")},
+)
+
+
+def runner_options(runner: str) -> Mapping[str, Any]:
+    """The accepted layouts / payloads / weight forms a runner declares."""
+    return registry.get_backend(OP, runner).options
+
+
+def check_pairing(dispatch_layout: str, payload: str, runner: str) -> None:
+    """Raise ValueError (naming both sides and the fix) if `runner` cannot consume what a dispatcher
+    produces: dispatch_layout "contiguous" (normal mode) | "masked" (low-latency), payload
+    "bf16" | "fp8" | "nvfp4". Returns None when the pairing works."""
+    opts = runner_options(runner)
+    layouts, payloads = tuple(opts.get("layouts", ())), tuple(opts.get("payloads", ()))
+    problems = []
+    if dispatch_layout not in layouts:
+        mode = {"contiguous": "normal", "masked": "low_latency"}
+        problems.append(f"layout {dispatch_layout!r} (mode={mode.get(dispatch_layout, '?')!r})")
+    if payload not in payloads:
+        problems.append(f"payload {payload!r}")
+    if not problems:
+        return
+    fits = [b.name for b in registry.backends(OP)
+            if dispatch_layout in b.options.get("layouts", ()) and payload in b.options.get("payloads", ())]
+    alt_modes = ", ".join(f"mode={'normal' if l == 'contiguous' else 'low_latency'!r}" for l in layouts)
+    raise ValueError(
+        f"dispatch produces {' and '.join(problems)}, but expert runner {runner!r} accepts layouts "
+        f"{layouts} with payloads {payloads}. Fix: use a dispatch mode/payload it accepts ({alt_modes}; "
+        f"payload one of {payloads}), or a runner that accepts {dispatch_layout}/{payload}: "
+        f"{', '.join(fits) or 'none registered'}.")
+
+
+def select_runner(layout: Layout, weights: ExpertWeights, runner: str | None = None) -> registry.Backend:
+    """The runner to use: `runner` by name (error if unusable here), else the most preferred usable one
+    accepting this layout kind, payload and weight form."""
+    device = layout.hidden.device
+    if runner is not None:
+        if device.type == "cpu" and registry.get_backend(OP, runner).options.get("interpretable") and _interpreting():
+            return registry.get_backend(OP, runner)
+        return registry.select(OP, runner, device=device)
+
+    def accept(b: registry.Backend) -> bool:
+        o = b.options
+        forms = o.get("weights", ("bf16", "nvfp4"))
+        return (layout.kind in o.get("layouts", ()) and layout.payload in o.get("payloads", ())
+                and ((weights.has_nvfp4 and "nvfp4" in forms) or (weights.has_bf16 and "bf16" in forms)))
+
+    return registry.select(OP, device=device, accept=accept)
+
+
+def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = None,
+                config: Mapping[str, Any] | None = None, expected_m: int | None = None) -> Layout:
+    """Run every local expert on its rows: out = down(silu(x·gateᵀ) · (x·upᵀ)).
+
+    Args:
+        layout: Contiguous (hidden [N, K] | fp8 [N, K] | nvfp4 [N, K/2], counts [E], offsets [E+1]) or
+            Masked (hidden [E, M, K(/2)], masked_m [E]); see pdlab.moe.layouts for payload tensors.
+        weights: ExpertWeights with E experts, hidden K, intermediate I (bf16 and/or NVFP4).
+        runner: "torch" | "torch_grouped" | "triton" | "cutedsl" | None (best usable for this input).
+        config: explicit runner config (wins over tuned ones).
+        expected_m: tokens per expert the caller expects (shape bucket for tuned configs; default
+            N/E for contiguous, M for masked).
+    Returns:
+        the same layout kind with hidden [N, K] / [E, M, K] bf16 (fp16/fp32 when the input was),
+        payload "bf16"; rows past the valid ones (masked rows >= masked_m) are unspecified.
+    Raises:
+        ShapeError when the layout does not fit the runner's contract (wrong layout kind, shapes,
+        dtypes, or weights of another size); ValueError for an unsupported payload.
+    """
+    if not isinstance(layout, (Contiguous, Masked)):
+        raise ShapeError(OP, runner, "layout", "must be a Contiguous or Masked layout object", "Contiguous | Masked",
+                         describe_tensor(layout), "build it with pdlab.moe.layouts.group_tokens / to_masked, "
+                         "or take it from dispatch().")
+    backend = select_runner(layout, weights, runner)
+    opts = backend.options
+    if layout.kind not in opts.get("layouts", ()):
+        other = opts["layouts"][0]
+        op = layout_op(other, layout.payload, OP)
+        op.check(backend.name, **({"masked_m": layout.counts} if other == "masked" else {}), hidden=layout.hidden)
+        raise ShapeError(OP, backend.name, "layout", f"is {layout.kind}, which this runner does not accept",
+                         f"{other} layout", describe_tensor(layout.hidden), op.hints["hidden"]("dims", None, {}))
+    if layout.payload not in opts.get("payloads", ()):
+        raise ValueError(f"{OP}[{backend.name}] does not accept the {layout.payload!r} payload (accepts "
+                         f"{opts.get('payloads')}); quantize differently at dispatch or pick another runner")
+    dims = layout.validate(OP, backend.name)
+    E, K = dims["E"], dims["K"]
+    wt = ({"w13_weight": weights.w13_weight, "w2_weight": weights.w2_weight} if weights.has_nvfp4 else {})
+    if weights.has_bf16:
+        wt.update(w13=weights.w13, w2=weights.w2)
+    wdims = WEIGHTS.check(backend.name, bound={"E": E, "K": K}, **wt)
+    if expected_m is None:
+        expected_m = max(1, layout.hidden.shape[0] // max(E, 1)) if layout.kind == "contiguous" else layout.hidden.shape[1]
+    cfg = _config(backend, layout, wdims["I"], expected_m, config)
+    out = backend.impl(layout, weights, config=cfg)
+    return with_hidden(layout, out)
+
+
+def bucket(layout: Layout, intermediate: int, expected_m: int) -> dict[str, int | str]:
+    """Shape bucket for tuned-config lookup."""
+    return {"layout": layout.kind, "payload": layout.payload, "experts": layout.num_experts,
+            "hidden": layout.hidden_size, "intermediate": intermediate, "tokens_per_expert": int(expected_m)}
+
+
+def _config(backend: registry.Backend, layout: Layout, intermediate: int, expected_m: int,
+            explicit: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not backend.config_space and not backend.default_config:
+        return dict(explicit or {})
+    try:
+        from pdlab.kernels.tuned import resolve_config
+    except ImportError:  # tuned-config store not present: the backend's defaults
+        cfg = backend.config(explicit)
+    else:
+        cfg, _source = resolve_config(OP, backend.name, bucket(layout, intermediate, expected_m),
+                                      device=layout.hidden.device, explicit=explicit)
+    cfg["_expected_m"] = int(expected_m)
+    return cfg
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _register_runners() -> None:
+    import pdlab.moe.runners  # noqa: F401  (each runner file registers itself)
+
+
+_register_runners()

@@ -1,0 +1,197 @@
+"""NVFP4 W4A16 grouped GEMM for MoE experts (Hopper / any CUDA GPU; runs under TRITON_INTERPRET).
+
+One kernel, two uses: gate_up (two weight tiles per program, SiLU·mul fused in the epilogue) and
+down. Weights stay NVFP4 in HBM (0.5625 B/param) and are dequantised in the main loop:
+
+    code (4 bits) → fp16 bits by shifts: s<<15 | e<<10 | m<<9  = value · 2^-14 (exact, subnormals too)
+    e4m3 scale   → fp16 bits by shifts: s<<15 | em<<7         = value · 2^-8, ·256 in fp32
+    w' = value · scale · 2^-14 (exact in fp16 and bf16: ≤ 6 significant bits)
+
+and the 2^14 (and weight_scale_2, and 1/global_scale of NVFP4 activations) go into the per-expert
+alpha of the epilogue. The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's
+handful of tokens is the MMA's narrow side.
+
+Rows: masked layout → expert e, row m at a + e·stride_ae + m·stride_am, m < masked_m[e]; contiguous
+layout → rows offsets[e] + m, m < counts[e], the tile → expert map computed in-kernel from counts
+(no host sync; the grid is cdiv(N, BLOCK_M) + E tiles, extra programs exit). Rows past the valid
+ones are never read, never written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+A_FLOAT, A_FP8, A_NVFP4 = 0, 1, 2
+
+
+@triton.jit
+def _e4m3_to_f32(s):
+    x = s.to(tl.int32)
+    bits = ((x & 0x7F) << 7) | ((x & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr):
+    """b uint8 [R, C/2] (low nibble = even element), sf uint8 e4m3 bits [R, C/16] → OUT [R, C] = value·2^-14."""
+    x = b.to(tl.int32)
+    lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    v = tl.reshape(tl.join(lo, hi), (R, C))
+    s = _e4m3_to_f32(sf).to(tl.float16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 16)), (R, C))
+    return (v * s).to(OUT)
+
+
+@triton.jit
+def _moe_nvfp4_gemm(
+    a_ptr, a_sf_ptr, a_gs_ptr, w_ptr, w_sf_ptr, w_s2_ptr, out_ptr, cnt_ptr, off_ptr,
+    N, K, up_offset, M_MAX, num_m_tiles, num_n_tiles,
+    stride_ae, stride_am, stride_asf_e, stride_asf_m,
+    stride_we, stride_wn, stride_wsf_e, stride_wsf_n,
+    stride_oe, stride_om,
+    E: tl.constexpr, E_POW2: tl.constexpr, A_KIND: tl.constexpr, A_GS_PER_EXPERT: tl.constexpr,
+    MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    in_group = GROUP_M * num_n_tiles
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+
+    if MASKED:
+        tiles_per_expert = tl.cdiv(M_MAX, BLOCK_M)
+        e = pid_m // tiles_per_expert
+        m0 = (pid_m % tiles_per_expert) * BLOCK_M
+        count = tl.load(cnt_ptr + e)
+        row_base = 0
+    else:
+        ee = tl.arange(0, E_POW2)
+        cnts = tl.load(cnt_ptr + ee, mask=ee < E, other=0)
+        tiles = (cnts + BLOCK_M - 1) // BLOCK_M
+        cum = tl.cumsum(tiles, 0)
+        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        start_tile = tl.sum(tl.where(ee == e, cum - tiles, 0), 0)
+        count = tl.sum(tl.where(ee == e, cnts, 0), 0)
+        m0 = (pid_m - start_tile) * BLOCK_M
+        row_base = tl.load(off_ptr + tl.minimum(e, E - 1))
+        count = tl.where(e >= E, 0, count)
+    if m0 < count:
+        e64 = e.to(tl.int64)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = (row_base + offs_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+
+        k_len = K // SPLIT_K
+        k_begin = pid_k * k_len
+        a_rows = a_ptr + e64 * stride_ae + rows[:, None] * stride_am
+        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        wsf_rows = w_sf_ptr + e64 * stride_wsf_e + offs_n[:, None].to(tl.int64) * stride_wsf_n
+        if FUSE_SILU:
+            wu_rows = w_rows + up_offset * stride_wn
+            wusf_rows = wsf_rows + up_offset * stride_wsf_n
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_begin, k_begin + k_len, BLOCK_K):
+            kh = k // 2 + tl.arange(0, BLOCK_K // 2)
+            ks = k // 16 + tl.arange(0, BLOCK_K // 16)
+            # activations [BLOCK_M, BLOCK_K]
+            if A_KIND == 0:
+                a = tl.load(a_rows + (k + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0).to(MMA)
+            elif A_KIND == 1:
+                kk = k + tl.arange(0, BLOCK_K)
+                ab = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0)
+                asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + (kk // 128)[None, :],
+                              mask=m_mask[:, None], other=0.0)
+                a = (_e4m3_to_f32(ab) * asf).to(MMA)
+            else:
+                ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
+                asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
+                              mask=m_mask[:, None], other=0)
+                a = _dequant_nvfp4(ab, asf, BLOCK_M, BLOCK_K, MMA)
+            at = tl.trans(a)
+            wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
+            wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+            acc = tl.dot(_dequant_nvfp4(wb, wsf, BLOCK_N, BLOCK_K, MMA), at, acc)
+            if FUSE_SILU:
+                wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
+                wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA), at, acc_u)
+
+        alpha = tl.load(w_s2_ptr + e) * 16384.0
+        if A_KIND == 2:
+            if A_GS_PER_EXPERT:
+                alpha = alpha * (16384.0 / tl.load(a_gs_ptr + e))
+            else:
+                alpha = alpha * (16384.0 / tl.load(a_gs_ptr))
+        res = acc * alpha
+        if FUSE_SILU:
+            res = res / (1.0 + tl.exp(-res)) * (acc_u * alpha)
+        o_ptrs = out_ptr + e64 * stride_oe + rows[None, :] * stride_om + offs_n[:, None]
+        o_mask = n_mask[:, None] & m_mask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(o_ptrs, res, mask=o_mask)
+        else:
+            tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+_MMA = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs: torch.Tensor | None,
+                   w: torch.Tensor, w_sf: torch.Tensor, w_s2: torch.Tensor, out: torch.Tensor,
+                   counts: torch.Tensor, offsets: torch.Tensor | None, *, masked: bool, n: int, k: int,
+                   fuse_silu: bool, mma_dtype: torch.dtype, cfg: dict) -> torch.Tensor:
+    """out[rows, :n] = act(A[rows] @ W[e][:n]ᵀ) per expert (see module docstring).
+
+    a: masked [E, M, K] / contiguous [R, K] float, or fp8 bytes (a_sf fp32 [.., K/128]), or nvfp4 bytes
+    [.., K/2] (a_sf uint8 [.., K/16], a_gs fp32 [1] or [E]). w: [E, N_total, K/2] uint8, w_sf uint8
+    [E, N_total, K/16], w_s2 fp32 [E]. out: [E, M, n] or [R, n] (zeroed fp32 when SPLIT_K > 1).
+    counts: [E] int32 (masked_m or counts); offsets: [E+1] int32 (contiguous only)."""
+    E = w.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split_k = cfg.get("SPLIT_K", 1) if not fuse_silu else 1
+    while bk > 32 and k % (bk * split_k):
+        bk //= 2
+    if k % (bk * split_k):
+        split_k = 1
+    if k % bk:
+        raise ValueError(f"moe_nvfp4_gemm: K={k} must be a multiple of 32")
+    if masked:
+        m_max = a.shape[1]
+        num_m = E * triton.cdiv(m_max, bm)
+        stride_ae, stride_am = a.stride(0), a.stride(1)
+        stride_oe, stride_om = out.stride(0), out.stride(1)
+        sf_e, sf_m = (a_sf.stride(0), a_sf.stride(1)) if a_sf is not None else (0, 0)
+    else:
+        m_max = 0
+        num_m = triton.cdiv(a.shape[0], bm) + E
+        stride_ae, stride_am = 0, a.stride(0)
+        stride_oe, stride_om = 0, out.stride(0)
+        sf_e, sf_m = (0, a_sf.stride(0)) if a_sf is not None else (0, 0)
+    num_n = triton.cdiv(n, bn)
+    if num_m == 0 or num_n == 0:
+        return out
+    grid = (num_m * num_n, split_k)
+    _moe_nvfp4_gemm[grid](
+        a, a_sf if a_sf is not None else a, a_gs if a_gs is not None else w_s2, w, w_sf, w_s2, out, counts,
+        offsets if offsets is not None else counts,
+        n, k, n if fuse_silu else 0, m_max, num_m, num_n,
+        stride_ae, stride_am, sf_e, sf_m,
+        w.stride(0), w.stride(1), w_sf.stride(0), w_sf.stride(1),
+        stride_oe, stride_om,
+        E=E, E_POW2=triton.next_power_of_2(E), A_KIND=a_kind,
+        A_GS_PER_EXPERT=a_gs is not None and a_gs.numel() > 1,
+        MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

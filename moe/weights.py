@@ -1,0 +1,193 @@
+"""Expert weights of one MoE layer: bf16 and/or NVFP4 (modelopt layout), with per-runner repacks.
+
+Convention (DeepSeek / modelopt / transformers ``gate_up_proj``): ``w13`` stacks gate then up along
+the output dim — rows ``[0, I)`` are the gate projection, rows ``[I, 2I)`` the up projection — so
+an expert computes ``down(silu(x @ gate.T) * (x @ up.T))`` with ``w2`` = down ``[H, I]``.
+
+Tensors (E experts, hidden H, intermediate I):
+
+- bf16: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``.
+- NVFP4 (modelopt names): ``w13_weight [E, 2I, H/2] uint8``, ``w13_weight_scale [E, 2I, H/16]
+  float8_e4m3fn``, ``w13_weight_scale_2 [E] fp32`` (= amax/(6·448)), ``w13_input_scale [E] fp32``
+  (activation amax/(6·448)); ``w2_weight [E, H, I/2]``, ``w2_weight_scale [E, H, I/16]``,
+  ``w2_weight_scale_2 [E]``, ``w2_input_scale [E]``. Value = e2m1 · weight_scale · weight_scale_2.
+
+Runner-specific layouts (swizzled scales, alphas, ...) are computed once by `prepare` and cached in
+``prepared[runner]``; never per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from pdlab.kernels import nvfp4
+from pdlab.kernels.contracts import Op, Spec
+
+_WEIGHT_HINT = ("modelopt NVFP4 MoE tensors are stacked per layer: w13 = gate rows then up rows [E, 2I, H/2], "
+                "w2 = down [E, H, I/2], block scales one per 16 elements of the last (input) dim.")
+
+MODELOPT = Op(
+    "moe_weights",
+    inputs={
+        "w13_weight": Spec("E 2*I H/2", "uint8"),
+        "w13_weight_scale": Spec("E 2*I H/16", "fp8_e4m3|uint8"),
+        "w2_weight": Spec("E H I/2", "uint8"),
+        "w2_weight_scale": Spec("E H I/16", "fp8_e4m3|uint8"),
+        "w13_weight_scale_2": Spec("...", "fp32|bf16"),
+        "w2_weight_scale_2": Spec("...", "fp32|bf16"),
+        "w13_input_scale": Spec("...", "fp32|bf16", optional=True),
+        "w2_input_scale": Spec("...", "fp32|bf16", optional=True),
+        "w13": Spec("E 2*I H", "bf16|fp16|fp32"),
+        "w2": Spec("E H I", "bf16|fp16|fp32"),
+    },
+    hints={k: _WEIGHT_HINT for k in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", "w13", "w2")},
+)
+
+NVFP4_KEYS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
+              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
+
+
+@dataclass
+class ExpertWeights:
+    """Weights of E experts. Either form may be absent (None); `has_bf16` / `has_nvfp4` say which.
+
+    bf16: w13 [E, 2I, H], w2 [E, H, I]. nvfp4: the modelopt tensors named in the module docstring,
+    scale_2 and input scales always [E] fp32 here. prepared: runner name → its repacked weights.
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    w13_weight: torch.Tensor | None = None
+    w13_weight_scale: torch.Tensor | None = None
+    w13_weight_scale_2: torch.Tensor | None = None
+    w13_input_scale: torch.Tensor | None = None
+    w2_weight: torch.Tensor | None = None
+    w2_weight_scale: torch.Tensor | None = None
+    w2_weight_scale_2: torch.Tensor | None = None
+    w2_input_scale: torch.Tensor | None = None
+    prepared: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def has_bf16(self) -> bool:
+        return self.w13 is not None
+
+    @property
+    def has_nvfp4(self) -> bool:
+        return self.w13_weight is not None
+
+    @property
+    def device(self) -> torch.device:
+        return (self.w13 if self.has_bf16 else self.w13_weight).device
+
+    @property
+    def activation_global_scale(self) -> torch.Tensor:
+        """The layer's static NVFP4 activation global scale for dispatch: 1 / max(w13_input_scale),
+        fp32 scalar (one scale shared by all experts, since a token is quantized before it is routed)."""
+        if self.w13_input_scale is None:
+            raise ValueError("these ExpertWeights carry no w13_input_scale: load NVFP4 weights or pass "
+                             "input scales to from_bf16(..., input_amax=...)")
+        return (1.0 / self.w13_input_scale.float().max()).reshape(())
+
+    # ---- construction
+
+    @classmethod
+    def from_bf16(cls, w13: torch.Tensor, w2: torch.Tensor, quantize: bool = True, keep_bf16: bool = True,
+                  input_amax: float | tuple[float, float] = 8.0) -> "ExpertWeights":
+        """From bf16 experts: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
+
+        quantize: also build the NVFP4 tensors with the modelopt recipe (per-expert weight_scale_2).
+        input_amax: assumed activation amax for the (w13, w2) input scales (amax/(6·448)); real
+        checkpoints carry calibrated values. keep_bf16: keep the bf16 tensors as well."""
+        MODELOPT.check(None, w13=w13, w2=w2)
+        E, two_i, H = w13.shape
+        out = cls(E, H, two_i // 2, w13 if keep_bf16 or not quantize else None, w2 if keep_bf16 or not quantize else None)
+        if quantize:
+            a13, a2 = (input_amax, input_amax) if isinstance(input_amax, (int, float)) else input_amax
+            q13 = nvfp4.quantize_weight_modelopt(w13)
+            q2 = nvfp4.quantize_weight_modelopt(w2)
+            dev = w13.device
+            out.w13_weight, out.w13_weight_scale, out.w13_weight_scale_2 = (
+                q13["weight"], q13["weight_scale"], q13["weight_scale_2"].reshape(E))
+            out.w2_weight, out.w2_weight_scale, out.w2_weight_scale_2 = (
+                q2["weight"], q2["weight_scale"], q2["weight_scale_2"].reshape(E))
+            out.w13_input_scale = torch.full((E,), a13 / (6 * 448), dtype=torch.float32, device=dev)
+            out.w2_input_scale = torch.full((E,), a2 / (6 * 448), dtype=torch.float32, device=dev)
+        return out
+
+    @classmethod
+    def from_modelopt(cls, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> "ExpertWeights":
+        """From stacked modelopt NVFP4 tensors: {prefix + name: tensor} for the names in NVFP4_KEYS
+        (input scales optional). scale_2 / input scales may be scalars, [E], or [E, 2] (separate gate
+        and up scales; folded to their max with the block scales rescaled). Shapes are checked and a
+        mismatch raises ShapeError naming the tensor."""
+        missing = [k for k in NVFP4_KEYS if "input_scale" not in k and prefix + k not in tensors]
+        if missing:
+            raise KeyError(f"from_modelopt: missing tensors {[prefix + k for k in missing]}; "
+                           f"present: {sorted(tensors)[:12]}")
+        t = {k: tensors.get(prefix + k) for k in NVFP4_KEYS}
+        dims = MODELOPT.check(None, **{k: v for k, v in t.items()})
+        E, H, I = dims["E"], dims["H"], dims["I"]
+        w13s = _as_e4m3(t["w13_weight_scale"])
+        s13 = t["w13_weight_scale_2"].float()
+        if s13.dim() == 2 and s13.shape == (E, 2):  # separate gate / up global scales: fold to the max
+            new = s13.amax(1)
+            ratio = (s13 / new[:, None]).repeat_interleave(I, dim=1)  # [E, 2I]
+            w13s = (w13s.float() * ratio[..., None]).to(torch.float8_e4m3fn)
+            s13 = new
+        w = cls(E, H, I)
+        w.w13_weight, w.w13_weight_scale = t["w13_weight"], w13s
+        w.w13_weight_scale_2 = _per_expert(s13, E, "w13_weight_scale_2")
+        w.w2_weight, w.w2_weight_scale = t["w2_weight"], _as_e4m3(t["w2_weight_scale"])
+        w.w2_weight_scale_2 = _per_expert(t["w2_weight_scale_2"], E, "w2_weight_scale_2")
+        for k in ("w13_input_scale", "w2_input_scale"):
+            if t[k] is not None:
+                v = t[k].float()
+                setattr(w, k, _per_expert(v.amax(-1) if v.dim() == 2 else v, E, k))
+        return w
+
+    def to(self, device: torch.device | str) -> "ExpertWeights":
+        """A copy on `device` (prepared repacks are dropped and rebuilt on first use)."""
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
+              if k != "prepared"}
+        return ExpertWeights(**kw)
+
+    # ---- views used by runners
+
+    def prepare(self, key: str, build: Callable[["ExpertWeights"], Any]) -> Any:
+        """The runner's repacked weights, built once by `build(self)` and cached under `key`."""
+        if key not in self.prepared:
+            self.prepared[key] = build(self)
+        return self.prepared[key]
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) as real values of `dtype`: the NVFP4 tensors dequantised
+        when present (what the NVFP4 runners compute with), else the bf16 ones."""
+        if self.has_nvfp4:
+            return (nvfp4.dequantize_nvfp4(self.w13_weight, self.w13_weight_scale, 1.0 / self.w13_weight_scale_2, dtype),
+                    nvfp4.dequantize_nvfp4(self.w2_weight, self.w2_weight_scale, 1.0 / self.w2_weight_scale_2, dtype))
+        return self.w13.to(dtype), self.w2.to(dtype)
+
+    def bf16(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in bf16: the bf16 tensors if present, else the NVFP4 ones dequantised once (cached)."""
+        if self.has_bf16:
+            return self.w13.to(torch.bfloat16), self.w2.to(torch.bfloat16)
+        return self.prepare("bf16_dequantized", lambda w: w.dequantized(torch.bfloat16))
+
+
+def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def _per_expert(v: torch.Tensor, E: int, name: str) -> torch.Tensor:
+    v = v.float().reshape(-1)
+    if v.numel() == 1:
+        return v.expand(E).contiguous()
+    if v.numel() != E:
+        raise ValueError(f"{name}: expected a scalar or [{E}] (one per expert), got {v.numel()} values")
+    return v.contiguous()
