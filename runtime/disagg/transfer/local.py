@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import os
 import socket
 import time
 
@@ -39,6 +40,9 @@ def _b64(b: bytes) -> str:
 
 def _unb64(s: str) -> bytes:
     return base64.b64decode(s.encode())
+
+
+_IN_PROCESS: dict[str, list[torch.Tensor]] = {}  # agent -> pool, for peers living in this process
 
 
 class _Peer:
@@ -93,8 +97,9 @@ class LocalTransfer(KVTransferBackend):
                                 "storage_offset_bytes": off, "ref_handle": _b64(rc_h), "ref_offset": rc_off,
                                 "event_handle": _b64(ev_h) if ev_h else "", "event_sync": bool(ev_sync),
                                 "offset": t.storage_offset()})
+        _IN_PROCESS[self.agent_name] = self._caches
         return {"backend": self.name, "agent": self.agent_name, "layout": self.layout.to_json(),
-                "handles": handles}
+                "handles": handles, "pid": os.getpid()}
 
     def add_peer(self, meta):
         if meta.get("backend") != self.name:
@@ -110,6 +115,9 @@ class LocalTransfer(KVTransferBackend):
         shape = (dst.num_pages, dst.page_size, dst.row_width)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}[dst.dtype]
         caches = []
+        if meta.get("pid") == os.getpid() and name in _IN_PROCESS:  # same process: no IPC (CUDA refuses it)
+            self._peers[name] = _Peer(name, dst, _IN_PROCESS[name], raw)
+            return name
         for h in meta["handles"]:
             if h["kind"] == "shm":
                 st = torch.UntypedStorage._new_shared_filename_cpu(_unb64(h["manager"]), _unb64(h["handle"]),
@@ -212,6 +220,7 @@ class LocalTransfer(KVTransferBackend):
 
     def close(self):
         self._peers.clear()
+        _IN_PROCESS.pop(self.agent_name, None)
         for s in (self._sock, self._send_sock):
             try:
                 s.close()

@@ -1,0 +1,481 @@
+"""Prefill and decode roles: per-request state machines plugged into the scheduler through its
+`RoleHooks` (on_prefill_done, poll) and its decode-side calls (preallocate, kv_ready, kv_failed,
+release). A colocated server is the same scheduler without these hooks.
+
+Flow of one request with transfer id T (rid = T on both servers):
+  decode:  bootstrapping ─ preallocate pages, hand their ids + this pool's metadata to the prefill
+           (a `PeerLink`: HTTP in servers, a direct call in tests) ─▶ waiting ─ "transferring" notice
+           ─▶ transferring ─ "done" notice with the first token ─▶ decoding (kv_ready) ─▶ done | failed
+  prefill: bootstrapping (request and page ids both needed) ─▶ waiting (queued / computing the prompt,
+           chunked) ─ first token sampled, scheduler hands the request over ─▶ transferring (one batch
+           per layer group into the decode pages) ─ done: release own pages, notify ─▶ done | failed
+
+Every wait has a deadline (`transfer_timeout`): a decode request whose KV does not arrive is failed
+with a clear error and its pages freed; a prefill whose decode side never sends pages releases its
+own. Pages a peer may still be writing are never freed early: a decode abort during a transfer
+waits for the prefill's final notice (or the deadline) before freeing them.
+
+Threads: the scheduler's loop thread runs poll() / on_prefill_done() and all scheduler calls; HTTP
+handlers call submit/on_pages/abort, which only queue work (or go through `loop.call`); the decode
+role runs one listener thread that turns transfer notifications into `loop.call`s (waking the loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from pdlab.runtime.core import FinishReason, Req, StepOutput
+from pdlab.runtime.disagg.transfer.base import KVTransferBackend, KVTransferError, TransferStatus
+from pdlab.runtime.scheduler.scheduler import RoleHooks
+
+log = logging.getLogger("pdlab.disagg")
+
+
+class State(str, enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    DONE = "done"
+    FAILED = "failed"
+
+
+TERMINAL = (State.DONE, State.FAILED)
+
+
+@dataclass
+class Record:
+    """One request's disaggregation state on this server."""
+
+    transfer_id: str
+    state: State = State.BOOTSTRAPPING
+    since: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
+    req: Req | None = None
+    peer: str = ""  # prefill address (decode side) / decode agent (prefill side)
+    dst_pages: list[int] | None = None
+    peer_meta: dict | None = None
+    handle: Any = None
+    sink: Callable[[StepOutput], None] | None = None
+    error: str = ""
+    first_token: int | None = None
+    abort_requested: bool = False
+    done_event: threading.Event = field(default_factory=threading.Event)
+    nbytes: int = 0
+    transfer_s: float = 0.0
+    counted: bool = False  # RoleMetrics bookkeeping
+
+
+class RoleMetrics:
+    """Counts of requests per state (current) and of transitions (total), plus transfer totals."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.current = {s: 0 for s in State}
+        self.transitions = {s: 0 for s in State}
+        self.bytes_sent = 0
+        self.transfer_seconds = 0.0
+        self._lock = threading.Lock()
+
+    def move(self, rec: Record, new: State, why: str = "") -> None:
+        with self._lock:
+            if rec.counted:
+                self.current[rec.state] -= 1
+            rec.counted = True
+            self.current[new] += 1
+            self.transitions[new] += 1
+        old = rec.state
+        rec.state, rec.since = new, time.monotonic()
+        lvl = logging.WARNING if new is State.FAILED else logging.INFO
+        log.log(lvl, "[%s] %s: %s -> %s%s", self.role, rec.transfer_id, old.value, new.value,
+                f" ({why})" if why else "")
+
+    def forget(self, rec: Record) -> None:
+        with self._lock:
+            if rec.counted:
+                rec.counted = False
+                self.current[rec.state] -= 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"role": self.role, "current": {s.value: n for s, n in self.current.items()},
+                    "total": {s.value: n for s, n in self.transitions.items()},
+                    "bytes_sent": self.bytes_sent, "transfer_seconds": self.transfer_seconds}
+
+    def prometheus(self) -> str:
+        snap = self.snapshot()
+        lines = ["# HELP pdlab_disagg_requests Disaggregated requests now in each state.",
+                 "# TYPE pdlab_disagg_requests gauge"]
+        lines += [f'pdlab_disagg_requests{{role="{self.role}",state="{s}"}} {n}' for s, n in snap["current"].items()]
+        lines += ["# HELP pdlab_disagg_transitions_total Requests that entered each state.",
+                  "# TYPE pdlab_disagg_transitions_total counter"]
+        lines += [f'pdlab_disagg_transitions_total{{role="{self.role}",state="{s}"}} {n}'
+                  for s, n in snap["total"].items()]
+        lines += [f'pdlab_disagg_kv_bytes_sent_total{{role="{self.role}"}} {snap["bytes_sent"]}',
+                  f'pdlab_disagg_kv_transfer_seconds_total{{role="{self.role}"}} {snap["transfer_seconds"]:.6f}']
+        return "\n".join(lines) + "\n"
+
+
+class PeerLink(Protocol):
+    """Decode → prefill control messages (HTTP between servers; a direct call in tests)."""
+
+    def send_pages(self, prefill: str, msg: dict) -> None:
+        """msg = {"transfer_id", "decode_meta", "pages"}; raise on failure."""
+
+    def send_abort(self, prefill: str, transfer_id: str) -> None:
+        """Best effort: tell the prefill to drop transfer_id."""
+
+
+def prefill_params(req: Req) -> Req:
+    """The prefill server's copy of a request: same prompt, the client's sampling for the first
+    token, but never finished by it (the decode server applies EOS / stop / max_tokens)."""
+    p = dataclasses.replace(req.params, max_tokens=2, ignore_eos=True, stop=[], stop_token_ids=[])
+    return Req(list(req.prompt_ids), p, rid=req.rid, seed=req.seed)
+
+
+# ================================================================================ prefill role
+class PrefillRole(RoleHooks):
+    """Prefill server side. `transfer` must already be registered with this server's KV pool."""
+
+    def __init__(self, transfer: KVTransferBackend, *, transfer_timeout: float = 60.0):
+        self.transfer = transfer
+        self.timeout = transfer_timeout
+        self.metrics = RoleMetrics("prefill")
+        self.records: dict[str, Record] = {}
+        self._lock = threading.Lock()
+        self.loop = None
+
+    def attach(self, loop) -> dict:
+        """Register this server's KV pool with the transfer backend; returns its metadata."""
+        self.loop = loop
+        pool = loop.scheduler.pool
+        return self.transfer.register(pool.kv_caches, pool.kv_scale)
+
+    # ---- any thread ---------------------------------------------------------------------------
+    def submit(self, req: Req, transfer_id: str) -> Record:
+        """Start prefilling `req` for the decode side's transfer `transfer_id`. ValueError for a bad
+        request (raised here). Wait for the outcome with `wait(transfer_id, timeout)`."""
+        preq = prefill_params(req)
+        preq.rid = transfer_id
+        preq.meta["transfer_id"] = transfer_id
+        with self._lock:
+            rec = self.records.get(transfer_id)
+            if rec is None:
+                rec = self.records[transfer_id] = Record(transfer_id)
+                self.metrics.move(rec, State.BOOTSTRAPPING, "request arrived")
+            if rec.req is not None:
+                raise ValueError(f"transfer id {transfer_id!r} is already in flight; use a unique id")
+            rec.req = preq
+            self.metrics.move(rec, State.WAITING, "queued for prefill")
+        try:
+            self.loop.submit(preq, lambda out, rec=rec: self._on_output(rec, out))
+        except ValueError as e:
+            self._fail(None, rec, f"bad request: {e}")
+            raise
+        return rec
+
+    def on_pages(self, transfer_id: str, decode_meta: dict, pages: list[int]) -> None:
+        """The decode side's pre-allocated page ids (and its pool metadata) for transfer_id."""
+        with self._lock:
+            rec = self.records.get(transfer_id)
+            if rec is None:
+                rec = self.records[transfer_id] = Record(transfer_id)
+                self.metrics.move(rec, State.BOOTSTRAPPING, "pages arrived before the request")
+            rec.dst_pages, rec.peer_meta, rec.peer = list(pages), decode_meta, decode_meta.get("agent", "")
+
+    def abort(self, transfer_id: str, why: str = "aborted by the decode side") -> None:
+        """Drop transfer_id: a queued / computing request is aborted, a handed-off one released; a
+        transfer already in flight completes first (the decode side frees its pages on the notice)."""
+        with self._lock:
+            rec = self.records.get(transfer_id)
+            if rec is None or rec.state in TERMINAL:
+                return
+            rec.abort_requested, rec.error = True, why
+        if self.loop is not None:
+            self.loop.call(lambda sched: self._abort(sched, rec))
+
+    def _abort(self, sched, rec: Record) -> None:
+        if rec.state in (State.BOOTSTRAPPING, State.WAITING):
+            self._fail(sched, rec, rec.error)
+
+    def wait(self, transfer_id: str, timeout: float) -> Record:
+        rec = self.records.get(transfer_id)
+        if rec is None:
+            raise KeyError(f"unknown transfer id {transfer_id!r}")
+        if not rec.done_event.wait(timeout):
+            self.abort(transfer_id, f"prefill did not finish within {timeout} s")
+        return rec
+
+    # ---- loop thread --------------------------------------------------------------------------
+    def _on_output(self, rec: Record, out: StepOutput) -> None:
+        if out.finished and rec.state in (State.BOOTSTRAPPING, State.WAITING):
+            # the scheduler finished it (bad request, abort, error) before handing it over
+            self._fail(None, rec, out.error or f"prefill ended early ({out.finish_reason})")
+
+    def on_prefill_done(self, sched, req: Req) -> bool:
+        tid = req.meta.get("transfer_id")
+        rec = self.records.get(tid) if tid else None
+        if rec is None:
+            return False  # a plain request on a prefill server: the scheduler finishes it
+        rec.first_token = req.output_ids[0]
+        return True  # parked with its pages until release()
+
+    def poll(self, sched) -> None:
+        now = time.monotonic()
+        with self._lock:
+            recs = list(self.records.values())
+        for rec in recs:
+            if rec.state in TERMINAL:
+                if now - rec.since > 60.0:  # keep finished records a while for /disagg/state
+                    with self._lock:
+                        self.records.pop(rec.transfer_id, None)
+                    self.metrics.forget(rec)
+                continue
+            handed = rec.req is not None and rec.req.rid in sched.parked
+            if rec.state is State.TRANSFERRING:
+                self._progress(sched, rec, now)
+            elif rec.abort_requested and handed:
+                self._fail(sched, rec, rec.error)
+            elif handed and rec.dst_pages is not None:
+                self._start(sched, rec)
+            elif now - rec.created > self.timeout:
+                what = "page ids from the decode server" if rec.dst_pages is None else "the prompt's prefill"
+                self._fail(sched, rec, f"no {what} within {self.timeout} s")
+
+    def _start(self, sched, rec: Record) -> None:
+        try:
+            peer = self.transfer.add_peer(rec.peer_meta)
+            self.transfer.notify(peer, {"transfer_id": rec.transfer_id, "event": "transferring"})
+            rec.handle = self.transfer.send_pages(
+                peer, rec.transfer_id, rec.req.pages, rec.dst_pages, rec.req.prompt_len,
+                notify={"event": "done", "first_token": rec.first_token})
+        except (KVTransferError, ValueError) as e:
+            self._fail(sched, rec, f"KV transfer could not start: {e}")
+            return
+        self.metrics.move(rec, State.TRANSFERRING, f"{rec.req.prompt_len} tokens -> {rec.peer}")
+        self._progress(sched, rec, time.monotonic())
+
+    def _progress(self, sched, rec: Record, now: float) -> None:
+        st = self.transfer.poll(rec.handle)
+        if st is TransferStatus.PROC:
+            if now - rec.since > self.timeout:
+                self._fail(sched, rec, f"KV transfer not done after {self.timeout} s")
+            return
+        self.transfer.release(rec.handle)
+        if st is TransferStatus.ERR:
+            self._fail(sched, rec, f"KV transfer failed: {rec.handle.error}")
+            return
+        rec.nbytes, rec.transfer_s = rec.handle.nbytes, time.perf_counter() - rec.handle.started
+        with self.metrics._lock:
+            self.metrics.bytes_sent += rec.nbytes
+            self.metrics.transfer_seconds += rec.transfer_s
+        sched.release(rec.req.rid)
+        self.metrics.move(rec, State.DONE, f"{rec.nbytes} bytes in {rec.transfer_s * 1e3:.2f} ms")
+        rec.done_event.set()
+
+    def _fail(self, sched, rec: Record, why: str) -> None:
+        if rec.state in TERMINAL:
+            return
+        rec.error = why
+        self.metrics.move(rec, State.FAILED, why)  # first: the abort below reports back re-entrantly
+        if sched is not None and rec.req is not None:
+            if rec.req.rid in sched.parked:
+                sched.release(rec.req.rid)
+            elif rec.req.rid in sched.by_rid:
+                sched.abort(rec.req.rid, why)
+        if rec.peer_meta is not None:
+            try:
+                peer = self.transfer.add_peer(rec.peer_meta)
+                self.transfer.notify(peer, {"transfer_id": rec.transfer_id, "event": "failed", "error": why})
+            except (KVTransferError, ValueError, OSError) as e:
+                log.info("could not tell %s that %s failed: %s", rec.peer, rec.transfer_id, e)
+        rec.done_event.set()
+
+
+# ================================================================================= decode role
+class DecodeRole(RoleHooks):
+    """Decode server side. `transfer` is registered here with this server's KV pool (its metadata
+    travels with every page hand-off). `link` carries page ids and aborts to prefill servers."""
+
+    def __init__(self, transfer: KVTransferBackend, link: PeerLink, *,
+                 transfer_timeout: float = 60.0, poll_interval: float = 0.002):
+        self.transfer = transfer
+        self.link = link
+        self.meta: dict = {}
+        self.timeout = transfer_timeout
+        self.metrics = RoleMetrics("decode")
+        self.records: dict[str, Record] = {}  # touched only in the loop thread
+        self.loop = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdlab-disagg-link")
+        self._stop = threading.Event()
+        self._listener: threading.Thread | None = None
+        self._poll_interval = poll_interval
+
+    def attach(self, loop) -> dict:
+        """Register this server's KV pool with the transfer backend, start the notification listener;
+        returns the pool's metadata (sent to prefill servers with every page hand-off)."""
+        self.loop = loop
+        pool = loop.scheduler.pool
+        self.meta = self.transfer.register(pool.kv_caches, pool.kv_scale)
+        self._listener = threading.Thread(target=self._listen, name="pdlab-disagg-notify", daemon=True)
+        self._listener.start()
+        return self.meta
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join(2.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- any thread ---------------------------------------------------------------------------
+    def submit(self, req: Req, transfer_id: str, prefill: str, sink: Callable[[StepOutput], None]) -> None:
+        """Admit `req` whose prompt KV the prefill server at `prefill` computes. Outputs (the first
+        token onwards, or a final error) go to `sink` like any request's. ValueError for a bad
+        request (raised here, in the caller's thread)."""
+        req.rid = transfer_id
+        req.meta["transfer_id"] = transfer_id
+        self.loop.scheduler.validate(req)
+        self.loop.call(lambda sched: self._admit(sched, req, prefill, sink))
+
+    def abort(self, transfer_id: str, why: str = "client disconnected") -> None:
+        self.loop.call(lambda sched: self._abort(sched, transfer_id, why))
+
+    # ---- loop thread --------------------------------------------------------------------------
+    def _admit(self, sched, req: Req, prefill: str, sink) -> None:
+        if req.rid in self.records or req.rid in sched.by_rid:
+            sink(StepOutput(req.rid, [], "", True, FinishReason.ERROR,
+                            error=f"transfer id {req.rid!r} is already in flight; use a unique id"))
+            return
+        rec = self.records[req.rid] = Record(req.rid, req=req, peer=prefill, sink=sink)
+        _add_sink(self.loop, req.rid, self._wrap_sink(rec))
+        self.metrics.move(rec, State.BOOTSTRAPPING, f"prefill {prefill}")
+        self._try_allocate(sched, rec)
+
+    def _wrap_sink(self, rec: Record):
+        def sink(out: StepOutput) -> None:
+            if out.finished and rec.state not in TERMINAL:
+                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                    self.metrics.move(rec, State.FAILED, out.error or out.finish_reason.value)
+                else:
+                    self.metrics.move(rec, State.DONE, out.finish_reason.value if out.finish_reason else "")
+            rec.sink(out)
+        return sink
+
+    def _try_allocate(self, sched, rec: Record) -> None:
+        try:
+            pages = sched.preallocate(rec.req)
+        except ValueError as e:
+            self._finish_failed(sched, rec, str(e))
+            return
+        if pages is None:
+            return  # no room now; poll() retries (bounded by the timeout)
+        rec.dst_pages = list(pages)
+        self.metrics.move(rec, State.WAITING, f"{len(pages)} pages pre-allocated")
+        msg = {"transfer_id": rec.transfer_id, "decode_meta": self.meta, "pages": rec.dst_pages}
+        fut = self._pool.submit(self.link.send_pages, rec.peer, msg)
+        fut.add_done_callback(lambda f, tid=rec.transfer_id: self._link_done(tid, f))
+
+    def _link_done(self, tid: str, fut) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self.loop.call(lambda sched: self._on_notice(sched, {
+                "transfer_id": tid, "event": "failed", "error": f"handing pages to the prefill server failed: {exc}"}))
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msgs = self.transfer.poll_notifications()
+            except Exception as e:  # noqa: BLE001 - keep listening; the per-request deadlines still apply
+                log.warning("notification poll failed: %s", e)
+                msgs = []
+            for m in msgs:
+                self.loop.call(lambda sched, m=m: self._on_notice(sched, m))
+            self._stop.wait(self._poll_interval)
+
+    def _on_notice(self, sched, msg: dict) -> None:
+        rec = self.records.get(msg.get("transfer_id", ""))
+        if rec is None or rec.state in TERMINAL or rec.state is State.DECODING:
+            return
+        event = msg.get("event")
+        if event == "transferring" and rec.state is State.WAITING:
+            self.metrics.move(rec, State.TRANSFERRING, "prefill is writing KV")
+        elif event == "done":
+            if rec.abort_requested:  # the peer is done writing: now the pages can go
+                self._finish_failed(sched, rec, rec.error)
+                return
+            rec.first_token = int(msg["first_token"])
+            self.metrics.move(rec, State.DECODING, f"first token {rec.first_token}")
+            sched.kv_ready(rec.transfer_id, rec.first_token)  # may finish at once (EOS, max_tokens=1)
+        elif event == "failed":
+            self._finish_failed(sched, rec, f"prefill failed: {msg.get('error', 'unknown error')}")
+
+    def _abort(self, sched, tid: str, why: str) -> None:
+        rec = self.records.get(tid)
+        if rec is None or rec.state in TERMINAL:
+            return
+        if rec.state in (State.WAITING, State.TRANSFERRING):
+            rec.abort_requested, rec.error = True, why  # free pages once the prefill stops writing
+            self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
+        elif rec.state is State.BOOTSTRAPPING:
+            self._finish_failed(sched, rec, why)
+        else:
+            sched.abort(tid, why)
+
+    def _finish_failed(self, sched, rec: Record, why: str) -> None:
+        if rec.state in TERMINAL:
+            return
+        self.metrics.move(rec, State.FAILED, why)
+        if rec.req.rid in sched.by_rid:
+            sched.kv_failed(rec.transfer_id, why)  # frees the pre-allocated pages, emits the error
+        else:  # never admitted: no pages; answer the client directly
+            _drop_sink(self.loop, rec.transfer_id)
+            rec.sink(StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, error=why))
+
+    def poll(self, sched) -> None:
+        now = time.monotonic()
+        for tid, rec in list(self.records.items()):
+            if rec.state in TERMINAL:
+                if now - rec.since > 60.0:
+                    del self.records[tid]
+                    self.metrics.forget(rec)
+            elif rec.state is State.BOOTSTRAPPING:
+                if now - rec.since > self.timeout:
+                    self._finish_failed(sched, rec, f"no free KV pages for {self.timeout} s")
+                else:
+                    self._try_allocate(sched, rec)
+            elif rec.state in (State.WAITING, State.TRANSFERRING) and now - rec.since > self.timeout:
+                if not rec.abort_requested:
+                    self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
+                self._finish_failed(sched, rec, rec.error if rec.abort_requested else
+                                    f"the prefill server sent no KV within {self.timeout} s "
+                                    f"(state {rec.state.value}); is {rec.peer} alive?")
+
+
+def _add_sink(loop, rid: str, sink) -> None:
+    add = getattr(loop, "add_sink", None)
+    if add is not None:
+        add(rid, sink)
+    else:  # NOTE: EngineLoop has no public way yet to route outputs of a request it did not add
+        loop._sinks[rid] = sink
+
+
+def _drop_sink(loop, rid: str) -> None:
+    drop = getattr(loop, "drop_sink", None)
+    if drop is not None:
+        drop(rid)
+    else:
+        loop._sinks.pop(rid, None)
+
+
+def _quiet(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - best-effort notices
+        log.info("best-effort %s failed: %s", getattr(fn, "__name__", fn), e)
