@@ -118,7 +118,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
     if masked_m is None:
         QUANTIZE.check("torch", x=x)
     else:
-        QUANTIZE_MASKED.check("torch", x=x, masked_m=masked_m)
+        QUANTIZE_MASKED.check("torch", masked_m=masked_m, x=x)
     _check_k(x, "torch")
     gs = _expand_global_scale(global_scale, x)
     xf = x.float()
@@ -163,7 +163,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
     if masked_m is None:
         QUANTIZE.check(chosen.name, x=x)
     else:
-        QUANTIZE_MASKED.check(chosen.name, x=x, masked_m=masked_m)
+        QUANTIZE_MASKED.check(chosen.name, masked_m=masked_m, x=x)
     _check_k(x, chosen.name)
     if swizzle and x.dim() not in (2, 3):
         QUANTIZE.require(chosen.name, False, "x", "must be 2-D or 3-D for swizzled scales", x, "[M, K] or [E, M, K]")
