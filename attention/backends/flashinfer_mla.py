@@ -1,0 +1,99 @@
+"""`flashinfer` backend: adapter for `flashinfer.mla.BatchMLAPagedAttentionWrapper` (fa3 on sm90,
+fa2 elsewhere; JIT-compiled on first use), for decode and prefill.
+
+`plan()` does host work (and a sync), so it runs once per step and every layer of the step reuses
+it: the plan is keyed by the identity and version counter of the step's metadata tensors
+(seqlens, block_table, qo_indptr; in-place updates bump the version) plus shapes, dtypes, page
+size, causality and scale. The block table becomes kv_indptr = b * max_pages, kv_indices =
+block_table.flatten() (pages past kv_len are listed but never read); kv_len_arr = seqlens."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+
+import torch
+
+from pdlab.kernels.registry import register_backend
+
+WORKSPACE_BYTES = 128 << 20
+_WRAPPERS: dict[tuple, "_Plan"] = {}
+
+
+class _Plan:
+    def __init__(self, wrapper, refs, key):
+        self.wrapper, self.refs, self.key = wrapper, refs, key
+
+    def valid_for(self, tensors, key) -> bool:
+        return key == self.key and all(r() is t for r, t in zip(self.refs, tensors))
+
+
+def _backend_name(device: torch.device) -> str:
+    major, _ = torch.cuda.get_device_capability(device)
+    return "fa3" if major == 9 else "fa2"
+
+
+def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_heads, page_size, causal,
+             sm_scale):
+    """The planned wrapper for this step (re-planned when any step tensor changed)."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    tensors = (seqlens, block_table, qo_indptr)
+    key = (tuple(t.data_ptr() for t in tensors), tuple(t._version for t in tensors),
+           tuple(tuple(t.shape) for t in tensors), num_heads, page_size, causal, sm_scale, q_dtype, kv_dtype)
+    slot = (device, q_dtype, kv_dtype)
+    cached = _WRAPPERS.get(slot)
+    if cached is not None and cached.valid_for(tensors, key):
+        return cached.wrapper
+    if cached is not None:
+        wrapper = cached.wrapper
+    else:
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        wrapper = BatchMLAPagedAttentionWrapper(ws, backend=_backend_name(device))
+    B, max_pages = block_table.shape
+    kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * max_pages
+    wrapper.plan(qo_indptr, kv_indptr, block_table.reshape(-1), seqlens, num_heads, 512, 64, page_size, causal,
+                 sm_scale, q_dtype, kv_dtype)
+    _WRAPPERS[slot] = _Plan(wrapper, tuple(weakref.ref(t) for t in tensors), key)
+    return wrapper
+
+
+def _run(wrapper, q3, kv_cache):
+    q_nope, q_pe = q3[..., :512], q3[..., 512:]
+    ckv, kpe = kv_cache[..., :512], kv_cache[..., 512:]
+    params = inspect.signature(wrapper.run).parameters
+    if "return_lse_base_on_e" in params:
+        out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+        return out, lse
+    out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    return out, lse * math.log(2.0)  # older releases return log2
+
+
+_OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16", "fp16"), "q_dtypes": ("bf16", "fp16")}
+_UNIFORM_QO: dict[tuple, torch.Tensor] = {}
+
+
+@register_backend("mla_decode", "flashinfer", archs=("cuda",), packages=("flashinfer",), priority=80,
+                  options={**_OPTIONS, "q_lens": (1, 2, 4)})
+def mla_decode_flashinfer(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_scale=None, config=None):
+    """BatchMLAPagedAttentionWrapper decode: S_q tokens per request, causal among them when S_q > 1."""
+    B, Sq, H, _ = q.shape
+    key = (q.device, B, Sq)
+    qo = _UNIFORM_QO.get(key)
+    if qo is None:
+        qo = _UNIFORM_QO[key] = torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sq
+    wrapper = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo, H, kv_cache.shape[1], Sq > 1,
+                       softmax_scale)
+    out, lse = _run(wrapper, q.reshape(B * Sq, H, 576), kv_cache)
+    return out.view(B, Sq, H, 512), lse.view(B, Sq, H).transpose(1, 2).contiguous()
+
+
+@register_backend("mla_prefill", "flashinfer", archs=("cuda",), packages=("flashinfer",), priority=80,
+                  options=_OPTIONS)
+def mla_prefill_flashinfer(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, *, kv_scale=None,
+                           max_q_len=None, config=None):
+    """BatchMLAPagedAttentionWrapper causal extend over the paged cache (ragged)."""
+    wrapper = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
+                       kv_cache.shape[1], True, softmax_scale)
+    return _run(wrapper, q, kv_cache)

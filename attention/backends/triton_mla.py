@@ -1,0 +1,88 @@
+"""`triton` backend: pdlab's own MLA kernels (attention/triton_kernels.py) on any CUDA GPU.
+
+Decode: split-KV flash-decoding with many heads per program and an lse combine; prefill: the same
+kernel over ragged query blocks; store_kv: slot scatter with fp8 quantization. Knobs (config_space)
+change speed only: BLOCK_N kv tokens per tile, BLOCK_H heads per program, BLOCK_T query tokens per
+program (prefill), num_splits (0 = auto: fill the SMs ~`waves` times), num_warps (0 = auto by rows),
+num_stages (software pipelining of the page loads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdlab.kernels.registry import register_backend
+
+_PAGES = tuple(1 << i for i in range(8))
+_DECODE_OPTIONS = {"page_sizes": _PAGES, "kv_dtypes": ("bf16", "fp16", "fp32", "fp8"),
+                   "q_dtypes": ("bf16", "fp16", "fp32"), "q_lens": (1, 2, 4, 8)}
+_PREFILL_OPTIONS = {k: v for k, v in _DECODE_OPTIONS.items() if k != "q_lens"}
+
+DECODE_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
+                "waves": [1.0, 2.0, 4.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4]}
+DECODE_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 64, "num_splits": 0, "waves": 2.0, "num_warps": 0, "num_stages": 2}
+PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
+                 "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3]}
+PREFILL_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 16, "BLOCK_T": 4, "num_splits": 1, "waves": 2.0, "num_warps": 0,
+                   "num_stages": 2}
+
+
+def _probe() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (kernel logic is tested on CPU under TRITON_INTERPRET=1)"
+    return None
+
+
+def _warps(config: dict, rows: int) -> dict:
+    cfg = dict(config)
+    if not int(cfg.get("num_warps") or 0):
+        cfg["num_warps"] = 4 if rows <= 32 else 8
+    return cfg
+
+
+@register_backend("mla_decode", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
+                  config_space=DECODE_SPACE, default_config=DECODE_DEFAULT, options=_DECODE_OPTIONS)
+def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_scale=None, config=None):
+    """Split-KV flash-decoding over the paged latent cache (bf16/fp16/fp32 or fp8 bytes)."""
+    from pdlab.attention import triton_kernels as tk
+
+    B, Sq, H, _ = q.shape
+    out = torch.empty(B, Sq, H, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out, lse
+    cfg = config or DECODE_DEFAULT
+    cfg = _warps(cfg, tk._pow2_at_least(Sq) * min(int(cfg["BLOCK_H"]), H))
+    tk.mla_attention(q.reshape(B * Sq, H, 576), kv_cache, block_table, seqlens, None, out.view(B * Sq, H, 512),
+                     lse, (H, 1, Sq), softmax_scale, kv_scale, q_per_seq=Sq, q_blocks=1, config=cfg)
+    return out, lse
+
+
+@register_backend("mla_prefill", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
+                  config_space=PREFILL_SPACE, default_config=PREFILL_DEFAULT, options=_PREFILL_OPTIONS)
+def mla_prefill_triton(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, *, kv_scale=None,
+                       max_q_len=None, config=None):
+    """Absorbed causal extend over the paged cache, ragged query blocks (grid sized by max_q_len, no sync)."""
+    from pdlab.attention import triton_kernels as tk
+
+    T, H, _ = q.shape
+    out = torch.empty(T, H, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0 or seqlens.shape[0] == 0:
+        return out, lse
+    cfg = config or PREFILL_DEFAULT
+    block_t = int(cfg.get("BLOCK_T", 1))
+    cfg = _warps(cfg, block_t * min(int(cfg["BLOCK_H"]), H))
+    q_blocks = -(-int(max_q_len if max_q_len is not None else T) // block_t)
+    tk.mla_attention(q, kv_cache, block_table, seqlens, qo_indptr, out, lse, (lse.stride(0), lse.stride(0), 1),
+                     softmax_scale, kv_scale, q_per_seq=0, q_blocks=q_blocks, config=cfg)
+    return out, lse
+
+
+@register_backend("store_kv", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
+                  options={"page_sizes": _PAGES, "kv_dtypes": ("bf16", "fp16", "fp32", "fp8")})
+def store_kv_triton(kv_cache, slots, latent, *, kv_scale=None, config=None):
+    """One program per row; slots < 0 or beyond the pool are skipped."""
+    from pdlab.attention import triton_kernels as tk
+
+    tk.store_kv(kv_cache, slots, latent, kv_scale)

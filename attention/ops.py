@@ -1,0 +1,342 @@
+"""MLA attention ops: contracts, backend selection and the public functions.
+
+Three ops share the paged latent cache [num_pages, page_size, 576] (c_kv 512 | k_pe 64 per token,
+bf16/fp16/fp32, or uint8 holding fp8_e4m3 bytes with a per-tensor `kv_scale`):
+
+- `mla_decode`: S_q new tokens per sequence (1, or 2/4 with speculative decoding), absorbed queries.
+- `mla_prefill`: ragged extend/prefill in the same absorbed formulation (see docs/attention.md).
+- `store_kv`: write this step's latent rows into their slots (fp8 quantization on uint8 pools).
+
+Each public function checks its tensors against the op contract (cheap: shapes, dtypes, strides and
+host-known values only, no device sync), picks a backend from the registry (the most preferred one
+that runs here and supports the page size / kv dtype / S_q, or the one named), resolves its config
+(explicit > tuned > default) and calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from pdlab.kernels import registry
+from pdlab.kernels.contracts import Op, ShapeError, Spec, dtype_name
+from pdlab.kernels.registry import Backend
+
+HEAD_DIM = 576  # kv_lora_rank 512 + rope 64
+V_DIM = 512
+PAGE_SIZES = tuple(1 << i for i in range(8))  # 1 .. 128
+
+# ---------------------------------------------------------------------------------------------
+# hints
+
+
+def _q_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+    if "576 is required" in problem:
+        return ("MLA ops take absorbed queries: per head [q_nope·W_UK (512) | q_pe (64)] = 576 values; "
+                "multiply q_nope (128) by W_UK before the call.")
+    if "dtype" in problem:
+        return "Cast q to bf16 (or fp16/fp32 for reference checks)."
+    return "Decode q is [batch, q_len, heads, 576]; prefill q is [new_tokens, heads, 576]."
+
+
+def _kv_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+    if "576 is required" in problem:
+        return "Each cache row is one token's latent [c_kv (512) | k_pe (64)] = 576 values."
+    if "dtype" in problem:
+        return "Pools are bf16/fp16/fp32, or uint8 holding fp8_e4m3 bytes (pass kv_scale)."
+    return "The latent cache is [num_pages, page_size, 576] (one pool per layer)."
+
+
+def _table_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+    if "dtype" in problem:
+        return "Block tables are int32: pass block_table.to(torch.int32)."
+    return "block_table is [batch, max_pages]: one row of page ids per sequence."
+
+
+def _seqlens_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+    if "dtype" in problem:
+        return "seqlens are int32: pass seqlens.to(torch.int32)."
+    return "seqlens is [batch]: total tokens of each sequence including this step's new ones."
+
+
+def _indptr_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+    if "dtype" in problem:
+        return "qo_indptr is int32: pass qo_indptr.to(torch.int32)."
+    return "qo_indptr is [batch + 1]: cumulative new-token counts, qo_indptr[0] = 0, qo_indptr[-1] = T."
+
+
+def _slots_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+    if "dtype" in problem:
+        return "slots are int64 (page * page_size + offset; -1 skips a row): pass slots.to(torch.int64)."
+    return "slots is [num_tokens], one slot per latent row."
+
+
+# ---------------------------------------------------------------------------------------------
+# contracts
+
+_FLOAT = "bf16|fp16|fp32"
+_POOL = "bf16|fp16|fp32|uint8|fp8_e4m3"
+
+MLA_DECODE = Op(
+    "mla_decode",
+    inputs={
+        "q": Spec("B Sq H 576", _FLOAT, last_dim_contiguous=True),
+        "kv_cache": Spec("P page 576", _POOL, last_dim_contiguous=True),
+        "block_table": Spec("B pages", "int32", last_dim_contiguous=True),
+        "seqlens": Spec("B", "int32", contiguous=True),
+    },
+    outputs={"out": Spec("B Sq H 512", _FLOAT), "lse": Spec("B H Sq", "fp32")},
+    hints={"q": _q_hint, "kv_cache": _kv_hint, "block_table": _table_hint, "seqlens": _seqlens_hint},
+    doc="absorbed MLA decode over a paged latent cache; S_q tokens per sequence, causal among them",
+)
+
+MLA_PREFILL = Op(
+    "mla_prefill",
+    inputs={
+        "q": Spec("T H 576", _FLOAT, last_dim_contiguous=True),
+        "kv_cache": Spec("P page 576", _POOL, last_dim_contiguous=True),
+        "block_table": Spec("B pages", "int32", last_dim_contiguous=True),
+        "seqlens": Spec("B", "int32", contiguous=True),
+        "qo_indptr": Spec("B1", "int32", contiguous=True),
+    },
+    outputs={"out": Spec("T H 512", _FLOAT), "lse": Spec("T H", "fp32")},
+    hints={"q": _q_hint, "kv_cache": _kv_hint, "block_table": _table_hint, "seqlens": _seqlens_hint,
+           "qo_indptr": _indptr_hint},
+    doc="absorbed MLA extend/prefill: ragged new tokens attend causally to themselves and the cached prefix",
+)
+
+STORE_KV = Op(
+    "store_kv",
+    inputs={
+        "kv_cache": Spec("P page 576", _POOL, last_dim_contiguous=True),
+        "slots": Spec("T", "int64", contiguous=True),
+        "latent": Spec("T 576", _FLOAT, last_dim_contiguous=True),
+    },
+    hints={"kv_cache": _kv_hint, "slots": _slots_hint,
+           "latent": "latent rows are [num_tokens, 576] = [c_kv (512) | k_pe (64)] after the kv norm and rope."},
+    doc="scatter latent rows into the paged cache by slot (fp8 quantization for uint8 pools)",
+)
+
+OPS = {op.name: op for op in (MLA_DECODE, MLA_PREFILL, STORE_KV)}
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
+               softmax_scale: float, *, kv_scale: float | torch.Tensor | None = None,
+               backend: str | Backend | None = None, config: Mapping[str, Any] | None = None,
+               max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over a paged latent cache.
+
+    Args:
+        q: [B, S_q, H, 576] bf16 | fp16 | fp32, last dim contiguous: [q_nope·W_UK (512) | q_pe (64)].
+        kv_cache: [P, page_size, 576] bf16 | fp16 | fp32, or uint8 (fp8_e4m3 bytes; value = e4m3 * kv_scale).
+            page_size a power of two 1..128. Rows at positions >= seqlens[b] are never read.
+        block_table: [B, max_pages] int32, page ids of each sequence in order.
+        seqlens: [B] int32, tokens per sequence including the S_q new ones (already stored).
+            Query i of S_q sees positions < seqlens[b] - S_q + i + 1.
+        softmax_scale: float, e.g. 1/sqrt(192) (times YaRN mscale²).
+        kv_scale: per-tensor fp8 dequant scale (float or 1-element fp32 tensor); only for uint8 pools.
+        backend: registry name (or a Backend object) to force; default: best usable here.
+        config: backend knobs overriding the tuned/default config.
+        max_seqlen: optional host-known bound of seqlens, checked against the pages given.
+    Returns:
+        out: [B, S_q, H, 512] q.dtype; lse: [B, H, S_q] fp32 (natural log of the softmax denominator).
+    Graph-safe for the triton backend (no host sync, no host-dependent shapes)."""
+    dims = MLA_DECODE.check(backend_name(backend), q=q, kv_cache=kv_cache, block_table=block_table,
+                            seqlens=seqlens)
+    _check_pool(MLA_DECODE, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
+    kv_cache = _as_bytes(kv_cache)
+    b = _select(MLA_DECODE, backend, q, kv_cache, q_len=dims["Sq"])
+    bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"], "q_len": dims["Sq"]}
+    cfg, _ = resolve_config(MLA_DECODE.name, b, bucket, q.device, config)
+    return b.impl(q, kv_cache, block_table, seqlens, float(softmax_scale), kv_scale=kv_scale, config=cfg)
+
+
+def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
+                qo_indptr: torch.Tensor, softmax_scale: float, *, kv_scale: float | torch.Tensor | None = None,
+                max_q_len: int | None = None, backend: str | Backend | None = None,
+                config: Mapping[str, Any] | None = None,
+                max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA extend/prefill over the paged latent cache (ragged batch).
+
+    Args:
+        q: [T, H, 576] bf16 | fp16 | fp32, absorbed queries of all new tokens, sequence after sequence.
+        kv_cache: [P, page_size, 576] as in `mla_decode`; the new tokens' rows are already stored.
+        block_table: [B, max_pages] int32.
+        seqlens: [B] int32, total tokens per sequence including its new ones.
+        qo_indptr: [B + 1] int32, cumulative new-token counts (qo_indptr[-1] = T). New token j of
+            sequence b sits at position seqlens[b] - n_b + j and sees positions <= its own.
+        softmax_scale: float.
+        kv_scale: fp8 dequant scale for uint8 pools.
+        max_q_len: host-known max new tokens of one sequence (sizes the launch grid; default T).
+        backend, config, max_seqlen: as in `mla_decode`.
+    Returns:
+        out: [T, H, 512] q.dtype; lse: [T, H] fp32 (natural log).
+    Graph-safe for the triton backend."""
+    dims = MLA_PREFILL.check(backend_name(backend), q=q, kv_cache=kv_cache, block_table=block_table,
+                             seqlens=seqlens, qo_indptr=qo_indptr)
+    MLA_PREFILL.require(backend_name(backend), dims["B1"] == dims["B"] + 1, "qo_indptr", "has the wrong length",
+                        qo_indptr, f"[B + 1 = {dims['B'] + 1}] int32", _indptr_hint("", None, dims))
+    if max_q_len is not None:
+        MLA_PREFILL.require(backend_name(backend), 0 < int(max_q_len) <= max(dims["T"], 1), "max_q_len",
+                            f"is {max_q_len}, outside 1..T", q, f"1 <= max_q_len <= T={dims['T']}",
+                            "max_q_len bounds the new tokens of one sequence; pass None to use T.")
+    if qo_indptr.device.type == "cpu" and dims["B"] > 0:  # host-known: check for free
+        ip = qo_indptr.tolist()
+        MLA_PREFILL.require(backend_name(backend), ip[0] == 0 and ip[-1] == dims["T"] and
+                            all(a <= c for a, c in zip(ip, ip[1:])), "qo_indptr", f"is not a valid indptr ({ip})",
+                            qo_indptr, f"0 = indptr[0] <= ... <= indptr[-1] = T = {dims['T']}")
+        if seqlens.device.type == "cpu":
+            bad = [i for i, (n, s) in enumerate(zip((c - a for a, c in zip(ip, ip[1:])), seqlens.tolist())) if n > s]
+            MLA_PREFILL.require(backend_name(backend), not bad, "seqlens", f"is smaller than the new tokens of "
+                                f"sequences {bad[:4]}", seqlens, "seqlens[b] >= qo_indptr[b+1] - qo_indptr[b]",
+                                "seqlens counts the cached prefix plus the new tokens.")
+    _check_pool(MLA_PREFILL, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
+    kv_cache = _as_bytes(kv_cache)
+    b = _select(MLA_PREFILL, backend, q, kv_cache, q_len=None)
+    bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"],
+              "q_len": int(max_q_len) if max_q_len is not None else dims["T"]}
+    cfg, _ = resolve_config(MLA_PREFILL.name, b, bucket, q.device, config)
+    return b.impl(q, kv_cache, block_table, seqlens, qo_indptr, float(softmax_scale), kv_scale=kv_scale,
+                  max_q_len=max_q_len, config=cfg)
+
+
+def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, *,
+             kv_scale: float | torch.Tensor | None = None, backend: str | Backend | None = None) -> None:
+    """Write latent rows into the paged cache, in place.
+
+    Args:
+        kv_cache: [P, page_size, 576] bf16 | fp16 | fp32 | uint8 (fp8_e4m3 bytes); modified.
+        slots: [T] int64, page * page_size + offset per row; -1 skips the row (padding). Slots
+            outside the pool are skipped by the triton kernel (no device sync to report them) and
+            raise in the torch backend.
+        latent: [T, 576] bf16 | fp16 | fp32, last dim contiguous.
+        kv_scale: required for uint8 pools: bytes = e4m3(latent / kv_scale), saturated to ±448.
+    Graph-safe for the triton backend."""
+    dims = STORE_KV.check(backend_name(backend), kv_cache=kv_cache, slots=slots, latent=latent)
+    _check_pool(STORE_KV, backend, kv_cache, kv_scale, dims, None, None, None)
+    kv_cache = _as_bytes(kv_cache)
+    b = _select(STORE_KV, backend, latent, kv_cache, q_len=None)
+    if slots.numel() == 0:
+        return None
+    b.impl(kv_cache, slots, latent, kv_scale=kv_scale, config=b.config())
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# selection and configs
+
+
+def backend_name(backend: str | Backend | None) -> str | None:
+    return backend.name if isinstance(backend, Backend) else backend
+
+
+def supports(b: Backend, *, page_size: int, kv_dtype: str, q_dtype: str, q_len: int | None) -> str | None:
+    """None if backend `b` supports these features (per its `options`), else why not."""
+    opts = b.options
+    if "page_sizes" in opts and page_size not in opts["page_sizes"]:
+        return f"page size {page_size} not in {tuple(opts['page_sizes'])}"
+    if "kv_dtypes" in opts and kv_dtype not in opts["kv_dtypes"]:
+        return f"kv cache dtype {kv_dtype} not in {tuple(opts['kv_dtypes'])}"
+    if "q_dtypes" in opts and q_dtype not in opts["q_dtypes"]:
+        return f"q dtype {q_dtype} not in {tuple(opts['q_dtypes'])}"
+    if q_len is not None and "q_lens" in opts and q_len not in opts["q_lens"]:
+        return f"S_q={q_len} not in {tuple(opts['q_lens'])}"
+    return None
+
+
+def kv_dtype_name(kv_cache: torch.Tensor) -> str:
+    return "fp8" if kv_cache.dtype in (torch.uint8, getattr(torch, "float8_e4m3fn", None)) else dtype_name(kv_cache.dtype)
+
+
+def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: torch.Tensor,
+            q_len: int | None) -> Backend:
+    feats = dict(page_size=kv_cache.shape[1], kv_dtype=kv_dtype_name(kv_cache), q_dtype=dtype_name(q.dtype),
+                 q_len=q_len)
+    if isinstance(backend, Backend):  # explicit object: the caller vouches that it runs here
+        chosen = backend
+    elif backend is not None:
+        chosen = registry.select(op.name, backend, device=q.device)
+    else:
+        return registry.select(op.name, None, device=q.device, accept=lambda b: supports(b, **feats) is None)
+    why = supports(chosen, **feats)
+    if why:
+        raise ShapeError(op.name, chosen.name, "q" if why.startswith(("q ", "S_q")) else "kv_cache",
+                         f"is not supported by this backend ({why})", "a supported configuration",
+                         f"page_size={feats['page_size']} kv={feats['kv_dtype']} q={feats['q_dtype']} S_q={q_len}",
+                         "Pick another backend (backend=None chooses one that supports these inputs).")
+    return chosen
+
+
+_CONFIG_CACHE: dict[tuple, tuple[dict, str]] = {}
+
+
+def resolve_config(op: str, b: Backend, bucket: Mapping[str, int], device: torch.device | None,
+                   config: Mapping[str, Any] | None = None) -> tuple[dict, str]:
+    """(config, source) for backend `b`: explicit `config` (merged over the default) > tuned > default.
+    source: "explicit", "tuned:<file>" or "default"."""
+    if config:
+        return b.config(config), "explicit"
+    key = (op, b.name, tuple(sorted(bucket.items())), str(device))
+    hit = _CONFIG_CACHE.get(key)
+    if hit is None:
+        hit = (b.config(), "default")
+        try:
+            from pdlab.kernels.tuned import resolve_config as tuned_resolve
+        except ImportError:
+            tuned_resolve = None
+        if tuned_resolve is not None and b.config_space:
+            try:
+                cfg, source = tuned_resolve(op, b.name, dict(bucket), device=device)
+                hit = (b.config(cfg), source)
+            except (OSError, ValueError, KeyError) as exc:  # a bad tuned file must not break the op
+                hit = (b.config(), f"default (tuned lookup failed: {exc})")
+        _CONFIG_CACHE[key] = hit
+    return dict(hit[0]), hit[1]
+
+
+def clear_config_cache() -> None:
+    """Forget resolved configs (after writing new tuned files)."""
+    _CONFIG_CACHE.clear()
+
+
+def _as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    if kv_cache.dtype == getattr(torch, "float8_e4m3fn", None):
+        return kv_cache.view(torch.uint8)
+    return kv_cache
+
+
+def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping[str, int],
+                block_table: torch.Tensor | None, seqlens: torch.Tensor | None, max_seqlen: int | None) -> None:
+    name = backend_name(backend)
+    page = dims["page"]
+    op.require(name, page in PAGE_SIZES, "kv_cache", f"has page size {page}", kv_cache,
+               "page size a power of two in 1..128", "Allocate the pool as [num_pages, page_size, 576] "
+               "with page_size in 1, 2, 4, ..., 128 (64 is the default).")
+    fp8 = kv_dtype_name(kv_cache) == "fp8"
+    op.require(name, not fp8 or kv_scale is not None, "kv_scale", "is missing for an fp8 (uint8) pool", kv_cache,
+               "kv_scale (float or 1-element fp32 tensor)", "fp8 pools need the per-tensor scale they were written with.")
+    op.require(name, fp8 or kv_scale is None, "kv_scale", "was given for a non-fp8 pool", kv_cache,
+               "kv_scale=None for bf16/fp16/fp32 pools", "kv_scale only applies to uint8 (fp8_e4m3) pools.")
+    if isinstance(kv_scale, torch.Tensor):
+        op.require(name, kv_scale.numel() == 1 and kv_scale.dtype == torch.float32, "kv_scale",
+                   "must be a 1-element fp32 tensor", kv_scale, "[] or [1] fp32")
+    if block_table is None:
+        return
+    capacity = dims["pages"] * page
+    hint = (f"The block table gives {dims['pages']} pages of {page} tokens = {capacity} tokens per sequence: "
+            f"widen block_table or use larger pages.")
+    if max_seqlen is not None:
+        op.require(name, int(max_seqlen) <= capacity, "seqlens", f"reaches {max_seqlen} tokens, beyond the pages given",
+                   seqlens, f"seqlens <= pages*page_size = {capacity}", hint)
+    if seqlens is not None and seqlens.device.type == "cpu" and seqlens.numel():  # host tensor: free check
+        top = int(seqlens.max())
+        op.require(name, top <= capacity, "seqlens", f"reaches {top} tokens, beyond the pages given", seqlens,
+                   f"seqlens <= pages*page_size = {capacity}", hint)
+        low = int(seqlens.min())
+        need = dims.get("Sq", 1)
+        op.require(name, low >= need, "seqlens", f"has a sequence of {low} tokens, fewer than its {need} new ones",
+                   seqlens, f"seqlens >= S_q = {need}", "seqlens counts the cached prefix plus this step's tokens.")

@@ -1,0 +1,271 @@
+"""pdlab's own Triton kernels for MLA over the paged latent cache.
+
+`_mla_fwd`: one program = BLOCK_T query tokens × BLOCK_H heads of one sequence (M = BLOCK_T*BLOCK_H
+rows: every head of a sequence shares the same latent rows, so one K tile feeds all M rows) against
+one split of that sequence's KV range. Per BLOCK_N tile: page ids through the block table, q·k as
+512 + 64 (`tl.dot` twice), online softmax in base 2, p·v over the first 512 columns of the same tile
+(V is c_kv). fp8 pools are loaded as bytes, bitcast to e4m3 and upcast in registers; the scale folds
+into the softmax scale and the output. Tokens at positions >= the split end are masked out of the
+loads, so pages past a sequence's length are never read. With one split the program writes the
+final output and lse; with several it writes fp32 partials that `_mla_combine` merges by lse.
+
+Decode is the uniform case (S_q tokens per sequence, q_start = b*S_q); prefill/extend is ragged
+(q_start from qo_indptr). Token j of a sequence with n new tokens sits at seqlen - n + j and sees
+positions <= its own.
+
+`_store_kv`: one program per latent row, scatter by slot, optional e4m3 quantization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
+             kv_scale, KV_SCALE_PTR, qk_scale,
+             stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
+             stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
+             stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
+             H, num_splits,
+             Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+             PREC: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+    hb = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    b = tl.program_id(2)
+    qb = pid1 // num_splits
+    split = pid1 % num_splits
+
+    seqlen = tl.load(SEQLENS + b)
+    if Q_PER_SEQ > 0:
+        q_start = b * Q_PER_SEQ
+        n_q = Q_PER_SEQ
+    else:
+        q_start = tl.load(QO_INDPTR + b)
+        n_q = tl.load(QO_INDPTR + b + 1) - q_start
+    prefix = seqlen - n_q
+    j0 = qb * BLOCK_T
+
+    M: tl.constexpr = BLOCK_T * BLOCK_H
+    r = tl.arange(0, M)
+    j = j0 + r // BLOCK_H
+    h = hb * BLOCK_H + r % BLOCK_H
+    row_ok = (j < n_q) & (h < H)
+    limit = prefix + j + 1  # this row sees positions < limit
+
+    # the KV range this q-block needs, cut into num_splits BLOCK_N-aligned pieces
+    kv_hi = tl.where(j0 < n_q, prefix + tl.minimum(j0 + BLOCK_T, n_q), 0)
+    split_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_hi)
+
+    if SCALE_FROM_PTR:
+        kv_scale = tl.load(KV_SCALE_PTR).to(tl.float32)
+    scale2 = qk_scale * kv_scale
+
+    d = tl.arange(0, D_NOPE)
+    dp = tl.arange(0, D_PE)
+    q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
+    q_nope = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(Q + q_off[:, None] + D_NOPE + dp[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D_NOPE], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt_b
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+        row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
+        if FP8:
+            k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
+            k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
+        else:
+            k_nope = k_nope.to(q_nope.dtype)
+            k_pe = k_pe.to(q_nope.dtype)
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
+        s = s * scale2
+        visible = n_ok[None, :] & (n[None, :] < limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc * (kv_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    t = (q_start + j).to(tl.int64)
+    if FINAL:
+        o_off = t * stride_o_t + h * stride_o_h
+        tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        lse_off = q_start.to(tl.int64) * stride_lse_t + j * stride_lse_j + h * stride_lse_h
+        tl.store(LSE + lse_off, lse, mask=row_ok)
+    else:
+        op_off = t * stride_op_t + h * stride_op_h + split * stride_op_s
+        tl.store(O_PART + op_off[:, None] + d[None, :], out, mask=row_ok[:, None])
+        tl.store(LSE_PART + t * stride_lp_t + h * stride_lp_h + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_combine(O_PART, LSE_PART, O, LSE, stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
+                 stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h, num_splits,
+                 SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    lse = tl.load(LSE_PART + t * stride_lp_t + h * stride_lp_h + s, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse - mx)
+    tot = tl.sum(w, 0)
+    d = tl.arange(0, D)
+    part = tl.load(O_PART + t * stride_op_t + h * stride_op_h + s[:, None] * stride_op_s + d[None, :],
+                   mask=s_ok[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
+    tl.store(O + t * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty))
+    lse_out = tl.where(tot == 0.0, float("-inf"), mx + tl.log(tl.where(tot == 0.0, 1.0, tot)))
+    tl.store(LSE + (t // SQ) * stride_lse_b + (t % SQ) * stride_lse_s + h * stride_lse_h, lse_out)
+
+
+@triton.jit
+def _store_kv(KV, SLOTS, LAT, inv_scale, SCALE_PTR, stride_kv_p, stride_kv_o, stride_lat_t, n_slots,
+              PAGE: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+              D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t)
+    ok = (slot >= 0) & (slot < n_slots)
+    slot = tl.where(ok, slot, 0)
+    dst = KV + (slot // PAGE) * stride_kv_p + (slot % PAGE) * stride_kv_o
+    if SCALE_FROM_PTR:
+        inv_scale = 1.0 / tl.load(SCALE_PTR).to(tl.float32)
+    d = tl.arange(0, D_NOPE)
+    dp = D_NOPE + tl.arange(0, D_PE)
+    width = tl.where(ok, D_NOPE + D_PE, 0)  # a vector mask (scalar masks trip the interpreter)
+    m = d < width
+    mp = dp < width
+    x = tl.load(LAT + t * stride_lat_t + d, mask=m, other=0.0)
+    xp = tl.load(LAT + t * stride_lat_t + dp, mask=mp, other=0.0)
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        xp = tl.clamp(xp.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(dst + d, x.to(KV.dtype.element_ty), mask=m)
+    tl.store(dst + dp, xp.to(KV.dtype.element_ty), mask=mp)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def _scale_args(kv_scale, device):
+    """(float scale, pointer or None, from_ptr) — a tensor scale stays on the device (graph-safe)."""
+    if isinstance(kv_scale, torch.Tensor):
+        return 1.0, kv_scale.to(device=device, dtype=torch.float32).reshape(1), True
+    return (1.0 if kv_scale is None else float(kv_scale)), None, False
+
+
+def _tile(H: int, BLOCK_T: int, BLOCK_H: int) -> tuple[int, int]:
+    """Heads per program: at most the config's BLOCK_H and the head count (power of two), with
+    BLOCK_T*BLOCK_H >= 16 rows for tl.dot."""
+    bh = min(_pow2_at_least(BLOCK_H), _pow2_at_least(H))
+    return BLOCK_T, max(bh, 16 // BLOCK_T if BLOCK_T < 16 else 1)
+
+
+def auto_splits(B: int, head_blocks: int, q_blocks: int, capacity: int, device: torch.device,
+                waves: float = 2.0, min_tokens: int = 256) -> int:
+    """Splits of each sequence's KV so that programs fill the SMs about `waves` times, never
+    giving a split fewer than `min_tokens` of the pool capacity."""
+    programs = B * head_blocks * q_blocks
+    want = math.ceil(waves * _sm_count(device) / max(programs, 1))
+    return int(max(1, min(want, capacity // min_tokens, 64)))
+
+
+def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
+                  qo_indptr: torch.Tensor | None, out3: torch.Tensor, lse: torch.Tensor,
+                  lse_strides: tuple[int, int, int], softmax_scale: float, kv_scale, *, q_per_seq: int,
+                  q_blocks: int, config: dict) -> None:
+    """Launch `_mla_fwd` (+ `_mla_combine` when split).
+
+    q3: [T, H, 576] view of the queries; out3: [T, H, 512] view of the output; lse written through
+    lse_strides = (per first-token-of-sequence, per token in sequence, per head), which for decode
+    addresses [B, H, S_q] and for prefill [T, H]. q_per_seq > 0: uniform (decode), 0: ragged."""
+    T, H, _ = q3.shape
+    B = seqlens.shape[0]
+    dev = q3.device
+    block_t = _pow2_at_least(q_per_seq) if q_per_seq > 0 else int(config.get("BLOCK_T", 1))
+    block_t, block_h = _tile(H, block_t, int(config["BLOCK_H"]))
+    head_blocks = triton.cdiv(H, block_h)
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    splits = int(config.get("num_splits", 0) or 0)
+    if splits <= 0:
+        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, float(config.get("waves", 2.0)))
+    fp8 = kv_cache.dtype == torch.uint8
+    scale, scale_ptr, from_ptr = _scale_args(kv_scale if fp8 else None, dev)
+    prec = "ieee" if q3.dtype == torch.float32 else "tf32"
+    final = splits == 1
+    if final:
+        o_part = lse_part = out3  # unused
+        sp = (0, 0, 0, 0, 0)
+    else:
+        o_part = torch.empty(T, H, splits, 512, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(T, H, splits, dtype=torch.float32, device=dev)
+        sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+    grid = (head_blocks, q_blocks * splits, B)
+    _mla_fwd[grid](
+        q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
+        out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
+        q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out3.stride(0), out3.stride(1), *lse_strides, *sp, H, splits,
+        Q_PER_SEQ=q_per_seq, PAGE=kv_cache.shape[1], BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_N=int(config["BLOCK_N"]), FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
+        D_NOPE=512, D_PE=64, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
+    if not final:
+        sq = max(q_per_seq, 1)
+        # combine addresses lse by (token // SQ, token % SQ, head)
+        lse_b = lse_strides[0] * sq if q_per_seq > 0 else lse_strides[0]
+        lse_s = lse_strides[1] if q_per_seq > 0 else 0
+        _mla_combine[(T, H)](o_part, lse_part, out3, lse, *sp, out3.stride(0), out3.stride(1),
+                             lse_b, lse_s, lse_strides[2], splits, SQ=sq,
+                             BLOCK_S=_pow2_at_least(splits), D=512, num_warps=4)
+
+
+def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, kv_scale) -> None:
+    """Launch `_store_kv`: one program per row of `latent` [T, 576] into `kv_cache` [P, page, 576]."""
+    fp8 = kv_cache.dtype == torch.uint8
+    scale, scale_ptr, from_ptr = _scale_args(kv_scale if fp8 else None, kv_cache.device)
+    T = slots.shape[0]
+    P, page, _ = kv_cache.shape
+    _store_kv[(T,)](kv_cache, slots, latent, 1.0 / scale, scale_ptr if from_ptr else slots,
+                    kv_cache.stride(0), kv_cache.stride(1), latent.stride(0), P * page,
+                    PAGE=page, FP8=fp8, SCALE_FROM_PTR=from_ptr, D_NOPE=512, D_PE=64, num_warps=4)
