@@ -123,17 +123,13 @@ def quantize_tokens(x: torch.Tensor, payload: str, global_scale: torch.Tensor | 
 
 
 def nvfp4_quantizer(device: torch.device):
-    """The NVFP4 quantize function for `device`: a registered non-reference `nvfp4_quantize`
-    backend (the Triton kernel) when one is usable there, else `kernels.nvfp4.quantize_nvfp4`.
-    Signature of both: (x [..., K], global_scale) → (packed uint8 [..., K/2], scales e4m3 [..., K/16])."""
-    from pdlab.kernels import nvfp4, registry
+    """The NVFP4 quantize function for `device`: `kernels.nvfp4.quantize` (the registered Triton
+    kernel where usable, on GPU) or, on the CPU, the torch reference `quantize_nvfp4` directly.
+    Signature: (x [..., K], global_scale fp32 scalar tensor) → (packed uint8 [..., K/2], e4m3 [..., K/16])."""
+    from pdlab.kernels import nvfp4
 
-    if torch.device(device).type == "cuda":
-        try:
-            backend = registry.select("nvfp4_quantize", device=device, accept=lambda b: not b.reference)
-            return backend.impl
-        except (KeyError, RuntimeError):
-            pass
+    if torch.device(device).type == "cuda" and hasattr(nvfp4, "quantize"):
+        return lambda x, gs: nvfp4.quantize(x, gs.reshape(1))
     return nvfp4.quantize_nvfp4
 
 

@@ -49,7 +49,8 @@ def dispatch_roundtrip(rank: int, world: int, *, seed: int, mode: str, payload: 
     from pdlab.moe.layouts import dequantize_hidden, with_hidden
 
     dev = rank_device(rank)
-    x, ids, w = global_tokens(seed, world, tokens_per_rank, hidden, num_experts, top_k, skew=skew)
+    x, ids, w = global_tokens(seed, world, tokens_per_rank, hidden, num_experts, top_k, dtype=torch.bfloat16,
+                              skew=skew)
     sl = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)
     x, ids, w = x[sl].to(dev), ids[sl].to(dev), w[sl].to(dev)
     d = create_dispatcher(dispatcher, num_experts, hidden, mode=mode, config=config,
@@ -72,3 +73,14 @@ def dispatch_roundtrip(rank: int, world: int, *, seed: int, mode: str, payload: 
 def dispatch_cases(rank: int, world: int, *, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`dispatch_roundtrip` for several cases in one process group (saves start-up time)."""
     return [dispatch_roundtrip(rank, world, **case) for case in cases]
+
+
+def fail_on_rank(rank: int, world: int, *, bad_rank: int) -> int:
+    """Raises on `bad_rank` (after the others entered a collective): tests that a rank's failure
+    surfaces with its own traceback instead of a hang or an EOFError."""
+    import torch.distributed as dist
+
+    if rank == bad_rank:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    dist.barrier()
+    return rank
