@@ -1,0 +1,71 @@
+"""`bench quantize`, `bench list`, `bench contracts` run end to end on this machine (CPU here)."""
+
+import argparse
+import json
+
+import pandas as pd
+import torch
+
+from pdlab.bench import contracts, doctor, quantize
+
+
+def _args(module, argv):
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_bench_quantize_writes_results_and_says_which_ran(tmp_path, capsys):
+    args = _args(quantize, ["--m", "1", "8", "--k", "64", "--grouped", "2,4", "--repeats", "3",
+                            "--out", str(tmp_path), "--no-plot"])
+    assert quantize.run(args) == 0
+    out = capsys.readouterr().out
+    assert "backends that ran: torch" in out
+    df = pd.read_csv(tmp_path / "quantize.csv")
+    torch_rows = df[df.backend == "torch"]
+    assert sorted(torch_rows["shape"]) == ["[1, 64]", "[2, 4, 64] masked", "[8, 64]"]
+    assert (torch_rows["status"] == "ok").all() and (torch_rows["time_us"] > 0).all()
+    row = torch_rows[torch_rows["shape"] == "[8, 64]"].iloc[0]
+    assert row["bytes"] == 8 * 64 * 2 + 8 * (32 + 4)  # bf16 read + packed + scales written
+    meta = json.loads((tmp_path / "quantize.json").read_text())["meta"]
+    assert meta["device"] and meta["dtype"] == "bf16"
+    if not torch.cuda.is_available():
+        assert (df[df.backend == "triton"]["status"] == "skipped").all()
+        assert "TRITON_INTERPRET=1" in out
+
+
+def test_bench_quantize_unknown_backend_is_reported(tmp_path, capsys):
+    args = _args(quantize, ["--m", "1", "--k", "32", "--grouped", "none", "--backends", "torch,nope",
+                            "--out", str(tmp_path), "--no-plot", "--repeats", "2"])
+    assert quantize.run(args) == 0
+    assert "nope skipped: \"nvfp4_quantize has no backend named 'nope'" in capsys.readouterr().out
+
+
+def test_bench_list_shows_the_matrix(capsys):
+    assert doctor.run(_args(doctor, [])) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4_quantize" in out and "torch (reference)" in out and "arch" in out
+    assert doctor.run(_args(doctor, ["--json"])) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {(r["op"], r["backend"]): r for r in data["backends"]}
+    assert rows[("nvfp4_quantize", "torch")]["available"]
+
+
+def test_bench_list_reports_import_errors(tmp_path, monkeypatch):
+    pkg = tmp_path / "brokenops"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "good.py").write_text("X = 1\n")
+    (pkg / "bad.py").write_text("import surely_not_installed_pkg_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    errors = doctor.import_op_packages(("brokenops", "pdlab.no_such_package"))
+    assert set(errors) == {"brokenops.bad", "pdlab.no_such_package"}
+    assert "surely_not_installed_pkg_xyz" in errors["brokenops.bad"]
+
+
+def test_bench_contracts_reports_overhead(capsys):
+    assert contracts.run(_args(contracts, ["--calls", "200"])) == 0
+    out = capsys.readouterr().out
+    assert "5-tensor check:" in out and "us per call" in out
+    op, tensors = contracts.five_tensor_op(), contracts.five_tensors()
+    assert op.check("x", **tensors) == {"E": 32, "M": 128, "K": 7168, "I": 2048}

@@ -1,0 +1,68 @@
+"""Timing harness on CPU, cosine_error, roofline arithmetic."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from pdlab.bench.harness import Timing, _quantiles, bench, cosine_error
+from pdlab.bench.roofline import roofline
+from pdlab.kernels.arch import DeviceFacts, Peaks
+
+
+def test_cpu_timing_measures_the_call_and_labels_it():
+    calls = []
+    t = bench(lambda: time.sleep(0.002), device="cpu", warmup=1, repeats=5,
+              setup=lambda i: calls.append(i))
+    assert t.kind == "cpu" and t.repeats == 5
+    assert 2.0 <= t.min_ms <= t.p10_ms <= t.median_ms <= t.p90_ms
+    assert t.median_ms < 50
+    assert calls == [0, 0, 1, 2, 3, 4]  # setup(i) before each warm-up and timed call
+    assert math.isclose(t.seconds, t.median_ms / 1e3)
+    assert set(t.as_dict()) >= {"median_ms", "p10_ms", "p90_ms", "kind"}
+
+
+def test_cpu_timing_stops_at_max_seconds():
+    t = bench(lambda: time.sleep(0.02), device="cpu", warmup=1, repeats=1000, max_seconds=0.1)
+    assert 3 <= t.repeats < 20
+
+
+def test_quantiles():
+    t = _quantiles([float(v) for v in range(1, 12)], "cpu")  # 1..11
+    assert (t.median_ms, t.p10_ms, t.p90_ms, t.min_ms, t.mean_ms) == (6.0, 2.0, 10.0, 1.0, 6.0)
+    assert isinstance(t, Timing)
+
+
+def test_cosine_error():
+    x = torch.randn(100, dtype=torch.float64)
+    assert cosine_error(x, x) == pytest.approx(0.0, abs=1e-15)
+    assert cosine_error(x, -x) == pytest.approx(2.0)
+    assert cosine_error(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(1.0)
+    assert cosine_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    # FlashMLA's 1e-5 bar separates bf16 rounding from a real bug
+    xb = torch.randn(4096)
+    assert cosine_error(xb, xb.bfloat16()) < 1e-5
+    assert cosine_error(xb, xb + 0.01 * torch.randn(4096)) > 1e-5
+    assert math.isnan(cosine_error(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, 1.0])))
+
+
+FACTS = DeviceFacts("Test GPU", "sm90", 132, 1 << 37, Peaks(4e12, 1e15, 2e15, 0.0, "test"))
+
+
+def test_roofline_memory_and_compute_bound():
+    r = roofline(flops=0, nbytes=4e9, seconds=2e-3, facts=FACTS)  # 2 TB/s of 4: half the roofline
+    assert r["gbps"] == pytest.approx(2000.0) and r["bound"] == "memory"
+    assert r["pct_roofline"] == pytest.approx(50.0) and r["floor_us"] == pytest.approx(1000.0)
+    r = roofline(flops=1e12, nbytes=1e6, seconds=4e-3, facts=FACTS)  # 250 TFLOPS of 1000
+    assert r["tflops"] == pytest.approx(250.0) and r["bound"] == "compute"
+    assert r["pct_roofline"] == pytest.approx(25.0)
+    assert r["intensity"] == pytest.approx(1e6)
+    r = roofline(flops=1e12, nbytes=1e6, seconds=4e-3, facts=FACTS, compute_dtype="fp8")
+    assert r["pct_roofline"] == pytest.approx(12.5)
+    assert FACTS.peaks.ridge("bf16") == pytest.approx(250.0)
+
+
+def test_roofline_without_peaks():
+    r = roofline(1e9, 1e9, 1e-3, DeviceFacts("cpu", "cpu", 2, 0, None))
+    assert r["gbps"] == pytest.approx(1000.0) and r["bound"] == "?" and math.isnan(r["pct_roofline"])

@@ -1,0 +1,52 @@
+"""Report helpers: CSV + provenance JSON, rich table, plots, default output folder."""
+
+import json
+
+import pandas as pd
+
+from pdlab.bench import report
+from pdlab.kernels.arch import DeviceFacts, Peaks
+
+
+def test_save_writes_csv_and_json_with_provenance(tmp_path):
+    df = pd.DataFrame({"backend": ["torch", "triton"], "gbps": [1.5, float("nan")]})
+    facts = DeviceFacts("Test GPU", "sm90", 132, 0, Peaks(4e12, 1e15, 2e15, 0, "sheet"))
+    meta = report.provenance(facts, {"note": "x"})
+    assert meta["device"] == "Test GPU" and meta["peaks_source"] == "sheet" and meta["note"] == "x"
+    assert meta["commit"] and meta["date"].endswith("Z")
+    path = report.save(df, tmp_path / "out", "quantize", meta)
+    assert path == tmp_path / "out" / "quantize.csv"
+    assert pd.read_csv(path)["backend"].tolist() == ["torch", "triton"]
+    payload = json.loads((tmp_path / "out" / "quantize.json").read_text())
+    assert payload["meta"]["device"] == "Test GPU"
+    assert payload["rows"][0] == {"backend": "torch", "gbps": 1.5} and payload["rows"][1]["gbps"] is None
+
+
+def test_print_table_and_progress(capsys):
+    df = pd.DataFrame({"shape": ["[1, 16]"], "time_us": [12.3456], "pct": [float("nan")]})
+    report.print_table(df, "title here")
+    out = capsys.readouterr().out
+    assert "title here" in out and "12.3" in out and "nan" not in out
+    seen = []
+    with report.progress(2, "work") as advance:
+        advance("a")
+        advance()
+        seen.append(1)
+    assert seen == [1]
+
+
+def test_plots_are_written(tmp_path):
+    df = pd.DataFrame({"shape": ["a", "a", "b", "b"], "backend": ["torch", "triton"] * 2,
+                       "gbps": [1.0, 3.0, 2.0, 4.0], "route": [1, 2, 3, 4], "gemm": [4, 3, 2, 1]})
+    bars = report.plot_bars(df, "shape", "gbps", "backend", tmp_path / "p" / "bars.png", "t", "GB/s",
+                            hline=5.0, hline_label="peak")
+    assert bars.exists() and bars.read_bytes()[:4] == b"\x89PNG"
+    stacked = report.plot_stacked(df[df.backend == "torch"], "shape", ["route", "gemm"], tmp_path / "s.png", "t", "us")
+    assert stacked.stat().st_size > 1000
+
+
+def test_default_out_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDLAB_RESULTS_DIR", str(tmp_path))
+    from pdlab.kernels.arch import device_facts
+
+    assert report.default_out_dir("quantize") == tmp_path / device_facts().key / "quantize"
