@@ -62,6 +62,7 @@ class BaseAllocator(ABC):
 
     def restore(self, pool: "MLAKVPool", backup: "KVBackup", extra_pages: int = 0) -> list[int]:
         """Allocate pages for a backup (+ extra_pages empty ones after it), copy the rows back, return the ids."""
+        pool.check_backup(backup)
         need = -(-backup.num_tokens // self.page_size) + extra_pages
         pages = self.allocate(need)
         pool.copy_from_cpu(pages, backup)

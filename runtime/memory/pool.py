@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdlab.runtime.env import ENV
 from pdlab.runtime.memory.allocator import BaseAllocator, create_allocator
 
 LATENT_DIM = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
@@ -84,6 +85,10 @@ class MLAKVPool:
 
     def free(self, pages: list[int]) -> None:
         self.allocator.free(pages)
+        if pages and ENV.check_invariants:  # poison freed pages so stale reads show up in outputs
+            idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            for cache in self.kv_caches:
+                cache.index_fill_(0, idx, 0x52 if cache.dtype == torch.uint8 else 7.0)
 
     def backup(self, pages: list[int], num_tokens: int) -> KVBackup:
         return self.allocator.backup(self, pages, num_tokens)
@@ -110,10 +115,13 @@ class MLAKVPool:
             torch.cuda.current_stream(self.device).synchronize()  # the CPU copy must be complete before pages are reused
         return KVBackup(layers, num_tokens, self.page_size, self.kv_caches[0].dtype)
 
-    def copy_from_cpu(self, pages: list[int], backup: KVBackup) -> None:
+    def check_backup(self, backup: KVBackup) -> None:
         if backup.page_size != self.page_size or backup.dtype != self.kv_caches[0].dtype:
             raise ValueError(f"backup has page_size {backup.page_size} / {backup.dtype}, the pool "
                              f"{self.page_size} / {self.kv_caches[0].dtype}; restore into a matching pool")
+
+    def copy_from_cpu(self, pages: list[int], backup: KVBackup) -> None:
+        self.check_backup(backup)
         n_pages = backup.layers[0].shape[0]
         if len(pages) < n_pages:
             raise ValueError(f"restore needs {n_pages} pages, got {len(pages)}")
