@@ -152,7 +152,9 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
         swizzle: return the scales in the 128x4 layout ([(E,) ceil(M/128), ceil(K/64), 32, 4, 4],
             padding zero) instead of row-major; 2-D and 3-D x only.
         backend: a registered backend name ("torch", "triton"); default: the preferred usable one.
-        config: launch knobs of that backend (see `registry.get_backend("nvfp4_quantize", name)`).
+        config: launch knobs of that backend (see `registry.get_backend("nvfp4_quantize", name)`);
+            default: the tuned config for this device and shape if one is stored, else the backend's
+            own shape-aware default.
     Returns:
         packed: [..., K/2] uint8, low nibble = even element.
         scales: [..., K/16] float8_e4m3fn (or the swizzled shape above).
@@ -174,7 +176,15 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
                      and global_scale.device == x.device, "global_scale", "does not fit", global_scale,
                      f"fp32 with 1 or {lead} elements on {x.device}",
                      "pass torch.tensor([448*6/amax], dtype=torch.float32, device=x.device), or one per expert")
-    return chosen.impl(x, global_scale, masked_m, swizzle=swizzle, config=chosen.config(config))
+    if config is not None:
+        chosen.config(config)  # rejects unknown knobs
+    elif chosen.config_space:
+        from pdlab.kernels.tuned import resolve_config
+
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        tuned, source = resolve_config(QUANTIZE.name, chosen.name, {"M": rows, "K": x.shape[-1]}, device=x.device)
+        config = tuned if source != "default" else None  # None: the backend's shape-aware default
+    return chosen.impl(x, global_scale, masked_m, swizzle=swizzle, config=config)
 
 
 @register_backend(QUANTIZE.name, "torch", archs=("cpu", "cuda"), priority=0, reference=True)
