@@ -3,6 +3,8 @@ benchmarks: plain gathers and matmuls per sequence, no tiling, no split-KV (host
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pdlab.attention.kv import dequantize_kv_fp8
@@ -20,16 +22,34 @@ def _rows(kv_cache: torch.Tensor, pages: torch.Tensor, n: int, kv_scale) -> torc
     return dequantize_kv_fp8(rows, kv_scale) if kv_cache.dtype == torch.uint8 else rows.float()
 
 
-def _attend(q: torch.Tensor, rows: torch.Tensor, first_pos: int, scale: float):
-    """q [n_q, H, 576] fp32 at positions first_pos.., rows [L, 576] → out [n_q, H, 512], lse [n_q, H]."""
-    n_q, L = q.shape[0], rows.shape[0]
-    scores = torch.einsum("qhd,ld->qhl", q, rows) * scale
+def _attend(q: torch.Tensor, rows: torch.Tensor, first_pos: int, scale: float, budget: int = 1 << 28):
+    """q [n_q, H, 576] fp32 at positions first_pos.., rows [L, 576] → out [n_q, H, 512], lse [n_q, H].
+    Long extends go in query chunks so the score matrix stays under `budget` elements."""
+    n_q, H, L = q.shape[0], q.shape[1], rows.shape[0]
+    chunk = max(1, budget // max(1, H * L))
+    if n_q > chunk:
+        parts = [_attend(q[i:i + chunk], rows, first_pos + i, scale, budget) for i in range(0, n_q, chunk)]
+        return torch.cat([o for o, _ in parts]), torch.cat([l for _, l in parts])
+    with _full_fp32():
+        scores = torch.einsum("qhd,ld->qhl", q, rows) * scale
     pos = torch.arange(L, device=q.device)
     limit = first_pos + torch.arange(n_q, device=q.device) + 1
     scores = scores.masked_fill(pos[None, None, :] >= limit[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("qhl,ld->qhd", torch.softmax(scores, dim=-1), rows[:, :512])
+    with _full_fp32():
+        out = torch.einsum("qhl,ld->qhd", torch.softmax(scores, dim=-1), rows[:, :512])
     return out, lse
+
+
+@contextlib.contextmanager
+def _full_fp32():
+    """The oracle never uses TF32, whatever the process set."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @register_backend("mla_decode", "torch", archs=("cpu", "cuda"), priority=0, options=_OPTIONS, reference=True)

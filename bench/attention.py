@@ -1,0 +1,180 @@
+"""`bench attention`: every MLA backend on every shape in one run, against the roofline and the
+torch reference.
+
+Per row: time (median, p10/p90), TFLOPS and GB/s by FlashMLA's formulas
+(FLOPs = 2·s_q·Σseqlen·h·(576+512), bytes = Σseqlen·576·kv_elem + b·s_q·h·(576+512)·2), % of the
+device roofline, the cosine error 1 - 2Σxy/Σ(x²+y²) of out and lse against the torch fp32
+reference, and which config the backend ran (tuned file, default or explicit). Unavailable
+backends are listed with the reason. CSV + JSON + plots go to --out (default
+bench/results/<device>/attention).
+
+    bench attention --backend triton,flashmla,torch --batch 1,32,128 --seqlen 1024,4096,16384 \\
+        --heads 16,128 --kv-dtype bf16,fp8 --page-size 64 --s-q 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+
+import torch
+
+_GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
+                 "page_size": "64", "s_q": "1"}
+_CPU_DEFAULTS = {"batch": "2", "seqlen": "64,200", "heads": "16", "kv_dtype": "bf16", "page_size": "16", "s_q": "1"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--backend", default="triton,flashmla,trtllm_mla,flashinfer,torch",
+                   help="comma list of backends (unavailable ones are listed with the reason)")
+    p.add_argument("--batch", help="comma list (GPU default 128; CPU 2)")
+    p.add_argument("--seqlen", help="comma list of (mean) total tokens per sequence (GPU default 1024,4096,8192)")
+    p.add_argument("--heads", help="comma list (GPU default 16,128)")
+    p.add_argument("--kv-dtype", help="comma list of bf16|fp16|fp8 (GPU default bf16,fp8)")
+    p.add_argument("--page-size", help="comma list (default 64 on GPU)")
+    p.add_argument("--s-q", help="decode: new tokens per sequence, comma list (default 1)")
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="prefill: new tokens per sequence (0 = the whole sequence is new)")
+    p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
+    p.add_argument("--config", action="append", default=[],
+                   help="JSON config for tunable backends (repeatable: one row per config)")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--max-seconds", type=float, default=2.0, help="time budget per row")
+    p.add_argument("--cuda-graph", action="store_true", help="time replays of a CUDA graph of calls")
+    p.add_argument("--no-reference", action="store_true", help="skip the torch reference (no error column)")
+    p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
+    p.add_argument("--name", default=None, help="file stem (default mla_<op>)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdlab.attention import mla_decode, mla_prefill
+    from pdlab.attention.ops import MLA_DECODE, MLA_PREFILL, resolve_config, supports
+    from pdlab.attention.workloads import decode_cost, decode_problem, prefill_cost, prefill_problem
+    from pdlab.bench import report
+    from pdlab.bench.harness import bench, cosine_error
+    from pdlab.bench.roofline import roofline
+    from pdlab.kernels import registry
+    from pdlab.kernels.arch import device_facts
+
+    import pandas as pd
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    defaults = _GPU_DEFAULTS if cuda else _CPU_DEFAULTS
+    get = lambda name: getattr(args, name) or defaults[name]  # noqa: E731
+    op = MLA_DECODE if args.op == "decode" else MLA_PREFILL
+    facts = device_facts()
+    configs = [json.loads(c) for c in args.config] or [None]
+
+    usable, missing = [], []
+    for name in [b for b in args.backend.split(",") if b]:
+        try:
+            registry.get_backend(op.name, name)
+        except KeyError as exc:
+            missing.append((name, str(exc).strip('"')))
+            continue
+        reason = registry.unavailable_reason(op.name, name)
+        (missing.append((name, reason)) if reason else usable.append(name))
+    for name, reason in missing:
+        print(f"[unavailable] {op.name}[{name}]: {reason}")
+
+    shapes = list(itertools.product(_ints(get("batch")), _ints(get("seqlen")), _ints(get("heads")),
+                                    get("kv_dtype").split(","), _ints(get("page_size")),
+                                    _ints(get("s_q")) if args.op == "decode" else [args.new_tokens]))
+    rows = []
+    rng = random.Random(args.seed)
+    total = len(shapes) * max(1, sum(len(configs) if registry.get_backend(op.name, n).config_space else 1
+                                     for n in usable))
+    with report.progress(total, f"bench attention {args.op}") as advance:
+        for B, L, H, kv_dtype, page, sq in shapes:
+            lens = [max(1, rng.randint(L // 2, L + L // 2)) for _ in range(B)] if args.varlen else [L] * B
+            dtype = torch.float16 if kv_dtype == "fp16" else torch.bfloat16
+            if args.op == "decode":
+                lens = [max(n, sq) for n in lens]
+                p = decode_problem(lens, H, sq, page, dtype, kv_dtype="fp8" if kv_dtype == "fp8" else "same",
+                                   device=device, seed=rng.randrange(1 << 30))
+                call = lambda backend, config: mla_decode(  # noqa: E731
+                    p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                    backend=backend, config=config)
+                elem = 1.0 if kv_dtype == "fp8" else 2.0
+                flops, nbytes = decode_cost(B, sq, H, sum(lens), elem)
+                q_len = sq
+            else:
+                new = [n if sq <= 0 else min(sq, n) for n in lens]
+                p = prefill_problem(lens, new, H, page, dtype, kv_dtype="fp8" if kv_dtype == "fp8" else "same",
+                                    device=device, seed=rng.randrange(1 << 30))
+                call = lambda backend, config: mla_prefill(  # noqa: E731
+                    p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale, kv_scale=p.kv_scale,
+                    max_q_len=p.max_q_len, backend=backend, config=config)
+                flops, nbytes = prefill_cost(lens, new, H, 1.0 if kv_dtype == "fp8" else 2.0)
+                q_len = None
+            ref = None
+            if not args.no_reference:
+                ref = call("torch", None)
+            base = {"op": args.op, "batch": B, "seqlen": L, "heads": H, "kv_dtype": kv_dtype, "page": page,
+                    "s_q": sq, "shape": f"B{B} L{L} H{H} {kv_dtype} p{page}" + (f" q{sq}" if args.op == "decode" else "")}
+            bucket = {"batch": B, "seqlen": p.block_table.shape[1] * page, "heads": H,
+                      "q_len": sq if args.op == "decode" else p.max_q_len}
+            for name in usable:
+                b = registry.get_backend(op.name, name)
+                why = supports(b, page_size=page, kv_dtype=kv_dtype, q_dtype="bf16" if dtype == torch.bfloat16
+                               else "fp16", q_len=q_len)
+                for cfg in (configs if b.config_space else [None]):
+                    row = dict(base, backend=name)
+                    if why:
+                        rows.append(dict(row, status=f"unsupported: {why}"))
+                        advance(f"{name} skip")
+                        continue
+                    try:
+                        used, source = resolve_config(op.name, b, bucket, device, cfg)
+                        fn = lambda: call(name, used)  # noqa: E731
+                        out, lse = fn()
+                        err_out = cosine_error(out, ref[0]) if ref is not None else float("nan")
+                        err_lse = cosine_error(lse, ref[1]) if ref is not None else float("nan")
+                        graph = args.cuda_graph and not b.reference
+                        t = bench(fn, device=device, repeats=args.repeats, cuda_graph=graph,
+                                  max_seconds=args.max_seconds)
+                        rf = roofline(flops, nbytes, t.seconds, facts, "bf16")
+                        rows.append(dict(row, status="ok", config_source=source,
+                                         config=json.dumps(used, sort_keys=True) if used else "",
+                                         median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, timing=t.kind,
+                                         tflops=rf["tflops"], gbps=rf["gbps"], pct_roofline=rf["pct_roofline"],
+                                         bound=rf["bound"], err_out=err_out, err_lse=err_lse))
+                    except Exception as exc:  # one failing config must not end the sweep
+                        rows.append(dict(row, status=f"error: {type(exc).__name__}: {str(exc)[:200]}",
+                                         config=json.dumps(cfg) if cfg else ""))
+                    advance(f"{base['shape']} {name}")
+            del p, ref
+            if cuda:
+                torch.cuda.empty_cache()
+
+    df = pd.DataFrame(rows)
+    out_dir = args.out or report.default_out_dir("attention")
+    stem = args.name or f"mla_{args.op}"
+    meta = report.provenance(facts, {"unavailable": dict(missing), "formulas": "FlashMLA benchmark (ANCHORS.md)"})
+    csv = report.save(df, out_dir, stem, meta)
+    ok = df[df["status"] == "ok"] if "status" in df else df.iloc[0:0]
+    cols = [c for c in ("shape", "backend", "config_source", "median_ms", "p10_ms", "p90_ms", "tflops", "gbps",
+                        "pct_roofline", "err_out", "err_lse") if c in ok]
+    if len(ok):
+        report.print_table(ok, f"{op.name} on {facts.name}", cols)
+        peaks = facts.peaks
+        report.plot_bars(ok.assign(label=ok["backend"] + " " + ok["config_source"].str.slice(0, 12)), "shape",
+                         "tflops", "label", f"{out_dir}/{stem}_tflops.png", f"{op.name}: achieved TFLOPS",
+                         "TFLOPS", hline=peaks.bf16_flops / 1e12 if peaks else None, hline_label="bf16 peak")
+        report.plot_bars(ok.assign(label=ok["backend"] + " " + ok["config_source"].str.slice(0, 12)), "shape",
+                         "gbps", "label", f"{out_dir}/{stem}_gbps.png", f"{op.name}: achieved GB/s", "GB/s",
+                         hline=peaks.hbm_bytes_per_s / 1e9 if peaks else None, hline_label="HBM peak")
+    bad = df[df["status"] != "ok"] if "status" in df else df.iloc[0:0]
+    for _, r in bad.iterrows():
+        print(f"[{r['status']}] {r['shape']} {r['backend']} {r.get('config', '')}")
+    print(f"wrote {csv}")
+    return 0
