@@ -105,7 +105,7 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
         raise ShapeError(OP, runner, "layout", "must be a Contiguous or Masked layout object", "Contiguous | Masked",
                          describe_tensor(layout), "build it with pdlab.moe.layouts.group_tokens / to_masked, "
                          "or take it from dispatch().")
-    backend = select_runner(layout, weights, runner)
+    backend = registry.get_backend(OP, runner) if runner is not None else select_runner(layout, weights)
     opts = backend.options
     if layout.kind not in opts.get("layouts", ()):
         other = opts["layouts"][0]
@@ -124,6 +124,8 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
     wdims = WEIGHTS.check(backend.name, bound={"E": E, "K": K}, **wt)
     if expected_m is None:
         expected_m = max(1, layout.hidden.shape[0] // max(E, 1)) if layout.kind == "contiguous" else layout.hidden.shape[1]
+    if runner is not None:
+        backend = select_runner(layout, weights, runner)  # availability, after the shape checks
     cfg = _config(backend, layout, wdims["I"], expected_m, config)
     out = backend.impl(layout, weights, config=cfg)
     return with_hidden(layout, out)
