@@ -13,9 +13,9 @@ torch_grouped at the same shape, cosine error against the torch fp32 reference o
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--sweep", action="store_true", help="also try a small triton config grid per shape")
+    p.add_argument("--sweep-tokens", default="16,64,512", help="tokens per expert where --sweep applies")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the torch reference")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -157,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
                     if kind in opts["layouts"] and payload in opts["payloads"]:
                         jobs.append((phase, m, kind, payload, r))
     sweep_grid = _sweep_grid() if args.sweep else {}
+    out = args.out or report.default_out_dir("moe_experts")
     with report.progress(len(jobs), "moe experts") as advance:
         for phase, m, kind, payload, r in jobs:
             layout = make_layout(kind, payload, E, m, H, dev, a_gs)
             configs = [(None, "tuned/default")]
-            if args.sweep and r == "triton" and payload == "bf16" and kind == ("masked" if phase == "decode" else "contiguous"):
+            if (args.sweep and r == "triton" and payload == "bf16" and str(m) in args.sweep_tokens.split(",")
+                    and kind == ("masked" if phase == "decode" else "contiguous")):
                 configs += [(c, "sweep") for c in sweep_grid.get(phase, [])]
             err = float("nan")
             if not args.no_check:
@@ -194,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                              "config": "" if cfg is None else repr(cfg)})
             advance(f"{r} {kind}/{payload} m={m}")
             del layout
+            Path(out).mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).to_csv(Path(out) / "moe_experts_partial.csv", index=False)  # survives a timeout
     df = pd.DataFrame(rows)
     if df.empty:
         print("no rows")
@@ -203,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     df["speedup_vs_torch_grouped"] = [
         (base.loc[(m, l), "median_us"] if (m, l) in base.index else float("nan")) / us
         for m, l, us in zip(df.tokens_per_expert, df.layout, df.median_us)]
-    out = args.out or report.default_out_dir("moe_experts")
     meta = report.provenance(facts, {"measured_hbm_gbps": peaks.hbm_bytes_per_s / 1e9,
                                      "measured_bf16_tflops": peaks.bf16_flops / 1e12,
                                      "weights": "random NVFP4 bytes, scales 0.5..4, scale_2 0.01"})
@@ -226,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep_grid() -> dict[str, list[dict]]:
-    decode = [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-              for bn, bk, w, s in itertools.product((32, 64, 128), (128, 256, 512), (4,), (3, 4))]
+    decode = [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s)
+              for bn, bk, s in ((32, 256, 4), (64, 128, 4), (64, 512, 3), (128, 256, 3), (128, 128, 4), (32, 512, 3))]
     decode += [dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=4),
                dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2)]
     prefill = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, GROUP_M=8)
