@@ -152,7 +152,7 @@ class MoELayer:
                 f"{self.max_num_tokens}. Fix: raise num_max_dispatch_tokens_per_rank to >= {self.max_num_tokens}, "
                 f"cap the decode batch at {self.num_max_dispatch_tokens_per_rank}, or serve such batches (prefill, "
                 "chunked prefill) in normal mode")
-        return _check_runner_pairing(runner, d.name, mode, layout, self.payload)
+        return _check_runner_pairing(runner, d.name, mode, layout, self.payload, self.weights)
 
     # --- stages -------------------------------------------------------------------------------
 
@@ -251,38 +251,23 @@ def slice_experts(weights: ExpertWeights, start: int, end: int) -> ExpertWeights
     return ExpertWeights(**kw)
 
 
-def _runner_options(runner: str) -> Mapping[str, Any]:
-    from pdlab.kernels import registry
-
-    return registry.get_backend("moe_experts", runner).options
-
-
-def _check_runner_pairing(runner: str | None, dispatcher: str, mode: str, layout: str, payload: str) -> str:
+def _check_runner_pairing(runner: str | None, dispatcher: str, mode: str, layout: str, payload: str,
+                          weights: ExpertWeights) -> str:
     """The runner to use for (mode, payload): `runner` checked, or the best usable one that fits.
-    Uses the expert module's own `check_pairing` when it has one."""
+    Raises ValueError naming the dispatcher, the runner and the fix."""
     from pdlab.kernels import registry
     from pdlab.moe import experts as _experts  # registers the runners
 
-    check = getattr(_experts, "check_pairing", None)
-
     def fits(name: str) -> str | None:
-        if check is not None:
-            try:
-                check(dispatcher=dispatcher, mode=mode, runner=name, payload=payload)
-            except ValueError as exc:
-                return str(exc)
-            return None
-        opts = _runner_options(name)
-        layouts = tuple(opts.get("layouts", ("contiguous", "masked")))
-        if layout not in layouts:
-            other = "low_latency" if layout == "contiguous" else "normal"
-            return (f"MoELayer: dispatcher '{dispatcher}' in {mode} mode produces the {layout} layout, but runner "
-                    f"'{name}' accepts only {', '.join(layouts)}. Fix: use mode={other!r} with this runner, or a "
-                    f"runner that accepts the {layout} layout")
-        payloads = tuple(opts.get("payloads", PAYLOADS))
-        if payload not in payloads:
-            return (f"MoELayer: dispatcher '{dispatcher}' sends {payload} payloads, but runner '{name}' accepts "
-                    f"{', '.join(payloads)}. Fix: dispatch with payload {payloads[0]!r}, or a runner that takes {payload}")
+        try:
+            _experts.check_pairing(layout, payload, name)
+        except ValueError as exc:
+            return f"MoELayer: dispatcher '{dispatcher}' in {mode} mode with runner '{name}': {exc}"
+        forms = registry.get_backend("moe_experts", name).options.get("weights", ("bf16", "nvfp4"))
+        if not ((weights.has_nvfp4 and "nvfp4" in forms) or (weights.has_bf16 and "bf16" in forms)):
+            return (f"MoELayer: runner '{name}' needs {'/'.join(forms)} expert weights but these carry "
+                    f"{'nvfp4' if weights.has_nvfp4 else 'bf16'} only. Fix: build ExpertWeights with "
+                    f"from_bf16(..., quantize={'nvfp4' in forms}) or pick another runner")
         return None
 
     if runner is not None:
@@ -292,19 +277,26 @@ def _check_runner_pairing(runner: str | None, dispatcher: str, mode: str, layout
             raise ValueError(reason)
         return runner
     reasons = []
-    for b in registry.available("moe_experts"):
+    for b in registry.available("moe_experts", _arch_of(weights.device)):
         reason = fits(b.name)
         if reason is None:
             return b.name
-        reasons.append(f"{b.name}: {reason}")
+        reasons.append(reason)
     raise ValueError(f"MoELayer: no usable expert runner accepts the {layout} layout with {payload} payload "
-                     f"({mode} mode, dispatcher '{dispatcher}'): " + "; ".join(reasons))
+                     f"({mode} mode, dispatcher '{dispatcher}'): " + " | ".join(reasons))
+
+
+def _arch_of(device: torch.device) -> str:
+    from pdlab.kernels.arch import detect_arch
+
+    return detect_arch(device)
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
-                  expert_offset: int = 0) -> torch.Tensor:
+                  expert_offset: int = 0, weight_form: str = "auto") -> torch.Tensor:
     """Plain torch MoE in fp32: Σ_j w[t, j] · down(silu(gate·x) · up·x) over each token's experts,
-    with the weights' real values (NVFP4 dequantised per expert when present, else bf16).
+    with the weights' real values: weight_form "nvfp4" (dequantised per expert), "bf16", or "auto"
+    (NVFP4 when present, else bf16).
 
     x: [T, H]; topk_ids: [T, k] global ids (experts outside [expert_offset, expert_offset + E) are
     skipped); topk_weights: [T, k] fp32. Returns [T, H] fp32."""
@@ -318,7 +310,7 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     for e in torch.unique(local).tolist():
         if not 0 <= e < weights.num_experts:
             continue
-        if weights.has_nvfp4:
+        if weights.has_nvfp4 and weight_form != "bf16":
             w13 = nvfp4.dequantize_nvfp4(weights.w13_weight[e], weights.w13_weight_scale[e],
                                          1.0 / weights.w13_weight_scale_2[e])
             w2 = nvfp4.dequantize_nvfp4(weights.w2_weight[e], weights.w2_weight_scale[e],

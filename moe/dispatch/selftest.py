@@ -84,3 +84,47 @@ def fail_on_rank(rank: int, world: int, *, bad_rank: int) -> int:
         raise RuntimeError(f"deliberate failure on rank {rank}")
     dist.barrier()
     return rank
+
+
+def random_moe(seed: int, cfg, device: torch.device | str = "cpu", keep_bf16: bool = False,
+               input_amax: float = 6.0):
+    """Seeded random MoE parameters for `cfg` (a MoEConfig): (ExpertWeights with NVFP4 tensors
+    (+ bf16 when keep_bf16), gate_weight [E, H] fp32, correction_bias [E] fp32). Generated per
+    expert on `device` from per-expert seeds, so every rank builds the same weights."""
+    from pdlab.moe.weights import ExpertWeights
+
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    dev = torch.device(device)
+    g = torch.Generator(device=dev)
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=dev)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=dev)
+    for e in range(E):
+        g.manual_seed(seed * 100003 + e)
+        w13[e] = (torch.randn(2 * I, H, generator=g, device=dev) * H ** -0.5).to(torch.bfloat16)
+        w2[e] = (torch.randn(H, I, generator=g, device=dev) * I ** -0.5).to(torch.bfloat16)
+    weights = ExpertWeights.from_bf16(w13, w2, quantize=True, keep_bf16=keep_bf16, input_amax=input_amax)
+    g.manual_seed(seed * 100003 + E + 1)
+    gate = torch.randn(E, H, generator=g, device=dev) * H ** -0.5
+    bias = torch.randn(E, generator=g, device=dev) * 0.05
+    return weights, gate, bias
+
+
+def ep_layer_forward(rank: int, world: int, *, seed: int, cfg, tokens_per_rank: int, cases: list[dict[str, Any]]
+                     ) -> list[torch.Tensor]:
+    """MoELayer over `dispatcher` (nccl by default) on this rank's share of seeded tokens; one
+    output [T, H] (CPU) per case. case keys: mode, payload, runner, dispatcher, dispatcher_kwargs."""
+    from pdlab.moe.layer import MoELayer
+
+    dev = rank_device(rank)
+    weights, gate, bias = random_moe(seed, cfg, dev)
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(world * tokens_per_rank, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    x = x[rank * tokens_per_rank:(rank + 1) * tokens_per_rank].to(dev)
+    outs = []
+    for case in cases:
+        layer = MoELayer(cfg, weights, gate, bias, None, case.get("dispatcher", "nccl"), case.get("runner"),
+                         case["mode"], payload=case.get("payload", "bf16"),
+                         num_max_dispatch_tokens_per_rank=tokens_per_rank,
+                         dispatcher_kwargs=case.get("dispatcher_kwargs"))
+        outs.append(layer(x).cpu())
+    return outs
