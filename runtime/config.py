@@ -140,10 +140,12 @@ def build_config(cls: type[BaseModel], file: str | None = None, **overrides: Any
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel], exclude: set[str] = frozenset()) -> None:
     """One `--kebab-name` flag per field of `cls` (default None: only given flags override the file)."""
     parser.add_argument("--config", default=None, help="YAML/JSON file of settings (flags override it)")
     for name, field in cls.model_fields.items():
+        if name in exclude:
+            continue
         flag = "--" + name.replace("_", "-")
         ann = field.annotation
         help_ = f"{field.description or ''} (default: {field.default})"

@@ -115,8 +115,7 @@ class LLM:
         self.engine = Engine(self.cfg, model, tokenizer, model_config,
                              max_running_requests=self.cfg.max_running_requests)
         tok = self.engine.tokenizer
-        eos = getattr(self.engine.model_config, "eos_token_id", None)
-        self.codec = TextCodec(tok, [eos] if isinstance(eos, int) else list(eos or [])) if tok is not None else None
+        self.codec = make_codec(tok, self.engine.model_config)
         self.scheduler = Scheduler(self.cfg, self.engine, self.codec, hooks=hooks, metrics=metrics)
         self.loop = EngineLoop(self.scheduler)
 
@@ -146,6 +145,17 @@ class LLM:
             res["num_retractions"] = req.num_retractions
             out.append(res)
         return out
+
+
+def make_codec(tokenizer, model_config) -> TextCodec | None:
+    """TextCodec with the EOS ids of both the tokenizer and the model config (None without a tokenizer)."""
+    if tokenizer is None:
+        return None
+    eos = []
+    for name in ("eos_token_id", "eos_token_ids"):
+        v = getattr(model_config, name, None)
+        eos += [v] if isinstance(v, int) else list(v or [])
+    return TextCodec(tokenizer, eos)
 
 
 def _collect(res: dict, out: StepOutput) -> None:

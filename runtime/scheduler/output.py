@@ -13,17 +13,13 @@ class TextCodec:
     def __init__(self, tokenizer, eos_token_ids: list[int] | None = None):
         self.tok = tokenizer
         ids = list(eos_token_ids or [])
-        for name in ("eos_token_id",):
-            v = getattr(tokenizer, name, None)
+        for v in [getattr(tokenizer, "eos_token_id", None), *(getattr(tokenizer, "eos_token_ids", None) or ())]:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
         self.eos_token_ids = ids
 
     def encode(self, text: str) -> list[int]:
-        try:
-            enc = self.tok.encode(text, add_special_tokens=False)
-        except TypeError:
-            enc = self.tok.encode(text)
+        enc = self.tok.encode(text)  # the tokenizer's own default (e.g. a BOS token) for prompts
         return list(getattr(enc, "ids", enc))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -35,6 +31,11 @@ class TextCodec:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat: the tokenizer's chat template when it has one, else a plain
         "role: content" transcript ending with "assistant:"."""
+        if hasattr(self.tok, "encode_chat"):
+            try:
+                return list(self.tok.encode_chat(messages, add_generation_prompt=True))
+            except ValueError:  # no chat template
+                pass
         apply = getattr(self.tok, "apply_chat_template", None)
         if apply is not None:
             try:

@@ -1,0 +1,408 @@
+"""HTTP front of one server (FastAPI): OpenAI-compatible /v1/completions, /v1/chat/completions,
+/v1/models; SGLang-style /generate; /health; /metrics.
+
+The engine loop runs in its own thread; handlers hand requests to it with `EngineLoop.submit` and
+receive `StepOutput`s through an asyncio queue. Bad input → 400 with an OpenAI-style error body
+{"error": {"message", "type", "param", "code"}}; unknown fields are rejected. A client that
+disconnects mid-request aborts it, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdlab.runtime.core import Req, SamplingParams, StepOutput
+from pdlab.runtime.engine.loop import EngineLoop
+from pdlab.runtime.scheduler.output import TextCodec
+from pdlab.runtime.server.metrics import RuntimeMetrics
+
+log = logging.getLogger("pdlab.runtime")
+MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gives the precise limit
+
+
+# ---- request bodies ------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a list of one text")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = Field(False, description="not supported: must be false")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class GenerateSamplingParams(_Strict):
+    max_new_tokens: int = Field(128, ge=1, le=MAX_TOKENS_CAP)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(_Strict):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    rid: str | None = Field(None, min_length=1, max_length=200)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+
+def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+# ---- the app -------------------------------------------------------------------------------------
+def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetrics, *, model_name: str = "pdlab",
+               api_key: str | None = None, max_queue: int = 4096, max_context_len: int | None = None) -> FastAPI:
+    """The FastAPI app over a started (or to-be-started) `EngineLoop`."""
+    app = FastAPI(title="pdlab runtime", version="0.1.0")
+    ctx_len = max_context_len or loop.scheduler.max_context_len
+    inflight: dict[str, Any] = {}
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
+        elif first.get("type") == "json_invalid":
+            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
+        elif loc:
+            msg = f"{'.'.join(loc)}: {msg}"
+        if len(errs) > 1:
+            msg += f" (and {len(errs) - 1} more problem(s))"
+        return JSONResponse(error_body(400, msg, ".".join(loc) or None), status_code=400)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.type), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), None,
+                                       "not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        log.exception("unhandled error in a request handler")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path not in ("/health", "/metrics"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                               None, "authentication_error"), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        alive = loop._thread is None or loop._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine loop stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return PlainTextResponse(metrics.render(loop.scheduler.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "pdlab", "max_model_len": ctx_len}]}
+
+    # ---- shared machinery ------------------------------------------------------------------------
+    def _start(ids: list[int], sp: SamplingParams, rid: str | None = None) -> tuple[Req, asyncio.Queue]:
+        if len(inflight) >= max_queue:
+            raise ApiError(503, f"server busy: {len(inflight)} requests in flight (max_queue {max_queue}); retry later",
+                           type_="server_busy")
+        if sp.max_tokens is None:
+            sp.max_tokens = max(1, ctx_len - len(ids))
+        try:
+            sp.validate()
+            req = Req(ids, sp, rid=rid or f"req-{uuid.uuid4().hex[:16]}")
+            if req.rid in inflight:
+                raise ValueError(f"request id {req.rid!r} is already in flight; use a unique rid")
+            q: asyncio.Queue = asyncio.Queue()
+            aloop = asyncio.get_running_loop()
+            loop.submit(req, lambda out: aloop.call_soon_threadsafe(q.put_nowait, out))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        inflight[req.rid] = req
+        return req, q
+
+    async def _outputs(req: Req, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
+        try:
+            while True:
+                out: StepOutput = await q.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if inflight.pop(req.rid, None) is not None and not req.finished:
+                loop.abort(req.rid, "client disconnected")
+
+    async def _collect(req: Req, q: asyncio.Queue, request: Request) -> tuple[list[StepOutput], StepOutput]:
+        outs: list[StepOutput] = []
+        gen = _outputs(req, q)
+        try:
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                while not nxt.done():
+                    done, _ = await asyncio.wait({nxt}, timeout=0.5)
+                    if not done and await request.is_disconnected():
+                        nxt.cancel()
+                        raise ApiError(499, "client disconnected")
+                try:
+                    out = nxt.result()
+                except StopAsyncIteration:
+                    break
+                outs.append(out)
+                if out.finished:
+                    break
+        finally:
+            await gen.aclose()
+        final = outs[-1]
+        if final.error and not final.token_ids and final.completion_tokens == 0:
+            raise ApiError(400 if "internal" not in final.error else 500, final.error,
+                           type_="invalid_request_error" if "internal" not in final.error else "server_error")
+        return outs, final
+
+    def _usage(final: StepOutput) -> dict:
+        return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+                "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+    def _sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    def _tok_str(t: int) -> str:
+        return codec.decode([t], False) if codec is not None else str(t)
+
+    def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise ApiError(400, "stop strings must be non-empty", "stop")
+        if len(stop) > 16:
+            raise ApiError(400, f"at most 16 stop strings, got {len(stop)}", "stop")
+        return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                              seed=body.seed, max_tokens=max_tokens, stop=stop,
+                              stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                              logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
+
+    def _encode(text: str) -> list[int]:
+        if codec is None:
+            raise ApiError(400, "this server has no tokenizer: send token ids instead of text", "prompt")
+        return codec.encode(text)
+
+    # ---- /v1/completions ---------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        if body.echo:
+            raise ApiError(400, "echo is not supported; send echo=false", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, f"batched prompts are not supported: send one prompt per request (got {len(prompt)})",
+                               "prompt")
+            prompt = prompt[0]
+        ids = _encode(prompt) if isinstance(prompt, str) else list(prompt)
+        req, q = _start(ids, _params(body, body.max_tokens or 16, body.logprobs))
+        cid, created = f"cmpl-{req.rid}", int(time.time())
+        head = {"id": cid, "object": "text_completion", "created": created, "model": model_name}
+
+        def lp_obj(outs: list[StepOutput]):
+            if body.logprobs is None:
+                return None
+            toks, lps = [], []
+            for o in outs:
+                for t, lp in zip(o.token_ids, o.logprobs):
+                    toks.append(t)
+                    lps.append(lp)
+            return {"tokens": [_tok_str(t) for t in toks], "token_logprobs": [lp[0] for lp in lps],
+                    "top_logprobs": [{_tok_str(i): v for i, v in lp[1]} for lp in lps]}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events():
+                final = None
+                async for out in _outputs(req, q):
+                    final = out
+                    if out.error:
+                        yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
+                        continue  # an error output is the request's last one
+                    if out.text or out.finished or out.token_ids:
+                        yield _sse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": lp_obj([out]),
+                                                         "finish_reason": out.finish_reason.value if out.finished and out.finish_reason else None}]})
+                if include_usage and final is not None:
+                    yield _sse({**head, "choices": [], "usage": _usage(final)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs, final = await _collect(req, q, request)
+        return {**head, "choices": [{"index": 0, "text": "".join(o.text for o in outs), "logprobs": lp_obj(outs),
+                                     "finish_reason": final.finish_reason.value if final.finish_reason else None}],
+                "usage": _usage(final)}
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        if codec is None:
+            raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
+        msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                for m in body.messages]
+        ids = codec.chat_prompt(msgs)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        nlp = (body.top_logprobs or 0) if body.logprobs else None
+        req, q = _start(ids, _params(body, body.max_completion_tokens or body.max_tokens, nlp))
+        cid, created = f"chatcmpl-{req.rid}", int(time.time())
+
+        def lp_obj(outs: list[StepOutput]):
+            if nlp is None:
+                return None
+            content = []
+            for o in outs:
+                for t, lp in zip(o.token_ids, o.logprobs):
+                    content.append({"token": _tok_str(t), "logprob": lp[0], "bytes": list(_tok_str(t).encode()),
+                                    "top_logprobs": [{"token": _tok_str(i), "logprob": v, "bytes": list(_tok_str(i).encode())}
+                                                     for i, v in lp[1]]})
+            return {"content": content}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+
+            async def events():
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+                final = None
+                async for out in _outputs(req, q):
+                    final = out
+                    if out.error:
+                        yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
+                        continue  # an error output is the request's last one
+                    if out.text or out.finished or out.token_ids:
+                        yield _sse({**head, "choices": [{"index": 0, "delta": {"content": out.text} if out.text else {},
+                                                         "logprobs": lp_obj([out]),
+                                                         "finish_reason": out.finish_reason.value if out.finished and out.finish_reason else None}]})
+                if include_usage and final is not None:
+                    yield _sse({**head, "choices": [], "usage": _usage(final)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs, final = await _collect(req, q, request)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                             "logprobs": lp_obj(outs),
+                             "finish_reason": final.finish_reason.value if final.finish_reason else None}],
+                "usage": _usage(final)}
+
+    # ---- /generate (SGLang style) ------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if (body.text is None) == (body.input_ids is None):
+            raise ApiError(400, "send exactly one of 'text' or 'input_ids'", "text")
+        ids = _encode(body.text) if body.text is not None else list(body.input_ids)
+        s = body.sampling_params
+        stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
+        if any(not x for x in stop):
+            raise ApiError(400, "stop strings must be non-empty", "sampling_params.stop")
+        sp = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
+                            max_tokens=s.max_new_tokens, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
+                            ignore_eos=s.ignore_eos, skip_special_tokens=s.skip_special_tokens,
+                            logprobs=body.top_logprobs_num if body.return_logprob else None)
+        req, q = _start(ids, sp, body.rid)
+
+        def meta(final: StepOutput | None, n: int) -> dict:
+            m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
+                 "finish_reason": {"type": final.finish_reason.value} if final and final.finish_reason else None}
+            if body.return_logprob:
+                m["output_token_logprobs"] = [[lp[0], t] for lp, t in zip(req.output_logprobs, req.output_ids)]
+            return m
+
+        if body.stream:
+            async def events():
+                text, ids_out = "", []
+                async for out in _outputs(req, q):
+                    if out.error:
+                        yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
+                        continue  # an error output is the request's last one
+                    text += out.text
+                    ids_out += out.token_ids
+                    yield _sse({"text": text, "output_ids": ids_out,
+                                "meta_info": meta(out if out.finished else None, len(ids_out))})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        outs, final = await _collect(req, q, request)
+        ids_out = [t for o in outs for t in o.token_ids]
+        return {"text": "".join(o.text for o in outs), "output_ids": ids_out, "meta_info": meta(final, len(ids_out))}
+
+    app.state.loop = loop
+    app.state.inflight = inflight
+    return app

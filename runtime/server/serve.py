@@ -1,0 +1,124 @@
+"""`runtime serve`: one colocated server (prefill + decode) with the embedded default model or
+`--model-path DIR`. Settings from flags and/or `--config FILE` (YAML/JSON), validated into one
+`ServerConfig`. (`--disagg` / `--role` are handled by the disaggregation launcher, see runtime/cli.py.)
+
+Programmatic use (tests, the disaggregation roles): `Server(cfg, model=..., hooks=...)` then
+`start()` (engine loop thread + uvicorn thread, returns the bound port) and `stop()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import threading
+import time
+
+from pdlab.runtime.config import ConfigError, ServerConfig, add_config_arguments, config_from_args
+
+log = logging.getLogger("pdlab.runtime")
+
+_NOT_FLAGS = {"role"}  # set by the disaggregation launcher, not by `runtime serve`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, ServerConfig, exclude=_NOT_FLAGS)
+    parser.add_argument("--disagg", action="store_true",
+                        help="start prefill + decode servers and a router (handled by the disaggregation launcher)")
+
+
+class Server:
+    """Engine + scheduler + engine loop + HTTP app of one server."""
+
+    def __init__(self, cfg: ServerConfig, model=None, tokenizer=None, model_config=None, hooks=None):
+        from pdlab.runtime.engine.engine import Engine
+        from pdlab.runtime.engine.loop import EngineLoop, make_codec
+        from pdlab.runtime.scheduler.scheduler import Scheduler
+        from pdlab.runtime.server.api import create_app
+        from pdlab.runtime.server.metrics import RuntimeMetrics
+
+        self.cfg = cfg
+        self.engine = Engine(cfg, model, tokenizer, model_config, max_running_requests=cfg.max_running_requests)
+        self.codec = make_codec(self.engine.tokenizer, self.engine.model_config)
+        self.metrics = RuntimeMetrics()
+        self.scheduler = Scheduler(cfg, self.engine, self.codec, hooks=hooks, metrics=self.metrics)
+        self.loop = EngineLoop(self.scheduler)
+        self.app = create_app(self.loop, self.codec, self.metrics, model_name=cfg.served_model_name,
+                              api_key=cfg.api_key, max_queue=cfg.max_queue)
+        self._uvicorn = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def describe(self) -> list[str]:
+        c = self.cfg
+        return [f"pdlab runtime serve ({c.role}): model {c.model_path or 'embedded tiny default'}",
+                *self.engine.describe(),
+                f"scheduler: max_running_requests {c.max_running_requests}, chunked_prefill_size "
+                f"{c.chunked_prefill_size}, max_prefill_tokens {c.max_prefill_tokens}, decode_reserve_tokens "
+                f"{c.decode_reserve_tokens}, retract_mode {c.retract_mode}"]
+
+    def start(self) -> int:
+        """Start the engine loop and uvicorn in background threads; returns the bound port."""
+        import uvicorn
+        self.loop.start()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.cfg.host, self.cfg.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="pdlab-http")
+        self._thread.start()
+        deadline = time.time() + 30
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"HTTP server failed to start on {self.cfg.host}:{self.port}")
+            time.sleep(0.02)
+        return self.port
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.loop.stop()
+
+    def serve_forever(self) -> None:
+        port = self.start()
+        print(f"serving on http://{self.cfg.host}:{port} (OpenAI API under /v1, /generate, /health, /metrics)",
+              flush=True)
+        try:
+            while self._thread.is_alive():
+                self._thread.join(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "disagg", False):
+        print("runtime serve --disagg: run it through `runtime serve --disagg ...` (the launcher); "
+              "this module serves one colocated server", file=sys.stderr)
+        return 2
+    try:
+        cfg = config_from_args(ServerConfig, args)
+    except ConfigError as exc:
+        print(f"runtime serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = Server(cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"runtime serve: {exc}", file=sys.stderr)
+        return 2
+    for line in server.describe():
+        print(line, flush=True)
+    try:
+        server.serve_forever()
+    except OSError as exc:
+        print(f"runtime serve: cannot bind {cfg.host}:{cfg.port}: {exc}; pick another --port", file=sys.stderr)
+        return 1
+    return 0

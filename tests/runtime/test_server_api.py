@@ -1,0 +1,187 @@
+"""Real HTTP tests: uvicorn on 127.0.0.1 with an ephemeral port, the toy model behind it."""
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from pdlab.runtime.config import build_config, ServerConfig
+from pdlab.runtime.engine.testing import ToyModel, load_toy
+from pdlab.runtime.server.serve import Server
+
+CTX = 256
+
+
+class SlowToy(ToyModel):
+    """Toy model with a fixed delay per step, so a stream stays open long enough to disconnect."""
+
+    def forward(self, input_ids, positions, ctx):
+        time.sleep(0.01)
+        return super().forward(input_ids, positions, ctx)
+
+
+def _server(model_cls=ToyModel, **settings):
+    torch.set_num_threads(1)
+    m, tok, cfg = load_toy(max_position_embeddings=CTX)
+    model = model_cls(cfg)
+    sc = build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048, max_context_len=CTX,
+                      served_model_name="toy", **settings)
+    srv = Server(sc, model=model, tokenizer=tok, model_config=cfg)
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server():
+    n = torch.get_num_threads()
+    srv = _server()
+    yield srv
+    srv.stop()
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as c:
+        yield c
+
+
+def _sse(resp):
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_binds_localhost_by_default(server):
+    assert ServerConfig().host == "127.0.0.1"
+    assert server.cfg.host == "127.0.0.1"
+
+
+def test_health_models_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    m = client.get("/v1/models").json()
+    assert m["data"][0]["id"] == "toy" and m["data"][0]["max_model_len"] == CTX
+    text = client.get("/metrics").text
+    for name in ("pdlab_num_requests_waiting", "pdlab_num_requests_running", "pdlab_kv_cache_usage_ratio",
+                 "pdlab_retractions_total", "pdlab_time_to_first_token_seconds_bucket",
+                 "pdlab_time_per_output_token_seconds_count", "pdlab_inter_token_latency_seconds_sum",
+                 "pdlab_generation_tokens_total"):
+        assert name in text
+
+
+def test_completion_matches_offline_greedy(client, server):
+    body = {"prompt": "hello pdlab", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["object"] == "text_completion" and j["choices"][0]["finish_reason"] == "length"
+    assert j["usage"] == {"prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23}
+    # the same tokens through /generate with input_ids
+    g = client.post("/generate", json={"input_ids": list(b"hello pdlab"),
+                                       "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()
+    assert g["text"] == j["choices"][0]["text"] and len(g["output_ids"]) == 12
+    assert g["meta_info"]["finish_reason"] == {"type": "length"}
+
+
+def test_completion_stream_with_usage(client):
+    body = {"prompt": "stream me", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        r.read()
+    chunks = _sse(r)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    full = client.post("/v1/completions", json={**body, "stream": False, "stream_options": None}).json()
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == full["choices"][0]["text"]
+
+
+def test_chat_stream_and_non_stream(client):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    j = client.post("/v1/chat/completions", json=body).json()
+    assert j["object"] == "chat.completion" and j["choices"][0]["message"]["role"] == "assistant"
+    assert j["usage"]["completion_tokens"] == 6
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        r.read()
+    chunks = _sse(r)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == j["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_generate_stream_and_logprobs(client):
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "stream": True}
+    with client.stream("POST", "/generate", json=body) as r:
+        r.read()
+    chunks = _sse(r)
+    assert len(chunks[-1]["output_ids"]) == 5
+    j = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0, "logprobs": 2}).json()
+    lp = j["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 3 and all(v <= 0 for v in lp["token_logprobs"])
+    assert all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**12}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 300}, "context"),
+    ({"prompt": "y" * 300}, "context"),
+    ({"prompt": "x", "bogus": 1}, "unknown field"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": [1, 2, 99999]}, "token ids"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+])
+def test_bad_completion_requests_are_400(client, body, needle):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
+
+
+def test_malformed_json_and_unknown_route(client):
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert client.get("/health").status_code == 200  # still serving
+
+
+def test_disconnect_mid_stream_frees_pages():
+    srv = _server(SlowToy)
+    try:
+        pool = srv.engine.pool
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            body = {"prompt": "a long answer please", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                it = r.iter_lines()
+                got = [next(it) for _ in range(6)]
+                assert any(g.startswith("data: ") for g in got)
+                assert pool.num_free_pages < pool.allocator.capacity  # the request holds pages now
+            deadline = time.time() + 10
+            while pool.num_free_pages != pool.allocator.capacity and time.time() < deadline:
+                time.sleep(0.05)
+            assert pool.num_free_pages == pool.allocator.capacity, "pages not freed after disconnect"
+            assert not srv.scheduler.by_rid
+            assert "abort" in c.get("/metrics").text
+            assert c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_api_key():
+    srv = _server(api_key="sekret")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+            assert c.get("/health").status_code == 200
+    finally:
+        srv.stop()
