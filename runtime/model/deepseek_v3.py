@@ -128,36 +128,41 @@ class MoEBlock(nn.Module):
                                     n_group=cfg.n_group, topk_group=cfg.topk_group,
                                     routed_scaling_factor=cfg.routed_scaling_factor,
                                     norm_topk_prob=cfg.norm_topk_prob, n_shared_experts=cfg.n_shared_experts)
+        self.decode_mode = "normal"
         object.__setattr__(self, "moe", None)
 
     def set_experts(self, weights, *, runner: str | None = None, dispatcher: str = "local",
-                    mode: str = "normal") -> None:
-        """Build the MoELayer over `weights` (pdlab.moe.weights.ExpertWeights, [E, 2I, H] / [E, H, I])."""
+                    decode_mode: str = "normal") -> None:
+        """Build the MoELayer over `weights` (pdlab.moe.weights.ExpertWeights, [E, 2I, H] / [E, H, I]).
+        Prefill/extend steps dispatch in "normal" mode, decode steps in `decode_mode`."""
         from pdlab.moe.layer import MoELayer
 
+        self.decode_mode = decode_mode
+        modes = ("normal",) if decode_mode == "normal" else ("normal", decode_mode)
         object.__setattr__(self, "moe", MoELayer(
             self.moe_config, weights, self.gate.weight, self.gate.e_score_correction_bias, self.shared_experts,
-            dispatcher=dispatcher, runner=runner, mode=mode))
+            dispatcher=dispatcher, runner=runner, mode="normal", modes=modes))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.moe is None:
             raise RuntimeError(f"layer {self.layer_idx}: routed expert weights were never set; load the model "
                                "with pdlab.runtime.model.load_model (or call MoEBlock.set_experts)")
-        return self.moe.forward(x)
+        return self.moe.forward(x, mode=self.decode_mode if ctx.is_decode else "normal")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, attn_backend: str | None, attn_config: dict | None):
         super().__init__()
         self.self_attn = MLAAttention(cfg, layer_idx, attn_backend, attn_config)
-        self.mlp = MoEBlock(cfg, layer_idx) if cfg.is_moe_layer(layer_idx) else DenseMLP(
-            cfg.hidden_size, cfg.intermediate_size)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = MoEBlock(cfg, layer_idx) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, cos, sin, rotary, ctx):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, ctx) if self.is_moe else self.mlp(x))
 
 
 class DeepseekV3Model(nn.Module):

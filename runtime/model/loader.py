@@ -42,14 +42,15 @@ class LoadOptions:
     """How to build the served model.
 
     attn_backend / attn_config: for every mla_prefill / mla_decode call (None = registry choice).
-    moe_runner / dispatcher / moe_mode: passed to each MoELayer.
+    moe_runner / dispatcher: passed to each MoELayer. moe_decode_mode: the dispatch mode of decode
+        steps ("normal" or "low_latency"); prefill/extend steps use "normal".
     quantize_experts: quantize bf16 experts to NVFP4 at load (ExpertWeights.from_bf16(quantize=True))."""
 
     attn_backend: str | None = None
     attn_config: dict | None = None
     moe_runner: str | None = None
     dispatcher: str = "local"
-    moe_mode: str = "normal"
+    moe_decode_mode: str = "normal"
     quantize_experts: bool = False
 
 
@@ -317,7 +318,7 @@ class _Loader:
         for layer, block in enumerate(self.model.model.layers):
             if isinstance(block.mlp, MoEBlock):
                 block.mlp.set_experts(self._experts(layer, experts.get(layer, {})), runner=self.opt.moe_runner,
-                                      dispatcher=self.opt.dispatcher, mode=self.opt.moe_mode)
+                                      dispatcher=self.opt.dispatcher, decode_mode=self.opt.moe_decode_mode)
                 seen.update(n for n in self.expected if n.startswith(f"model.layers.{layer}.mlp.experts."))
         missing = [n for n in self.expected if n not in seen]
         if missing:
@@ -382,7 +383,7 @@ class _Loader:
                                   f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         first = self.src.get(found[(0, "gate_proj")]["weight"])
         if first.dtype == torch.uint8:
-            return ExpertWeights.from_modelopt(self._stack_modelopt(layer, found), device=self.device)
+            return ExpertWeights.from_modelopt(self._stack_modelopt(layer, found))
         w13 = torch.empty(E, 2 * self.cfg.moe_intermediate_size, self.cfg.hidden_size, dtype=self.dtype,
                           device=self.device)
         w2 = torch.empty(E, self.cfg.hidden_size, self.cfg.moe_intermediate_size, dtype=self.dtype,
@@ -394,31 +395,53 @@ class _Loader:
                 t = self.src.get(name)
                 self._check(name, t.shape, self.expected[name])
                 dst.copy_(t.to(device=self.device, dtype=self.dtype))
-        return ExpertWeights.from_bf16(w13, w2, quantize=self.opt.quantize_experts)
+        q = self.opt.quantize_experts
+        return ExpertWeights.from_bf16(w13, w2, quantize=q, keep_bf16=not q)
 
     def _stack_modelopt(self, layer: int, found) -> dict[str, torch.Tensor]:
-        """Per-expert modelopt tensors → the stacked dict `ExpertWeights.from_modelopt` takes."""
+        """Per-expert modelopt tensors → the stacked names `ExpertWeights.from_modelopt` takes:
+        w13_* = gate rows then up rows ([E, 2I, H/2], [E, 2I, H/16], scale_2 / input scale [E, 2]),
+        w2_* = down ([E, H, I/2], [E, H, I/16], [E])."""
         E, H, inter = self.cfg.n_routed_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
         want = {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}
         parts: dict[str, dict[str, list[torch.Tensor]]] = {p: defaultdict(list) for p in want}
         for e in range(E):
             for proj, (n, k) in want.items():
                 entry = found[(e, proj)]
-                lacking = [a for a in ("weight", *_QUANT_AUX) if a not in entry]
+                lacking = [a for a in ("weight", "weight_scale", "weight_scale_2") if a not in entry]
                 if lacking:
                     base = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
                     raise CheckpointError(f"NVFP4 expert {base} lacks {', '.join(base + '.' + a for a in lacking)} "
                                           f"in {self.src.where(entry['weight'])}")
                 for kind, shape in (("weight", (n, k // 2)), ("weight_scale", (n, k // 16)),
                                     ("weight_scale_2", None), ("input_scale", None)):
+                    if kind not in entry:
+                        continue
                     t = self.src.get(entry[kind])
                     if shape is not None:
                         self._check(entry[kind], t.shape, shape, " (NVFP4 layout)")
                     elif t.numel() != 1:
                         self._check(entry[kind], t.shape, (), " (one fp32 scale per tensor)")
                     parts[proj][kind].append(t.reshape(shape) if shape else t.reshape(()).float())
-        out: dict[str, torch.Tensor] = {}
-        for proj, kinds in parts.items():
-            for kind, ts in kinds.items():
-                out[f"{proj}.{kind}"] = torch.stack(ts).to(self.device)
+        dev = self.device
+
+        def stacked(proj: str, kind: str) -> torch.Tensor | None:
+            ts = parts[proj][kind]
+            return torch.stack(ts).to(dev) if len(ts) == E else None
+
+        out: dict[str, torch.Tensor] = {
+            "w13_weight": torch.cat([stacked("gate_proj", "weight"), stacked("up_proj", "weight")], dim=1),
+            "w13_weight_scale": torch.cat([stacked("gate_proj", "weight_scale"),
+                                           stacked("up_proj", "weight_scale")], dim=1),
+            "w13_weight_scale_2": torch.stack([stacked("gate_proj", "weight_scale_2"),
+                                               stacked("up_proj", "weight_scale_2")], dim=1),
+            "w2_weight": stacked("down_proj", "weight"),
+            "w2_weight_scale": stacked("down_proj", "weight_scale"),
+            "w2_weight_scale_2": stacked("down_proj", "weight_scale_2"),
+        }
+        g_in, u_in, d_in = (stacked(p, "input_scale") for p in ("gate_proj", "up_proj", "down_proj"))
+        if g_in is not None and u_in is not None:
+            out["w13_input_scale"] = torch.stack([g_in, u_in], dim=1)
+        if d_in is not None:
+            out["w2_input_scale"] = d_in
         return out

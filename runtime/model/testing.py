@@ -12,14 +12,17 @@ from pdlab.runtime.context import ForwardContext
 PAGE = 16
 
 
-def hf_config(*, yarn: bool = False, q_lora: bool = True, layers: int = 3, vocab: int = 320):
-    """A tiny transformers DeepseekV3Config whose MLA fits pdlab's ops (kv_lora 512, rope 64)."""
+def hf_config(*, yarn: bool = False, q_lora: bool = True, layers: int = 3, vocab: int = 320,
+              all_experts: bool = False):
+    """A tiny transformers DeepseekV3Config whose MLA fits pdlab's ops (kv_lora 512, rope 64).
+    all_experts: every token uses all 8 experts (top-8 of 4 groups, all groups kept), so the routing
+    has no discrete choice that low-precision noise could flip (only the weights vary)."""
     from transformers import DeepseekV3Config
 
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
               n_routed_experts=8, kv_lora_rank=512, q_lora_rank=32 if q_lora else None, qk_rope_head_dim=64,
-              v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+              v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=4 if all_experts else 2, num_experts_per_tok=8 if all_experts else 3,
               first_k_dense_replace=1, max_position_embeddings=2048, rms_norm_eps=1e-6, routed_scaling_factor=2.5,
               bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
     if yarn:
