@@ -138,7 +138,7 @@ def _reason(registry, name: str) -> str | None:
 
 
 def _cfg_text(cfg: dict | None) -> str:
-    return "default" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
+    return "default" if not cfg else f"{cfg['BLOCK_M']}x{cfg['BLOCK_K']} w{cfg['num_warps']}"
 
 
 def _inputs_and_reference(nvfp4, m, k, e, dtype, device, gen):

@@ -125,7 +125,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
     blocks = xf.unflatten(-1, (-1, BLOCK))  # [..., K/16, 16]
     amax = blocks.abs().amax(dim=-1)  # [..., K/16]
     gs_b = gs  # scalar, or [E, 1, ...] matching amax's dims
-    sf = torch.clamp((amax / E2M1_MAX) * gs_b, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # NOTE: divide by a device tensor, not a Python number: CUDA turns `t / scalar` into
+    # `t * (1 / scalar)`, which is not the IEEE division this format is defined with.
+    six = torch.tensor(E2M1_MAX, dtype=torch.float32, device=x.device)
+    sf = torch.clamp((amax / six) * gs_b, max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf_f = sf.float()
     mult = torch.where(sf_f > 0, gs_b / sf_f, torch.zeros_like(sf_f))
     codes = e2m1_encode(blocks * mult.unsqueeze(-1)).flatten(-2)

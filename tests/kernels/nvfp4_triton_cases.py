@@ -82,6 +82,7 @@ def check_small(device) -> None:
     special[0, 16:32] = -0.0
     special[1, :16] = -torch.arange(16, device=device).float()
     special[1, 32] = 1e30
+    special[1, 48] = torch.nextafter(torch.tensor(1.78125), torch.tensor(0.0))  # IEEE division decides
     compare(special, torch.tensor([1.0], device=device), what="ties, -0, all-negative, huge")
 
 

@@ -49,6 +49,27 @@ def test_block_scale_is_e4m3_rounded_and_blocks_are_independent():
     assert codes[1:16].eq(0).all() and codes[17:].eq(0).all()
 
 
+def test_block_scale_uses_ieee_division():
+    # 1.78125 / 6 = 0.296875 is the midpoint of e4m3 0.28125 and 0.3125; one ulp below 1.78125 the
+    # exact quotient is below it (-> 0.28125), while amax * fp32(1/6) lands above it (-> 0.3125)
+    amax = torch.nextafter(torch.tensor(1.78125), torch.tensor(0.0))
+    assert (amax * torch.tensor(1 / 6)).to(torch.float8_e4m3fn).float().item() == 0.3125
+    x = torch.zeros(16)
+    x[3] = amax
+    assert _q(x)[1].tolist() == [0.28125]
+
+
+@pytest.mark.gpu
+def test_reference_is_the_same_on_gpu_and_cpu():
+    x = torch.randn(512, 1024) * torch.exp(2 * torch.randn(1024))
+    x[0, :16] = torch.nextafter(torch.tensor(1.78125), torch.tensor(0.0))
+    for gs in (torch.tensor(1.0), nvfp4.global_scale_from_amax(x.abs().amax())):
+        p_cpu, s_cpu = nvfp4.quantize_nvfp4(x, gs)
+        p_gpu, s_gpu = nvfp4.quantize_nvfp4(x.cuda(), gs.cuda())
+        assert torch.equal(p_gpu.cpu(), p_cpu)
+        assert torch.equal(s_gpu.cpu().view(torch.uint8), s_cpu.view(torch.uint8))
+
+
 def test_zero_and_negative_zero_blocks():
     packed, scales, codes = _q(torch.zeros(2, 32))
     assert packed.eq(0).all() and scales.eq(0).all()
