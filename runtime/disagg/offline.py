@@ -50,19 +50,23 @@ class DisaggLLM:
         self.decode_role.attach(self.decode.loop)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 timeout: float = 120.0) -> list[dict]:
-        """Like `LLM.generate`: per prompt {token_ids, text, finish_reason, error, num_retractions}."""
+                 timeout: float = 120.0, prefill: list[str] | None = None) -> list[dict]:
+        """Like `LLM.generate`: per prompt {token_ids, text, finish_reason, error, num_retractions,
+        transfer_id}. `prefill`: per prompt the prefill address in `self.link` (default "prefill-0")."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         results, reqs = {}, []
-        for p, sp in zip(prompts, plist):
+        addrs = prefill or ["prefill-0"] * len(prompts)
+        for p, sp, addr in zip(prompts, plist, addrs):
             ids = self.decode.codec.encode(p) if isinstance(p, str) else list(p)
             tid = f"t-{uuid.uuid4().hex[:12]}"
-            res = results[tid] = {"text": "", "token_ids": [], "finish_reason": None, "error": None}
+            res = results[tid] = {"text": "", "token_ids": [], "finish_reason": None, "error": None,
+                                  "transfer_id": tid}
             req = Req(ids, sp, rid=tid)
             reqs.append(req)
-            self.decode_role.submit(req, tid, "prefill-0", lambda out, res=res: _collect(res, out))
-            self.prefill_role.submit(Req(ids, sp, rid=tid), tid)
+            self.decode_role.submit(req, tid, addr, lambda out, res=res: _collect(res, out))
+            if addr in self.link.prefills:
+                self.link.prefills[addr].submit(Req(ids, sp, rid=tid), tid)
         deadline = time.monotonic() + timeout
         while any(r["finish_reason"] is None for r in results.values()):
             busy = self.prefill.loop.run_once()

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from pdlab.runtime.core import FinishReason, Req, StepOutput
-from pdlab.runtime.disagg.transfer.base import KVTransferBackend, KVTransferError, TransferStatus
+from pdlab.runtime.disagg.transfer.base import (KVLayoutMismatch, KVTransferBackend, KVTransferError,
+                                               TransferStatus)
 from pdlab.runtime.scheduler.scheduler import RoleHooks
 
 log = logging.getLogger("pdlab.disagg")
@@ -292,8 +293,11 @@ class PrefillRole(RoleHooks):
                 sched.abort(rec.req.rid, why)
         if rec.peer_meta is not None:
             try:
-                peer = self.transfer.add_peer(rec.peer_meta)
-                self.transfer.notify(peer, {"transfer_id": rec.transfer_id, "event": "failed", "error": why})
+                try:
+                    self.transfer.add_peer(rec.peer_meta)  # makes the peer reachable for notices
+                except KVLayoutMismatch:
+                    pass  # reachable all the same: the mismatch is what we are reporting
+                self.transfer.notify(rec.peer, {"transfer_id": rec.transfer_id, "event": "failed", "error": why})
             except (KVTransferError, ValueError, OSError) as e:
                 log.info("could not tell %s that %s failed: %s", rec.peer, rec.transfer_id, e)
         rec.done_event.set()
@@ -414,7 +418,8 @@ class DecodeRole(RoleHooks):
             self.metrics.move(rec, State.DECODING, f"first token {rec.first_token}")
             sched.kv_ready(rec.transfer_id, rec.first_token)  # may finish at once (EOS, max_tokens=1)
         elif event == "failed":
-            self._finish_failed(sched, rec, f"prefill failed: {msg.get('error', 'unknown error')}")
+            self._finish_failed(sched, rec, rec.error if rec.abort_requested else
+                                f"prefill failed: {msg.get('error', 'unknown error')}")
 
     def _abort(self, sched, tid: str, why: str) -> None:
         rec = self.records.get(tid)

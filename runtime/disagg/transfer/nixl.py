@@ -70,6 +70,7 @@ class NixlTransfer(KVTransferBackend):
         self._reg = None
         self._local_dlist = None
         self._peers: dict[str, _Peer] = {}
+        self._known: set[str] = set()  # remote agents whose metadata was loaded
         self._partial: dict[str, dict] = {}  # transfer_id -> {"groups": set, "n": int, "msg": dict}
 
     def register(self, kv_caches, kv_scale):
@@ -108,11 +109,13 @@ class NixlTransfer(KVTransferBackend):
         if self.layout is None:
             raise KVTransferError("register this side's KV pool before adding peers")
         dst = KVLayout.from_json(meta["layout"])
+        if name not in self._known:  # known before the layout check, so failure notices still reach it
+            remote = self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
+            remote = remote.decode() if isinstance(remote, bytes) else remote
+            if remote != name:
+                raise KVTransferError(f"peer metadata names agent {remote!r} but claims {name!r}")
+            self._known.add(name)
         check_compatible(self.layout, dst, convert=False)
-        remote = self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
-        remote = remote.decode() if isinstance(remote, bytes) else remote
-        if remote != name:
-            raise KVTransferError(f"peer metadata names agent {remote!r} but claims {name!r}")
         dl = self.agent.prep_xfer_dlist(name, self._descs(dst, meta["bases"], meta["device_id"]), meta["mem"])
         self._peers[name] = _Peer(name, dst, dl)
         return name
@@ -194,7 +197,8 @@ class NixlTransfer(KVTransferBackend):
 
     def remove_peer(self, peer: str) -> None:
         p = self._peers.pop(peer, None)
-        if p is not None:
+        if p is not None or peer in self._known:
+            self._known.discard(peer)
             try:
                 self.agent.remove_remote_agent(peer)
             except Exception:  # noqa: BLE001

@@ -1,0 +1,213 @@
+"""Disaggregated generation (prefill engine -> KV transfer -> decode engine) against the colocated
+server, token for token, with the toy model whose logits depend on every stored KV row; plus the
+failure cases: dead prefill, client abort, layout mismatch, KV pressure on the decode side."""
+
+import time
+
+import pytest
+import torch
+
+from pdlab.runtime.core import Req, SamplingParams
+from pdlab.runtime.disagg.offline import DisaggLLM
+from pdlab.runtime.disagg.roles import State
+from pdlab.runtime.disagg.transfer.nixl import available as nixl_available
+from pdlab.runtime.engine.loop import LLM
+from pdlab.runtime.engine.testing import LATENT, ToyModel, _load, _store, load_toy
+
+
+class KVSensitiveToy(ToyModel):
+    """The toy model with uniform attention over every stored row (plus the last row), so a single
+    missing, misplaced or corrupted KV row changes the logits (the toy's own attention is dominated
+    by each token's own row)."""
+
+    def forward(self, input_ids, positions, ctx):
+        ps = ctx.page_size
+        for layer, cache in enumerate(ctx.kv_caches):
+            _store(cache, ctx.slots, self.latent(input_ids, positions, layer), ctx.kv_scale)
+        out = []
+        for b in range(ctx.seqlens.shape[0]):
+            n = int(ctx.seqlens[b])
+            pages = ctx.block_table[b, : -(-n // ps)].long()
+            h = 0
+            for cache in ctx.kv_caches:
+                rows = _load(cache[pages].reshape(-1, LATENT)[:n], ctx.kv_scale)
+                w = torch.linspace(1.0, 2.0, n)  # position-weighted, so order matters too
+                h = h + rows[-1] + 3.0 * (w[:, None] * rows).sum(0) / w.sum()
+            out.append(h @ self.out * 4.0)
+        return torch.stack(out).float()
+
+
+_, TOK, CFG = load_toy()
+MODEL = KVSensitiveToy(CFG, seed=0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+def _settings(page=16, kv="auto", tokens=4096, chunk=32, **kw):
+    return dict(model=MODEL, tokenizer=TOK, model_config=CFG, device="cpu", page_size=page, kv_dtype=kv,
+                max_total_tokens=tokens, chunked_prefill_size=chunk, max_prefill_tokens=max(64, chunk), **kw)
+
+
+def _prompts(page=16, chunk=32):
+    # short, page-boundary lengths, longer than one prefill chunk
+    lens = [1, 3, page - 1, page, page + 1, 2 * page, chunk + 5, 3 * chunk + 7]
+    return [[(7 * i + 3 * n) % 256 for i in range(n)] for n in lens]
+
+
+def _colocated(prompts, params=GREEDY, **kw):
+    return [r["token_ids"] for r in LLM(**_settings(**kw)).generate(prompts, params)]
+
+
+def _free_pages(llm):
+    return llm.scheduler.pool.num_free_pages
+
+
+@pytest.fixture
+def disagg():
+    made = []
+
+    def make(prefill=None, decode=None, **kw):
+        d = DisaggLLM(prefill or _settings(), decode or _settings(), **kw)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+@pytest.mark.parametrize("transfer", ["local", "nixl"])
+def test_greedy_equals_colocated(disagg, transfer):
+    if transfer == "nixl" and not nixl_available()[0]:
+        pytest.skip(nixl_available()[1])
+    prompts = _prompts()
+    ref = _colocated(prompts)
+    d = disagg(transfer=transfer, layer_group_size=1)
+    out = d.generate(prompts, GREEDY)
+    assert [o["error"] for o in out] == [None] * len(prompts)
+    assert [o["token_ids"] for o in out] == ref
+    snap_d, snap_p = d.decode_role.metrics.snapshot(), d.prefill_role.metrics.snapshot()
+    assert snap_d["total"]["done"] == len(prompts) and snap_d["total"]["decoding"] == len(prompts)
+    assert snap_p["total"]["transferring"] == len(prompts) and snap_p["bytes_sent"] > 0
+    assert 'pdlab_disagg_requests{role="decode",state="done"} 8' in d.decode_role.metrics.prometheus()
+    d.decode.scheduler.check_invariants()
+    d.prefill.scheduler.check_invariants()
+    assert _free_pages(d.prefill) == d.prefill.scheduler.pool.allocator.capacity  # prefill released all
+
+
+def test_broken_transfer_changes_outputs(disagg, monkeypatch):
+    """Negative control: if pages land in the wrong place, the outputs differ (the check can fail)."""
+    prompts = _prompts()[4:]
+    ref = _colocated(prompts)
+    d = disagg()
+    real = d.prefill_role.transfer.send_pages
+
+    def shifted(peer, tid, src, dst, n, **kw):
+        return real(peer, tid, src[::-1], dst, n, **kw)
+
+    monkeypatch.setattr(d.prefill_role.transfer, "send_pages", shifted)
+    out = d.generate(prompts, GREEDY)
+    assert [o["token_ids"] for o in out] != ref
+
+
+def test_decode_retraction_page64_fp8(disagg):
+    """KV pressure on the decode server (page 64, fp8): retractions happen, nothing is lost, greedy
+    outputs equal a colocated run without pressure."""
+    prompts = [[(5 * i + n) % 256 for i in range(n)] for n in (60, 64, 65, 100, 30, 128, 70, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    ref = _colocated(prompts, params, page=64, kv="fp8", tokens=8192, chunk=64)
+    d = disagg(prefill=_settings(page=64, kv="fp8", tokens=8192, chunk=64),
+               decode=_settings(page=64, kv="fp8", tokens=512, chunk=64, decode_reserve_tokens=0,
+                                       max_context_len=256))
+    out = d.generate(prompts, params)
+    assert [o["error"] for o in out] == [None] * len(prompts)
+    assert [o["token_ids"] for o in out] == ref
+    assert d.decode.scheduler.num_retractions > 0
+    d.decode.scheduler.check_invariants()
+
+
+def test_dead_prefill_fails_request_frees_pages_others_flow(disagg):
+    d = disagg(transfer_timeout=1.0)
+
+    class DeadPrefill:  # took the request and the page ids, then died: never writes, never notifies
+        def submit(self, req, tid):
+            pass
+
+        def on_pages(self, tid, meta, pages):
+            pass
+
+        def abort(self, tid):
+            pass
+
+    d.link.prefills["dead"] = DeadPrefill()
+    prompts = _prompts()[:4]
+    ref = _colocated(prompts)
+    cap = d.decode.scheduler.pool.allocator.capacity
+    t0 = time.monotonic()
+    out = d.generate(prompts, GREEDY, prefill=["prefill-0", "dead", "prefill-0", "prefill-0"], timeout=20)
+    assert time.monotonic() - t0 < 10
+    assert out[1]["finish_reason"] == "error" and "sent no KV within 1.0 s" in out[1]["error"]
+    assert [out[i]["token_ids"] for i in (0, 2, 3)] == [ref[i] for i in (0, 2, 3)]
+    assert _free_pages(d.decode) == cap
+    d.decode.scheduler.check_invariants()
+    assert d.decode_role.metrics.snapshot()["total"]["failed"] == 1
+
+
+def test_unreachable_prefill_fails_fast(disagg):
+    d = disagg(transfer_timeout=30.0)
+    t0 = time.monotonic()
+    out = d.generate([[1, 2, 3]], GREEDY, prefill=["nowhere"], timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert "handing pages to the prefill server failed" in out[0]["error"]
+    assert _free_pages(d.decode) == d.decode.scheduler.pool.allocator.capacity
+
+
+def test_prefill_failure_is_reported_to_decode(disagg, monkeypatch):
+    d = disagg()
+
+    def boom(*a, **k):
+        raise ValueError("device lost")
+
+    monkeypatch.setattr(d.prefill_role.transfer, "send_pages", boom)
+    out = d.generate([[4, 5, 6]], GREEDY, timeout=20)
+    assert "prefill failed" in out[0]["error"] and "device lost" in out[0]["error"]
+    for side in (d.decode, d.prefill):
+        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
+
+
+def test_client_abort_frees_pages_on_both_sides(disagg):
+    d = disagg()
+    results = {}
+    long = [3] * 150  # several prefill chunks: still computing when the client goes away
+    tid = "abort-me"
+    d.decode_role.submit(Req(long, GREEDY, rid=tid), tid, "prefill-0", lambda out: results.setdefault("out", out))
+    d.prefill_role.submit(Req(long, GREEDY, rid=tid), tid)
+    for _ in range(3):
+        d.decode.loop.run_once()
+        d.prefill.loop.run_once()
+    time.sleep(0.05)
+    d.decode.loop.run_once()
+    assert d.decode_role.records[tid].state in (State.WAITING, State.TRANSFERRING, State.BOOTSTRAPPING)
+    d.decode_role.abort(tid)
+    deadline = time.monotonic() + 10
+    while "out" not in results and time.monotonic() < deadline:
+        d.decode.loop.run_once()
+        d.prefill.loop.run_once()
+        time.sleep(0.001)
+    assert results["out"].finished and results["out"].error == "client disconnected"
+    for _ in range(5):
+        d.prefill.loop.run_once()
+    for side in (d.decode, d.prefill):
+        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
+        side.scheduler.check_invariants()
+    assert d.prefill_role.records[tid].state is State.FAILED
+    # and the servers keep serving
+    assert d.generate([[1, 2]], GREEDY)[0]["token_ids"] == _colocated([[1, 2]])[0]
+
+
+def test_layout_mismatch_rejected_unless_converted(disagg):
+    prompts = _prompts()[:5]
+    d = disagg(prefill=_settings(page=16), decode=_settings(page=32))
+    out = d.generate(prompts[:1], GREEDY, timeout=20)
+    assert "KV layouts differ" in out[0]["error"] and "page_size 16" in out[0]["error"]
+    d2 = disagg(prefill=_settings(page=16), decode=_settings(page=32), convert=True)
+    assert [o["token_ids"] for o in d2.generate(prompts, GREEDY)] == _colocated(prompts)
