@@ -30,6 +30,8 @@ class _Plan:
 
 
 def _backend_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "fa2"
     major, _ = torch.cuda.get_device_capability(device)
     return "fa3" if major == 9 else "fa2"
 
