@@ -154,7 +154,9 @@ def nearest_entry(entries: Mapping[str, Mapping], backend: str | None,
     best, best_rank = None, None
     for label in sorted(entries):
         entry = entries[label]
-        if backend is not None and backend not in entry.get("backends", {}):
+        if backend is not None and (entry.get("backends", {}).get(backend) or {}).get("config") is None:
+            continue
+        if backend is None and not entry.get("backend"):
             continue
         d = bucket_distance(bucket, entry.get("bucket", {}))
         if math.isinf(d):

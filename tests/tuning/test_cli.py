@@ -1,0 +1,97 @@
+"""`tune`: the --arch gate (exit 2, one line), --dry-run without a GPU, a CPU run through the CLI, `tune show`."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdlab.kernels.arch import detect_arch
+from pdlab.tuning import command
+from pdlab.tuning.cli import main
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the gate tests expect a machine without GPU")
+
+
+@needs_cpu_only
+@pytest.mark.parametrize("sub", ["attention", "moe", "dispatch"])
+def test_arch_gate_exits_2_with_one_line(sub, capsys):
+    assert main([sub, "--arch", "sm100"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert "--arch sm100" in lines[0] and "this machine is cpu" in lines[0] and "--dry-run" in lines[0]
+    assert lines[0].startswith(f"tune {sub}:")
+
+
+@needs_cpu_only
+def test_arch_gate_without_arch_on_cpu(capsys):
+    assert main(["attention"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no GPU detected" in err[0] and "--dry-run" in err[0]
+
+
+def test_arch_gate_rule():
+    assert command.arch_gate("t", "sm90", "sm90", False) is None
+    assert command.arch_gate("t", "sm90a", "sm90", False) is None  # suffixes are one family
+    assert command.arch_gate("t", "sm103", "sm100", False) is None
+    assert "sm100" in command.arch_gate("t", "sm100", "sm90", False)
+    assert command.arch_gate("t", "sm100", "sm90", True) is None  # dry run never gated
+    assert command.arch_gate("t", None, "sm90", False) is None  # default: the detected arch
+
+
+@needs_cpu_only
+def test_gate_is_immediate_in_a_fresh_process():
+    code = "import sys; from pdlab.tuning.cli import main; sys.exit(main(['attention', '--arch', 'sm100']))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "optuna" not in res.stderr
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    command.add_common_arguments(p, ["toy_matmul"], "toy_matmul")
+    return p.parse_args(list(argv))
+
+
+def test_dry_run_prints_backends_spaces_buckets(toy, capsys):
+    assert command.run_tune("tune toy", _args("--arch", "sm100", "--dry-run"), ["toy_matmul"]) == 0
+    out = capsys.readouterr().out
+    assert "target arch sm100" in out and f"this machine: {detect_arch()}" in out
+    assert "sm100only" in out and "definitely_not_installed_pkg (not here)" in out
+    assert "tile: [64, 128]" in out and "BLOCK_K: [0, 4, 16, 64]" in out
+    assert "wide" not in out  # cpu-only backend is not searched on sm100
+    assert "2 buckets" in out and "m: 16, 64" in out
+    assert "grid" in out
+
+
+def test_dry_run_real_ops_without_gpu(capsys):
+    assert main(["attention", "--arch", "sm100", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mla_decode" in out and "96 buckets" in out
+    assert "batch: 1, 8, 32, 64, 128, 256" in out and "seqlen: 1024, 4096, 8192, 16384" in out
+    assert "heads: 16, 128" in out and "kv_dtype: bf16, fp8" in out
+    assert main(["moe", "--arch", "sm90", "--dry-run", "--only", "experts=64"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens_per_expert: 1, 4, 16, 64, 256, 1024, 2048" in out and "experts: 64" in out
+    assert main(["dispatch", "--arch", "sm90", "--dry-run"]) == 0
+    assert "tokens_per_rank" in capsys.readouterr().out
+
+
+def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
+    args = _args("--arch", "cpu", "--backends", "blocked", "--only", "m=16", "--repeats", "3", "--budget", "60s",
+                 "--storage", str(isolated / "t.db"), "--out", str(isolated / "out"), "--no-progress")
+    assert command.run_tune("tune toy", args, ["toy_matmul"]) == 0
+    out = capsys.readouterr().out
+    assert "geometric-mean speedup" in out
+    path = isolated / "configs" / "cpu" / "toy_matmul.json"
+    data = json.loads(path.read_text())
+    assert list(data["entries"]) == ["dtype=fp32,k=64,m=16"]
+    assert data["metadata"]["model_shape"]["hidden_size"] == 7168 and data["metadata"]["versions"]["torch"]
+    assert (isolated / "out" / "tuning.csv").exists() and (isolated / "out" / "plots" / "toy_matmul" / "speedup.png").exists()
+    assert main(["show"]) == 0
+    out = capsys.readouterr().out
+    assert "toy_matmul.json" in out and "used" in out and "blocked*" in out

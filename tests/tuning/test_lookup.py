@@ -1,0 +1,130 @@
+"""resolve_config: explicit > tuned (nearest bucket, user folder over shipped) > default; metadata rule."""
+
+import json
+import logging
+import math
+
+import pytest
+
+from pdlab.kernels import tuned
+from pdlab.tuning import store
+
+
+def _write(root, buckets_cfgs, device="cpu", versions=None, op="toy_matmul", backend="blocked"):
+    meta = {"device": device, "device_key": "cpu", "arch": "cpu",
+            "versions": versions if versions is not None else tuned.running_versions(["torch"])}
+    results = {}
+    for bucket, cfg in buckets_cfgs:
+        results.update(store.merge_bucket(bucket, {backend: store.backend_result(cfg, 1.0, 2.0)}))
+    return store.write_results(root, "cpu", op, meta, results)
+
+
+def test_space_declared_in_registry(toy):
+    from pdlab.kernels import registry
+    from pdlab.tuning.target import space_size
+
+    b = registry.get_backend("toy_matmul", "blocked")
+    assert space_size(b.config_space) == 8 and b.default_config == {"BLOCK_K": 4, "skip_last": False}
+    assert space_size(registry.get_backend("toy_matmul", "wide").config_space) == 84
+    assert space_size({}) == 1
+    target = toy.register()
+    assert [b.name for b in target.backends("cpu")] == ["blocked", "wide", "torch"]
+    assert [b.name for b in target.backends("sm100")] == ["blocked", "torch", "sm100only"]  # cuda runs on sm100
+    assert target.reference_backend().name == "torch"
+
+
+def test_explicit_wins_and_unknown_keys_rejected(toy, isolated):
+    _write(isolated / "configs", [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 128, "skip_last": False})])
+    cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": 16, "k": 256, "dtype": "fp32"},
+                                    explicit={"BLOCK_K": 32})
+    assert (cfg, src) == ({"BLOCK_K": 32, "skip_last": False}, "explicit")
+    with pytest.raises(ValueError, match="unknown config keys"):
+        tuned.resolve_config("toy_matmul", "blocked", {"m": 16}, explicit={"BLOCK_Q": 1})
+
+
+def test_nearest_bucket_and_out_of_range(toy, isolated):
+    root = isolated / "configs"
+    _write(root, [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 8, "skip_last": False}),
+                  ({"m": 256, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 32, "skip_last": False}),
+                  ({"m": 16, "k": 256, "dtype": "bf16"}, {"BLOCK_K": 128, "skip_last": False})])
+
+    def look(m, dtype="fp32", k=256):
+        cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": m, "k": k, "dtype": dtype})
+        return cfg["BLOCK_K"], src
+
+    assert look(16) == (8, "tuned:" + str(root / "cpu" / "toy_matmul.json"))
+    assert look(32)[0] == 8  # log2 distance 1 vs 3
+    assert look(128)[0] == 32  # 3 vs 1
+    assert look(64)[0] == 32  # 2 vs 2: tie goes to the larger bucket
+    assert look(1)[0] == 8  # below the range: nearest edge
+    assert look(1 << 20)[0] == 32  # above the range: nearest edge
+    assert look(4096, dtype="bf16")[0] == 128  # non-numeric keys must match exactly
+    assert look(16, dtype="fp8") == (4, "default")  # no comparable bucket: backend default
+    cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": 16, "k": 256})  # other key set
+    assert src == "default"
+    assert tuned.bucket_distance({"a": 4, "b": "x"}, {"a": 16, "b": "x"}) == 2
+    assert math.isinf(tuned.bucket_distance({"a": 4, "b": "x"}, {"a": 4, "b": "y"}))
+    assert tuned.resolve_backend("toy_matmul", {"m": 20, "k": 256, "dtype": "fp32"}) == "blocked"
+
+
+def test_user_folder_overrides_shipped(toy, isolated, monkeypatch):
+    shipped = isolated / "shipped"
+    _write(shipped, [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 32, "skip_last": False})])
+    monkeypatch.setattr(tuned, "SHIPPED_DIR", shipped)
+    bucket = {"m": 16, "k": 256, "dtype": "fp32"}
+    assert tuned.resolve_config("toy_matmul", "blocked", bucket) == (
+        {"BLOCK_K": 32, "skip_last": False}, "tuned:cpu/toy_matmul.json")
+    _write(isolated / "configs", [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 128, "skip_last": False})])
+    tuned.clear_cache()
+    cfg, src = tuned.resolve_config("toy_matmul", "blocked", bucket)
+    assert cfg["BLOCK_K"] == 128 and src.startswith("tuned:" + str(isolated / "configs"))
+
+
+def test_no_entry_default_logged_once(toy, isolated, caplog):
+    caplog.set_level(logging.INFO, logger="pdlab.tuned")
+    for m in (1, 2, 3):
+        cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": m, "k": 256, "dtype": "fp32"})
+        assert (cfg, src) == ({"BLOCK_K": 4, "skip_last": False}, "default")
+    msgs = [r for r in caplog.records if "no tuned config for toy_matmul[blocked]" in r.getMessage()]
+    assert len(msgs) == 1
+
+
+def test_metadata_other_device_skipped(toy, isolated, caplog):
+    bucket = {"m": 16, "k": 256, "dtype": "fp32"}
+    _write(isolated / "configs", [(bucket, {"BLOCK_K": 128, "skip_last": False})], device="NVIDIA H200")
+    caplog.set_level(logging.WARNING, logger="pdlab.tuned")
+    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    assert tuned.resolve_config("toy_matmul", "blocked", {**bucket, "m": 17})[1] == "default"
+    skips = [r for r in caplog.records if "tuned on 'NVIDIA H200'" in r.getMessage()]
+    assert len(skips) == 1  # warned once per file
+
+
+def test_metadata_other_versions_used_with_one_warning(toy, isolated, caplog):
+    bucket = {"m": 16, "k": 256, "dtype": "fp32"}
+    _write(isolated / "configs", [(bucket, {"BLOCK_K": 128, "skip_last": False})],
+           versions={"torch": "0.0.1", "triton": "0.0.2"})
+    caplog.set_level(logging.WARNING, logger="pdlab.tuned")
+    for m in (16, 17, 18):
+        cfg, src = tuned.resolve_config("toy_matmul", "blocked", {**bucket, "m": m})
+        assert cfg["BLOCK_K"] == 128 and src.startswith("tuned:")
+    warns = [r.getMessage() for r in caplog.records if "other versions" in r.getMessage()]
+    assert len(warns) == 1 and "torch 0.0.1 (tuned)" in warns[0] and "triton 0.0.2" in warns[0]
+
+
+def test_stale_or_broken_files_fall_back(toy, isolated, caplog):
+    bucket = {"m": 16, "k": 256, "dtype": "fp32"}
+    path = _write(isolated / "configs", [(bucket, {"BLOCK_K": 128, "skip_last": False})])
+    data = json.loads(path.read_text())
+    data["entries"][tuned.bucket_label(bucket)]["backends"]["blocked"]["config"]["GONE"] = 1
+    path.write_text(json.dumps(data))
+    caplog.set_level(logging.WARNING, logger="pdlab.tuned")
+    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    assert any("unknown config keys" in r.getMessage() for r in caplog.records)
+    path.write_text("{not json")
+    tuned.clear_cache()
+    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    data["format"] = 99
+    path.write_text(json.dumps(data))
+    tuned.clear_cache()
+    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    assert any("format 99" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,111 @@
+"""The search on CPU over the toy op: a real study end to end, failed trials, resume after a kill."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from pdlab.kernels import tuned
+from pdlab.tuning.models import DEEPSEEK_R1
+from pdlab.tuning.search import FAIL_REASON, study_name, tune_op
+
+HERE = Path(__file__).resolve().parent
+BUCKET = {"m": 16, "k": 64, "dtype": "fp32"}
+
+
+def _trials(storage, backend="blocked", bucket=BUCKET):
+    s = optuna.load_study(study_name=study_name("cpu", "toy_matmul", backend, bucket), storage=storage)
+    return s.get_trials(deepcopy=False)
+
+
+def test_small_study_writes_store_that_lookup_returns(toy, isolated):
+    storage = optuna.storages.InMemoryStorage()
+    root = isolated / "configs"
+    buckets = [{"m": 16, "k": 64, "dtype": "fp32"}, {"m": 64, "k": 64, "dtype": "fp32"}]
+    rep = tune_op(toy.register(), buckets, DEEPSEEK_R1, toy.settings(storage, 12, backends=["blocked", "wide"]),
+                  device=torch.device("cpu"), store_root=root, metadata=toy.metadata(), plot_dir=isolated / "plots")
+    # grid (8 configs) on blocked, TPE on wide (84 configs, capped at 12 trials)
+    blocked = [s for s in rep.studies if s.backend == "blocked"]
+    assert all(s.trials == 8 for s in blocked)
+    assert all(s.trials == 12 for s in rep.studies if s.backend == "wide")
+    for s in blocked:
+        assert s.config["skip_last"] is False and s.config["BLOCK_K"] > 0
+        assert s.time_ms > 0 and s.default_time_ms > 0
+    data = json.loads(rep.store_file.read_text())
+    assert rep.store_file == root / "cpu" / "toy_matmul.json"
+    assert set(data["entries"]) == {tuned.bucket_label(b) for b in buckets}
+    for b in buckets:
+        e = data["entries"][tuned.bucket_label(b)]
+        assert set(e["backends"]) == {"blocked", "wide"}
+        assert e["backend"] in ("blocked", "wide")
+        assert e["backends"]["wide"]["config"]["flip"] is False  # flip=True is a wrong result
+        r = e["backends"]["blocked"]
+        assert r["speedup"] == r["default_time_ms"] / r["time_ms"]
+        cfg, src = tuned.resolve_config("toy_matmul", "blocked", b)
+        assert cfg == r["config"] and src == f"tuned:{rep.store_file}"
+    assert data["metadata"]["device"] == "cpu" and data["format"] == tuned.FORMAT_VERSION
+    assert rep.geomean_speedup() > 0
+    assert (isolated / "plots" / "toy_matmul" / "speedup.png").stat().st_size > 1000
+    assert len(list((isolated / "plots" / "toy_matmul" / "history").glob("*.png"))) == 4
+
+
+def test_failed_trials_recorded_with_reason(toy, isolated):
+    storage = f"sqlite:///{isolated / 'tuning.db'}"
+    toy.run(storage, str(isolated / "configs"), 50)
+    trials = _trials(storage)
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    reasons = {(t.params["BLOCK_K"], t.params["skip_last"]): t.user_attrs[FAIL_REASON] for t in failed}
+    # BLOCK_K=0 "fails to compile" (2 configs); skip_last=True is a wrong result (3 more)
+    assert len(failed) == 5
+    assert all("compile error" in r for (bk, _), r in reasons.items() if bk == 0)
+    assert all(r.startswith("wrong result") for (bk, sl), r in reasons.items() if bk and sl)
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 3
+
+
+def test_budget_stops_search(toy, isolated, monkeypatch):
+    monkeypatch.setenv("TOY_DELAY", "0.2")  # a full grid would sleep >= 8 s (5 calls per trial)
+    storage = f"sqlite:///{isolated / 'tuning.db'}"
+    rep = tune_op(toy.register(), [BUCKET], DEEPSEEK_R1, toy.settings(storage, budget_s=0.3),
+                  device=torch.device("cpu"), store_root=None, metadata=toy.metadata())
+    assert 1 <= rep.studies[0].trials <= 3  # a started study runs at least one trial
+
+
+def test_resume_after_kill(toy, isolated):
+    storage = f"sqlite:///{isolated / 'tuning.db'}"
+    env = {**os.environ, "TOY_DELAY": "0.15", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(HERE / "toy.py"), storage, str(isolated / "configs"), "50"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        done = 0
+        while time.time() < deadline:
+            time.sleep(0.3)
+            try:
+                done = sum(t.state.is_finished() for t in _trials(storage))
+            except KeyError:  # study not created yet
+                continue
+            if done >= 3:
+                break
+        assert done >= 3, proc.stderr.read().decode() if proc.poll() is not None else "no progress"
+    finally:
+        proc.kill()
+        proc.wait()
+    before = _trials(storage)
+    assert len(before) < 8  # interrupted before the grid's end
+    assert not (isolated / "configs" / "cpu" / "toy_matmul.json").exists()  # nothing stored yet
+    env["TOY_DELAY"] = "0"
+    subprocess.run(cmd, env=env, check=True, timeout=120, capture_output=True)
+    after = _trials(storage)
+    assert [t.number for t in after[:len(before)]] == [t.number for t in before]  # continued, not restarted
+    assert len(after) >= 8 and all(t.state.is_finished() for t in after)
+    finished_first = {t.number for t in before if t.state.is_finished()}
+    assert all(after[n].datetime_start == before[n].datetime_start for n in finished_first)
+    interrupted = [t for t in after if t.user_attrs.get(FAIL_REASON, "").startswith("interrupted")]
+    assert len(interrupted) == sum(not t.state.is_finished() for t in before)
+    assert (isolated / "configs" / "cpu" / "toy_matmul.json").exists()

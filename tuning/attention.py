@@ -1,0 +1,135 @@
+"""`tune attention`: MLA decode (and prefill) buckets at a model's shapes, inputs built for the public
+ops `pdlab.attention.mla_decode` / `mla_prefill`.
+
+Buckets (the keys the ops pass to `resolve_config`):
+- mla_decode: batch {1, 8, 32, 64, 128, 256} × seqlen {1024, 4096, 8192, 16384} × heads {H/8 (TP8), H}
+  × kv_dtype {bf16, fp8}, q_len 1, page 64. seqlen = pages per sequence × page size.
+- mla_prefill: batch {1, 8} × q_len (new tokens per sequence) {256, 2048} × seqlen (cached prefix + new)
+  {q_len, q_len + 4096} × heads {H/8, H}, bf16 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from pdlab.bench.harness import cosine_error
+from pdlab.tuning.command import add_common_arguments, run_tune
+from pdlab.tuning.models import ModelShape
+from pdlab.tuning.target import TuneTarget, product, register_target
+
+PAGE = 64
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+DECODE_SEQLENS = (1024, 4096, 8192, 16384)
+KV_DTYPES = ("bf16", "fp8")
+
+
+def head_counts(model: ModelShape) -> list[int]:
+    """Heads per GPU at TP8 and TP1 (16 and 128 for DeepSeek-R1)."""
+    return sorted({max(1, model.num_heads // 8), model.num_heads})
+
+
+def decode_buckets(model: ModelShape) -> list[dict]:
+    return product({"batch": DECODE_BATCHES, "seqlen": DECODE_SEQLENS, "heads": head_counts(model),
+                    "kv_dtype": KV_DTYPES, "q_len": (1,)})
+
+
+def prefill_buckets(model: ModelShape) -> list[dict]:
+    out = []
+    for b in product({"batch": (1, 8), "q_len": (256, 2048), "prefix": (0, 4096), "heads": head_counts(model),
+                      "kv_dtype": ("bf16",)}):
+        prefix = b.pop("prefix")
+        out.append({**b, "seqlen": b["q_len"] + prefix})
+    return out
+
+
+class AttentionInputs:
+    """Tensors of one bucket: q, a paged cache (bf16, or fp8 bytes + kv_scale), block table, seqlens."""
+
+    def __init__(self, bucket: dict, model: ModelShape, device: torch.device, prefill: bool) -> None:
+        g = torch.Generator(device=device).manual_seed(1234)
+        B, H, S = bucket["batch"], bucket["heads"], bucket["seqlen"]
+        D = model.latent_dim
+        pages_per_seq = -(-S // PAGE)
+        P = B * pages_per_seq
+        kv = torch.randn(P, PAGE, D, generator=g, device=device, dtype=torch.bfloat16)
+        self.kv_scale = None
+        if bucket.get("kv_dtype") == "fp8":
+            from pdlab.attention import quantize_kv_fp8
+
+            self.kv_scale = float(kv.float().abs().amax()) / 448.0
+            kv = quantize_kv_fp8(kv, self.kv_scale)
+        self.kv_cache = kv
+        self.block_table = torch.randperm(P, generator=g, device=device).view(B, pages_per_seq).to(torch.int32)
+        self.seqlens = torch.full((B,), S, dtype=torch.int32, device=device)
+        self.scale = model.softmax_scale
+        if prefill:
+            n = bucket["q_len"]
+            self.q = torch.randn(B * n, H, D, generator=g, device=device, dtype=torch.bfloat16)
+            self.qo_indptr = torch.arange(0, B * n + 1, n, dtype=torch.int32, device=device)
+            self.max_q_len = n
+        else:
+            self.q = torch.randn(B, bucket.get("q_len", 1), H, D, generator=g, device=device,
+                                 dtype=torch.bfloat16)
+
+
+def _accepts(backend, bucket) -> bool:
+    opts = backend.options or {}
+    kv = opts.get("kv_dtypes")
+    if kv is not None and bucket.get("kv_dtype") not in kv:
+        return False
+    pages = opts.get("page_sizes")
+    if pages is not None and PAGE not in pages:
+        return False
+    q_lens = opts.get("q_lens")
+    return not (q_lens is not None and "batch" in bucket and bucket.get("q_len", 1) not in q_lens
+                and backend.op == "mla_decode")
+
+
+def _call_decode(backend: str, cfg: dict, x: AttentionInputs):
+    from pdlab.attention import mla_decode
+
+    return mla_decode(x.q, x.kv_cache, x.block_table, x.seqlens, x.scale, kv_scale=x.kv_scale, backend=backend,
+                      config=cfg)
+
+
+def _call_prefill(backend: str, cfg: dict, x: AttentionInputs):
+    from pdlab.attention import mla_prefill
+
+    return mla_prefill(x.q, x.kv_cache, x.block_table, x.seqlens, x.qo_indptr, x.scale, kv_scale=x.kv_scale,
+                       max_q_len=x.max_q_len, backend=backend, config=cfg)
+
+
+def _error(out, ref) -> float:
+    """Worse of FlashMLA's cosine measure on out and on lse."""
+    return max(cosine_error(out[0], ref[0]), cosine_error(out[1], ref[1]))
+
+
+def _tolerance(bucket) -> float:
+    # FlashMLA's bar for bf16; the fp8 cache holds the same bytes for every backend, so only the
+    # arithmetic differs, with a little more rounding in the dequantised products.
+    return 1e-5 if bucket.get("kv_dtype", "bf16") == "bf16" else 2e-5
+
+
+MLA_DECODE = register_target(TuneTarget(
+    op="mla_decode", description="MLA decode over the paged latent cache",
+    buckets=decode_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=False), call=_call_decode,
+    error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",),
+    bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
+
+MLA_PREFILL = register_target(TuneTarget(
+    op="mla_prefill", description="MLA extend/prefill over the paged latent cache",
+    buckets=prefill_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=True), call=_call_prefill,
+    error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",),
+    bucket_doc="batch × q_len (new tokens per sequence) × seqlen (prefix + new) × heads, bf16 cache, page 64"))
+
+OPS = ("mla_decode", "mla_prefill")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, OPS, "mla_decode")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_tune("tune attention", args, OPS)

@@ -1,0 +1,197 @@
+"""What `tune attention|moe|dispatch` share: flags, the `--arch` gate, `--dry-run`, the run and its summary."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from pdlab.kernels.arch import arch_family, detect_arch
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], default_op: str) -> None:
+    parser.add_argument("--op", default=default_op, help=f"op(s) to tune, comma-separated: {', '.join(ops)} "
+                        f"(default {default_op}; 'all' = every one)")
+    parser.add_argument("--arch", default=None, help="target arch (sm90, sm100, ..., cpu); default: this machine's "
+                        "GPU. Tuning must run on a device of that arch; see --dry-run")
+    parser.add_argument("--dry-run", action="store_true", help="print backends, config spaces and buckets that "
+                        "would be searched for --arch, without a GPU")
+    parser.add_argument("--model", default="deepseek-r1", help="model whose shapes set the buckets: a name "
+                        "(deepseek-r1, deepseek-v3) or an HF config.json (default deepseek-r1)")
+    parser.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
+                        help="keep buckets whose KEY is one of the values (repeatable), e.g. --only batch=1,64")
+    parser.add_argument("--backends", default=None, help="comma-separated backends to search (default: all that "
+                        "run here)")
+    parser.add_argument("--budget", default="10m", help="wall-time budget per op, e.g. 90s, 10m, 1h, none "
+                        "(default 10m)")
+    parser.add_argument("--bucket-budget", default=None, help="wall-time cap per bucket (all its backends); "
+                        "default: the op budget shared evenly over the buckets")
+    parser.add_argument("--trials", type=int, default=200, help="max trials per study (default 200)")
+    parser.add_argument("--sampler", default="auto", choices=["auto", "tpe", "grid", "random"],
+                        help="auto: grid when a space has <= 64 configs, else TPE")
+    parser.add_argument("--storage", default=None, help="optuna storage: a sqlite file path or an RDB URL "
+                        "(default ~/.cache/pdlab/tuning.db); rerunning resumes its studies")
+    parser.add_argument("--store", default=None, help="folder to write tuned configs into (default "
+                        "$PDLAB_CONFIG_DIR, else ~/.cache/pdlab/configs)")
+    parser.add_argument("--out", default=None, help="folder for the summary CSV/JSON and PNG plots (default "
+                        "bench/results/<device>/tuning)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="device to tune on (default cuda:current)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def parse_duration(text: str | None) -> float | None:
+    """'90s' / '10m' / '1.5h' / '300' (seconds) → seconds; None/'none'/'0' → None (no limit)."""
+    if text is None or str(text).lower() in ("none", "inf", "0", ""):
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smh]?)\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"duration {text!r}: write e.g. 90s, 10m, 1h or a number of seconds")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def parse_only(items: Sequence[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--only {item!r}: write KEY=V1,V2 (e.g. batch=1,64)")
+        k, v = item.split("=", 1)
+        out.setdefault(k.strip(), []).extend(x.strip() for x in v.split(",") if x.strip())
+    return out
+
+
+def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) -> str | None:
+    """The one-line refusal when this machine cannot tune for `requested`, else None."""
+    if dry_run:
+        return None
+    if requested is None:
+        if detected == "cpu":
+            return (f"{prog}: no GPU detected (this machine is cpu) and no --arch given; tuning measures kernels on "
+                    f"the target GPU — run it there, use --dry-run --arch sm90|sm100 to see the plan, or --arch cpu "
+                    f"for CPU backends")
+        return None
+    if arch_family(requested.lower()) != arch_family(detected):
+        return (f"{prog}: requested --arch {requested} but this machine is {detected}; tuning must run on a "
+                f"{requested} device — use --dry-run to see what would be searched")
+    return None
+
+
+def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=None) -> int:
+    """Body of `tune attention|moe|dispatch`: gate, then dry-run or search + store + report.
+    lockstep: in a multi-rank run (see tuning/dispatch.py), rank 0 searches, the others follow."""
+    detected = detect_arch(args.device) if args.device else detect_arch()
+    refusal = arch_gate(prog, args.arch, detected, args.dry_run)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    arch = (args.arch or detected).lower()
+    chosen = list(ops) if args.op == "all" else [o.strip() for o in args.op.split(",") if o.strip()]
+    bad = [o for o in chosen if o not in ops]
+    if bad:
+        print(f"{prog}: --op {','.join(bad)} is not tuned here; choose from {', '.join(ops)} or all", file=sys.stderr)
+        return 2
+    from pdlab.tuning.models import load_model_shape
+    from pdlab.tuning.target import filter_buckets, get_target
+
+    try:
+        model = load_model_shape(args.model)
+        only = parse_only(args.only)
+        budget = parse_duration(args.budget)
+        bucket_budget = parse_duration(args.bucket_budget)
+        plans = []
+        for op in chosen:
+            target = get_target(op)
+            plans.append((target, filter_buckets(target.buckets(model), only)))
+    except (ValueError, KeyError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from pdlab.tuning.dryrun import print_plan
+
+        print_plan(plans, arch, detected, model, args)
+        return 0
+    if lockstep is not None and lockstep.rank > 0:
+        return _follow(args, plans, model, arch, lockstep)
+    return _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep)
+
+
+def _settings(args, budget, bucket_budget):
+    from pdlab.tuning.search import SearchSettings, storage_url
+
+    return SearchSettings(storage=storage_url(args.storage), budget_s=budget, bucket_budget_s=bucket_budget,
+                          max_trials=args.trials, sampler=args.sampler, seed=args.seed, repeats=args.repeats,
+                          backends=args.backends.split(",") if args.backends else None,
+                          show_progress=not args.no_progress)
+
+
+def _device(args, arch):
+    import torch
+
+    return torch.device(args.device) if args.device else (
+        torch.device("cuda", torch.cuda.current_device()) if arch != "cpu" else torch.device("cpu"))
+
+
+def _follow(args, plans, model, arch, lockstep) -> int:
+    from pdlab.tuning.search import follow
+
+    settings = _settings(args, None, None)
+    for target, buckets in plans:
+        if buckets:
+            follow(target, model, settings, _device(args, arch), lockstep)
+    return 0
+
+
+def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None) -> int:
+    import pandas as pd
+    import torch
+
+    from pdlab.bench import report
+    from pdlab.kernels import tuned
+    from pdlab.kernels.arch import device_facts
+    from pdlab.tuning.search import tune_op
+
+    device = _device(args, arch)
+    facts = device_facts(device)
+    store_root = Path(args.store or os.environ.get(tuned.CONFIG_DIR_ENV) or
+                      Path.home() / ".cache" / "pdlab" / "configs").expanduser()
+    out_dir = Path(args.out) if args.out else report.default_out_dir("tuning")
+    settings = _settings(args, budget, bucket_budget)
+    meta = report.provenance(facts, {"device_key": facts.key, "versions": tuned.running_versions(),
+                                     "model": model.name, "model_shape": model.as_dict()})
+    rows, status = [], 0
+    for target, buckets in plans:
+        if not buckets:
+            print(f"{prog}: {target.op}: no bucket left after --only", file=sys.stderr)
+            status = 2
+            continue
+        try:
+            rep = tune_op(target, buckets, model, settings, device=device, store_root=store_root, metadata=meta,
+                          plot_dir=out_dir / "plots", lockstep=lockstep)
+        except (RuntimeError, ValueError) as exc:
+            print(f"{prog}: {target.op}: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        for s in rep.studies:
+            rows.append({"op": rep.op, "bucket": tuned.bucket_label(s.bucket), "backend": s.backend,
+                         "default_ms": s.default_time_ms, "tuned_ms": s.time_ms,
+                         "speedup": (s.default_time_ms / s.time_ms) if s.default_time_ms and s.time_ms else None,
+                         "trials": s.trials, "failed": s.failed, "config": str(s.config), "note": s.reason})
+        g = rep.geomean_speedup()
+        print(f"{rep.op}: {len(rep.winners())} buckets stored in {rep.store_file or '(nothing stored)'}; "
+              f"geometric-mean speedup over default {g:.3f}x; tuning took {rep.seconds:.1f} s"
+              if g else f"{rep.op}: nothing stored; tuning took {rep.seconds:.1f} s")
+        for bucket, backend, reason in rep.skipped:
+            if reason != "does not accept this bucket":
+                print(f"  skipped {backend} {tuned.bucket_label(bucket) if bucket else ''}: {reason}")
+    if rows:
+        df = pd.DataFrame(rows)
+        report.print_table(df, f"tuning on {facts.name}", [c for c in df.columns if c != "config"])
+        report.save(df, out_dir, "tuning", meta)
+        print(f"summary and plots in {out_dir}")
+    if not os.environ.get(tuned.CONFIG_DIR_ENV) and not args.store:
+        print(f"to use these configs: export {tuned.CONFIG_DIR_ENV}={store_root}")
+    return status

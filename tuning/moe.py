@@ -1,0 +1,127 @@
+"""`tune moe`: the expert runners (op `moe_experts`: gate_up → SiLU·mul → down) at a model's EP shapes,
+inputs built for the public op `pdlab.moe.experts.run_experts`.
+
+Buckets (the keys `run_experts` passes to `resolve_config`):
+  tokens_per_expert {1, 4, 16, 64, 256, 1024, 2048} (contiguous: rows / experts; masked: M_max)
+  × experts {E (EP1), E/4 (EP4)} local experts × layout {contiguous, masked (≤ 256 tokens per expert)}
+  × payload {nvfp4, bf16} (activations as dispatched), with hidden = H and inter = I of the model.
+NVFP4 weights are random (DeepSeek-R1 sizes by default), quantized once per shape and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from pdlab.bench.harness import cosine_error
+from pdlab.tuning.command import add_common_arguments, run_tune
+from pdlab.tuning.models import ModelShape
+from pdlab.tuning.target import TuneTarget, register_target
+
+TOKENS_PER_EXPERT = (1, 4, 16, 64, 256, 1024, 2048)
+MASKED_MAX_TPE = 256  # low-latency (masked) dispatch carries decode batches only
+EP_SIZES = (1, 4)
+PAYLOADS = ("nvfp4", "bf16")
+
+_WEIGHTS: dict[tuple, object] = {}
+
+
+def experts_buckets(model: ModelShape) -> list[dict]:
+    out = []
+    for ep in EP_SIZES:
+        for tpe in TOKENS_PER_EXPERT:
+            for layout in ("contiguous", "masked"):
+                if layout == "masked" and tpe > MASKED_MAX_TPE:
+                    continue
+                for payload in PAYLOADS:
+                    out.append({"tokens_per_expert": tpe, "experts": model.n_routed_experts // ep,
+                                "hidden": model.hidden_size, "inter": model.moe_intermediate_size,
+                                "layout": layout, "payload": payload})
+    return out
+
+
+def expert_weights(experts: int, hidden: int, inter: int, device: torch.device):
+    """Random ExpertWeights (bf16 quantized to NVFP4) of one shape, built once per process."""
+    key = (experts, hidden, inter, str(device))
+    if key not in _WEIGHTS:
+        from pdlab.moe.weights import ExpertWeights
+
+        _WEIGHTS.clear()  # one shape at a time: EP1 DeepSeek-R1 weights are ~28 GB with the bf16 copy
+        g = torch.Generator(device=device).manual_seed(7)
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(experts, hidden, inter, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+        _WEIGHTS[key] = ExpertWeights.from_bf16(w13, w2, quantize=True)
+    return _WEIGHTS[key]
+
+
+class ExpertInputs:
+    """One bucket: the dispatched layout (every expert full: tokens_per_expert rows each) and weights."""
+
+    def __init__(self, bucket: dict, model: ModelShape, device: torch.device) -> None:
+        from pdlab.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
+        from pdlab.moe.layouts import Contiguous, Masked
+
+        E, M, H = bucket["experts"], bucket["tokens_per_expert"], bucket["hidden"]
+        self.weights = expert_weights(E, H, bucket["inter"], device)
+        g = torch.Generator(device=device).manual_seed(11)
+        x = torch.randn(E * M, H, generator=g, device=device, dtype=torch.bfloat16)
+        payload = bucket["payload"]
+        extra = {}
+        if payload == "nvfp4":
+            gs = global_scale_from_amax(x.float().abs().amax()).to(device)
+            x, scales = quantize_nvfp4(x, gs)
+            extra = {"payload": "nvfp4", "scales": scales, "global_scale": gs}
+        elif payload != "bf16":
+            raise ValueError(f"payload {payload!r}: the tuner builds bf16 or nvfp4 activations")
+        if bucket["layout"] == "contiguous":
+            counts = torch.full((E,), M, dtype=torch.int32, device=device)
+            offsets = torch.arange(0, E * M + 1, M, dtype=torch.int32, device=device)
+            self.layout = Contiguous(hidden=x, counts=counts, offsets=offsets, **extra)
+        else:
+            extra = {k: (v.view(E, M, -1) if k == "scales" else v) for k, v in extra.items()}
+            self.layout = Masked(hidden=x.view(E, M, -1), masked_m=torch.full((E,), M, dtype=torch.int32,
+                                                                                  device=device), **extra)
+
+
+def _call(backend: str, cfg: dict, x: ExpertInputs):
+    from pdlab.moe.experts import run_experts
+
+    return run_experts(x.layout, x.weights, runner=backend, config=cfg)
+
+
+def _tensor(y) -> torch.Tensor:
+    return y.hidden if hasattr(y, "hidden") else y
+
+
+def _error(out, ref) -> float:
+    return cosine_error(_tensor(out), _tensor(ref))
+
+
+def _tolerance(bucket) -> float:
+    # Runners see the same NVFP4 weights (and activations); they differ in bf16 rounding of the
+    # SiLU·mul intermediate and accumulation order. A wrong tile/split-K config is off by O(1).
+    return 1e-3
+
+
+def _accepts(backend, bucket) -> bool:
+    opts = backend.options or {}
+    layouts, payloads = opts.get("layouts"), opts.get("payloads")
+    return (layouts is None or bucket["layout"] in layouts) and (payloads is None or bucket["payload"] in payloads)
+
+
+MOE_EXPERTS = register_target(TuneTarget(
+    op="moe_experts", description="MoE expert runners (gate_up → SiLU·mul → down)",
+    buckets=experts_buckets, build=lambda b, m, d: ExpertInputs(b, m, d), call=_call, error=_error,
+    tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",),
+    bucket_doc="tokens_per_expert × experts (EP1, EP4) × layout × payload at the model's hidden/inter"))
+
+OPS = ("moe_experts",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, OPS, "moe_experts")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_tune("tune moe", args, OPS)

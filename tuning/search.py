@@ -1,0 +1,524 @@
+"""The search: one optuna study per (device, op, backend, bucket), persisted in an RDB (sqlite) file.
+
+Per bucket: build the inputs once, run the reference backend once, then for every backend that
+runs on this device and accepts the bucket, ask/tell trials until the bucket's time share, the
+trial cap or the grid is used up. A trial = backend default config updated with the sampled knobs,
+called through the op's public function, compared with the reference output, then timed with
+`pdlab.bench.harness.bench`. A trial that fails to compile, runs out of memory/resources or gives
+a wrong result is told as TrialState.FAIL with the reason in `user_attrs["fail_reason"]`.
+After the search the best config is re-measured against the backend's default config (alternating
+A/B, best of the medians) and the faster of the two is stored with both times.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from pdlab.bench.harness import bench
+from pdlab.kernels import tuned
+from pdlab.kernels.registry import Backend
+from pdlab.tuning import store
+from pdlab.tuning.models import ModelShape
+from pdlab.tuning.target import TuneTarget, space_size
+
+GRID_MAX = 64  # spaces with at most this many configs are searched exhaustively
+FAIL_REASON = "fail_reason"
+
+log = logging.getLogger("pdlab.tuning")
+
+
+def default_storage() -> str:
+    """`sqlite:///<cache>/tuning.db` with <cache> = $PDLAB_CACHE_DIR or ~/.cache/pdlab."""
+    root = Path(os.environ.get("PDLAB_CACHE_DIR") or Path.home() / ".cache" / "pdlab")
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'tuning.db'}"
+
+
+def storage_url(text: str | None) -> str:
+    """An optuna storage URL from a CLI value: a URL as is, a file path as sqlite, None → default."""
+    if not text:
+        return default_storage()
+    if "://" in text:
+        return text
+    path = Path(text).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+@dataclass
+class SearchSettings:
+    """Knobs of one `tune` run. Times in seconds; budget is for the whole op, bucket_budget per
+    bucket (all backends of it); None = no limit."""
+
+    storage: Any  # optuna storage URL (sqlite:///file.db) or storage object
+    budget_s: float | None = 600.0
+    bucket_budget_s: float | None = None
+    max_trials: int = 200
+    sampler: str = "auto"  # auto | tpe | grid | random
+    seed: int = 0
+    warmup: int = 5
+    repeats: int = 30
+    max_seconds: float = 2.0  # per timing call
+    remeasure_rounds: int = 3
+    backends: Sequence[str] | None = None
+    show_progress: bool = True
+
+
+@dataclass
+class StudyResult:
+    backend: str
+    bucket: dict
+    study_name: str
+    trials: int
+    failed: int
+    best_config: dict | None
+    time_ms: float | None  # re-measured time of the stored config
+    default_time_ms: float | None
+    config: dict | None  # what is stored: best_config, or the default if it re-measured faster
+    history: list[tuple[int, float | None, str]] = field(default_factory=list)  # (number, value, state)
+    reason: str = ""  # why nothing was stored
+
+
+@dataclass
+class OpReport:
+    op: str
+    device: str
+    studies: list[StudyResult]
+    store_file: Path | None
+    seconds: float
+    skipped: list[tuple[dict, str, str]]  # (bucket, backend, reason)
+
+    def winners(self) -> list[tuple[dict, StudyResult]]:
+        """Per bucket the fastest stored backend result."""
+        best: dict[str, StudyResult] = {}
+        for s in self.studies:
+            if s.time_ms is None:
+                continue
+            key = tuned.bucket_label(s.bucket)
+            if key not in best or s.time_ms < best[key].time_ms:
+                best[key] = s
+        return [(s.bucket, s) for s in best.values()]
+
+    def geomean_speedup(self) -> float | None:
+        """Geometric mean over buckets of default_time / time of the winner's backend."""
+        xs = [s.default_time_ms / s.time_ms for _, s in self.winners() if s.default_time_ms and s.time_ms]
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def study_name(device_key: str, op: str, backend: str, bucket: Mapping) -> str:
+    return f"{device_key}|{op}|{backend}|{tuned.bucket_label(bucket)}"
+
+
+def tune_op(target: TuneTarget, buckets: list[dict], model: ModelShape, settings: SearchSettings, *,
+            device: torch.device, store_root: str | os.PathLike | None, metadata: Mapping,
+            plot_dir: str | os.PathLike | None = None, lockstep: "Lockstep | None" = None) -> OpReport:
+    """Tune every (bucket, backend) of `target` on `device`; write winners to `store_root` (merge).
+
+    lockstep: set on rank 0 of a multi-rank run (collective ops such as dispatch): every bucket and
+    measurement is announced to the other ranks, which run `follow` and measure in step."""
+    try:
+        return _tune_op(target, buckets, model, settings, device=device, store_root=store_root,
+                        metadata=metadata, plot_dir=plot_dir, lockstep=lockstep)
+    finally:
+        if lockstep is not None:
+            lockstep.send(("done",))
+
+
+def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, plot_dir, lockstep) -> OpReport:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    name, key, arch = tuned.device_identity(device)
+    backends = target.backends(arch)
+    if settings.backends:
+        unknown = set(settings.backends) - {b.name for b in backends}
+        if unknown:
+            raise ValueError(f"--backends {','.join(sorted(unknown))}: not a backend of {target.op} that runs on "
+                             f"{arch}; choose from {', '.join(b.name for b in backends) or 'none'}")
+        backends = [b for b in backends if b.name in settings.backends]
+    elif target.reference_output is None:  # the reference checks results; it is searched only when named
+        backends = [b for b in backends if not b.reference]
+    usable = [b for b in backends if b.unavailable_reason(arch) is None]
+    skipped = [({}, b.name, b.unavailable_reason(arch) or "") for b in backends if b not in usable]
+    if not usable:
+        raise RuntimeError(f"no backend of {target.op} can run on this {arch} device: "
+                           + "; ".join(f"{b}: {r}" for _, b, r in skipped) or "none registered")
+    ref_backend = target.reference_backend() if target.reference_output is None else None
+    t_start = time.perf_counter()
+    deadline = t_start + settings.budget_s if settings.budget_s else math.inf
+    results: list[StudyResult] = []
+    store_file = None
+    plan = [(bucket, [b for b in usable if target.accepts(b, bucket)]) for bucket in buckets]
+    for bucket, bs in plan:
+        skipped += [(bucket, b.name, "does not accept this bucket") for b in usable if b not in bs]
+    total = sum(len(bs) for _, bs in plan)
+    with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
+        for i, (bucket, bs) in enumerate(plan):
+            now = time.perf_counter()
+            if now >= deadline:
+                skipped += [(bucket, b.name, "op budget used up") for b in bs]
+                bar.advance(len(bs))
+                continue
+            share = (deadline - now) / (len(plan) - i) if math.isfinite(deadline) else math.inf
+            bucket_deadline = now + min(share, settings.bucket_budget_s or math.inf)
+            if not bs:
+                continue
+            if lockstep is not None:
+                lockstep.send(("bucket", bucket))
+            try:
+                inputs, ref = _inputs_and_reference(target, ref_backend, bucket, model, device)
+            except Exception as exc:
+                reason = f"inputs/reference failed: {_describe(exc)}"
+                log.warning("%s %s: %s", target.op, tuned.bucket_label(bucket), reason)
+                skipped += [(bucket, b.name, reason) for b in bs]
+                bar.advance(len(bs))
+                _free(device)
+                continue
+            per_backend = {}
+            for j, backend in enumerate(bs):
+                now = time.perf_counter()
+                backend_deadline = now + (bucket_deadline - now) / (len(bs) - j)
+                res = run_study(target, backend, bucket, inputs, ref, settings, device=device,
+                                device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep)
+                results.append(res)
+                if res.config is not None:
+                    per_backend[backend.name] = store.backend_result(
+                        res.config, res.time_ms, res.default_time_ms, res.trials, res.failed, res.study_name)
+                bar.advance(1)
+            del inputs, ref
+            _free(device)
+            if per_backend and store_root is not None:
+                store_file = store.write_results(store_root, key, target.op, metadata,
+                                                 store.merge_bucket(bucket, per_backend))
+    report = OpReport(target.op, name, results, store_file, time.perf_counter() - t_start, skipped)
+    if plot_dir is not None and results:
+        from pdlab.tuning import plots
+
+        plots.plot_report(report, plot_dir)
+    return report
+
+
+def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any, ref: Any,
+              settings: SearchSettings, *, device: torch.device, device_key: str, deadline: float,
+              bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None) -> StudyResult:
+    """Search `backend`'s config space on one bucket until `deadline` (perf_counter), the trial
+    cap or the grid's end; then re-measure best vs default. Resumes a study of the same name."""
+    import optuna
+    from optuna.trial import TrialState
+
+    space = {k: list(v) for k, v in backend.config_space.items()}
+    name = study_name(device_key, target.op, backend.name, bucket)
+    sampler = _sampler(space, settings)
+    study = optuna.create_study(study_name=name, storage=_storage(settings.storage), direction="minimize",
+                                sampler=sampler, load_if_exists=True)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        # left RUNNING by an interrupted run (killed, or the config crashed the process)
+        study._storage.set_trial_user_attr(t._trial_id, FAIL_REASON, "interrupted (run killed mid-trial)")
+        study.tell(t.number, state=TrialState.FAIL)
+    if not study.trials and backend.default_config and not isinstance(sampler, optuna.samplers.GridSampler):
+        study.enqueue_trial(_encode(backend.config(), space))
+    grid = isinstance(sampler, optuna.samplers.GridSampler)
+    seen: dict[str, float] = {_key(t.params): t.value for t in study.trials if t.state == TrialState.COMPLETE}
+    limit = min(settings.max_trials, space_size(space)) if grid or not space else settings.max_trials
+    tol = target.tolerance(bucket)
+    first = True  # a started study runs at least one trial, even past its deadline
+    while first or time.perf_counter() < deadline:
+        first = False
+        done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
+        if len(done) >= limit or (grid and sampler.is_exhausted(study)):
+            break
+        trial = study.ask()
+        params = {k: trial.suggest_categorical(k, _choices(v)) for k, v in space.items()}
+        cfg = backend.config(_decode(params, space))
+        k = _key(trial.params)
+        if k in seen:  # TPE re-proposes configs in small spaces: reuse the measurement
+            trial.set_user_attr("repeat_of_config", True)
+            study.tell(trial, seen[k])
+            continue
+        time_ms, reason = measure(target, backend.name, cfg, inputs, ref, tol, settings, device, lockstep)
+        if time_ms is None:
+            trial.set_user_attr(FAIL_REASON, reason)
+            study.tell(trial, state=TrialState.FAIL)
+        else:
+            seen[k] = time_ms
+            study.tell(trial, time_ms)
+        if bar is not None:
+            best = _best(study)
+            bar.note(f"{backend.name} {tuned.bucket_label(bucket)}  trial {trial.number}  "
+                     f"best {best:.4g} ms" if best is not None else f"{backend.name} trial {trial.number}: no valid config yet")
+    trials = study.get_trials(deepcopy=False)
+    history = [(t.number, t.value, t.state.name) for t in trials]
+    failed = sum(t.state == TrialState.FAIL for t in trials)
+    res = StudyResult(backend.name, dict(bucket), name, len(trials), failed, None, None, None, None, history)
+    if _best(study) is None:
+        res.reason = "no trial produced a correct result"
+        return res
+    res.best_config = backend.config(_decode(study.best_trial.params, space))
+    default = backend.config()
+    t_best, t_def = remeasure(target, backend.name, res.best_config, default, inputs, ref, tol, settings, device,
+                              lockstep)
+    if t_best is None and t_def is None:
+        res.reason = "re-measurement failed"
+        return res
+    res.default_time_ms = t_def
+    if t_def is not None and (t_best is None or t_def <= t_best):
+        res.config, res.time_ms = default, t_def
+    else:
+        res.config, res.time_ms = res.best_config, t_best
+    return res
+
+
+def measure(target: TuneTarget, backend: str, cfg: dict, inputs: Any, ref: Any, tol: float,
+            settings: SearchSettings, device: torch.device, lockstep: "Lockstep | None" = None
+            ) -> tuple[float | None, str]:
+    """(median ms, "") for a config that runs and matches the reference, else (None, reason).
+    With `lockstep` (rank 0 of a multi-rank run) the other ranks measure the same config in step."""
+    if lockstep is not None:
+        lockstep.send(("measure", backend, cfg, tol))
+    return _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
+
+
+def _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep) -> tuple[float | None, str]:
+    reason = ""
+    try:
+        out = target.call(backend, cfg, inputs)
+        _sync(device)
+        err = float(target.error(out, ref))
+        del out
+    except Exception as exc:  # compile errors, out of resources, shape rejections, OOM
+        _free(device)
+        err, reason = math.inf, _describe(exc)
+    if not math.isfinite(err):
+        err = math.inf
+    if lockstep is not None:  # every rank takes the same branch: fail if any rank failed
+        worst = lockstep.reduce_max(err)
+        if worst > err and not reason:
+            reason = f"wrong result or error on another rank (worst error {worst:.3g})"
+        err = worst
+    if not err <= tol:
+        return None, reason or f"wrong result: error {err:.3g} > tolerance {tol:.3g}"
+    try:
+        timing = bench(lambda: target.call(backend, cfg, inputs), device=device, warmup=settings.warmup,
+                       repeats=settings.repeats,
+                       max_seconds=math.inf if lockstep is not None else settings.max_seconds,
+                       cuda_graph=target.cuda_graph and device.type == "cuda")
+        return timing.median_ms, ""
+    except Exception as exc:
+        _free(device)
+        return None, _describe(exc)
+
+
+def remeasure(target: TuneTarget, backend: str, best: dict, default: dict, inputs: Any, ref: Any, tol: float,
+              settings: SearchSettings, device: torch.device, lockstep: "Lockstep | None" = None
+              ) -> tuple[float | None, float | None]:
+    """Best vs default in the same run, alternating, min of the medians: (best_ms, default_ms)."""
+    tb, td = [], []
+    for _ in range(max(1, settings.remeasure_rounds)):
+        for cfg, acc in ((best, tb), (default, td)):
+            t, _ = measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
+            if t is not None:
+                acc.append(t)
+        if best == default:
+            td = list(tb)
+            break
+    return (min(tb) if tb else None), (min(td) if td else None)
+
+
+class Lockstep:
+    """Rank 0 announces each step (bucket, measurement, done) to the other ranks of the default
+    process group; all ranks then run the same collective calls in the same order."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def send(self, msg: tuple) -> None:
+        self.dist.broadcast_object_list([msg], src=0)
+
+    def recv(self) -> tuple:
+        box = [None]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def reduce_max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+
+def follow(target: TuneTarget, model: ModelShape, settings: SearchSettings, device: torch.device,
+           lockstep: Lockstep) -> None:
+    """The loop of ranks > 0 in a multi-rank tuning run: build what rank 0 builds, measure what it
+    measures, until it says done."""
+    ref_backend = target.reference_backend() if target.reference_output is None else None
+    inputs = ref = None
+    while True:
+        msg = lockstep.recv()
+        if msg[0] == "done":
+            return
+        if msg[0] == "bucket":
+            inputs = ref = None
+            _free(device)
+            try:
+                inputs, ref = _inputs_and_reference(target, ref_backend, msg[1], model, device)
+            except Exception as exc:  # rank 0 fails the same way and skips the bucket
+                log.warning("rank %d: inputs for %s failed: %s", lockstep.rank, msg[1], _describe(exc))
+        elif msg[0] == "measure":
+            _, backend, cfg, tol = msg
+            _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
+
+
+def _inputs_and_reference(target: TuneTarget, ref_backend: Backend | None, bucket: Mapping, model: ModelShape,
+                          device: torch.device) -> tuple[Any, Any]:
+    inputs = target.build(bucket, model, device)
+    if target.reference_output is not None:
+        ref = target.reference_output(inputs)
+    else:
+        ref = target.call(ref_backend.name, ref_backend.config(), inputs)
+    _sync(device)
+    return inputs, ref
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _sampler(space: Mapping[str, list], settings: SearchSettings):
+    import optuna
+
+    kind = settings.sampler
+    if kind == "auto":
+        kind = "grid" if space and space_size(space) <= GRID_MAX else "tpe"
+    if kind == "grid" and space:
+        return _Grid({k: _choices(v) for k, v in space.items()}, seed=settings.seed)
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=settings.seed)
+    if kind in ("tpe", "grid"):
+        return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=min(10, max(2, settings.max_trials // 5)))
+    raise ValueError(f"--sampler {settings.sampler!r}: choose auto, tpe, grid or random")
+
+
+_STORAGES: dict[str, Any] = {}
+
+
+def _storage(spec):
+    """One optuna storage object per URL for the whole run (opening an RDB checks its schema: slow).
+    An optuna storage object (e.g. InMemoryStorage) passes through."""
+    if not isinstance(spec, str):
+        return spec
+    if spec not in _STORAGES:
+        import optuna
+
+        _STORAGES[spec] = optuna.storages.RDBStorage(spec)
+    return _STORAGES[spec]
+
+
+def _grid_class():
+    import optuna
+
+    class Grid(optuna.samplers.GridSampler):
+        """GridSampler for ask/tell: the search loop checks `is_exhausted` itself (the stock
+        `after_trial` calls `study.stop()`, which only works inside `study.optimize`)."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            pass
+
+    return Grid
+
+
+def _Grid(space, seed):
+    return _grid_class()(space, seed=seed)
+
+
+def _primitive(v: object) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _choices(values: list) -> list:
+    """Values optuna can store: primitives as they are, anything else by its index as text."""
+    return list(values) if all(_primitive(v) for v in values) else [f"#{i}" for i in range(len(values))]
+
+
+def _decode(params: Mapping[str, Any], space: Mapping[str, list]) -> dict:
+    out = {}
+    for k, v in params.items():
+        values = space.get(k, [])
+        out[k] = values[int(v[1:])] if not all(_primitive(x) for x in values) else v
+    return out
+
+
+def _encode(cfg: Mapping[str, Any], space: Mapping[str, list]) -> dict:
+    out = {}
+    for k, values in space.items():
+        if k in cfg:
+            out[k] = cfg[k] if all(_primitive(x) for x in values) else f"#{values.index(cfg[k])}"
+    return out
+
+
+def _key(params: Mapping) -> str:
+    return repr(sorted(params.items()))
+
+
+def _best(study) -> float | None:
+    try:
+        return study.best_value
+    except ValueError:
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory: {first[:200]}"
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _Progress:
+    """A rich progress bar over the studies of one op, with the current study's best time."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        self.total, self.description, self.enabled = total, description, enabled
+        self._bar = self._task = None
+
+    def __enter__(self) -> "_Progress":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[note]}"))
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.description, total=self.total, note="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, advance=n)
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, note=text)

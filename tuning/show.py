@@ -1,0 +1,86 @@
+"""`tune show`: the tuned-config files this machine would read, whether each is used (metadata rule),
+and their entries."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdlab.kernels import tuned
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", default=None, help="only this op (e.g. mla_decode)")
+    parser.add_argument("--device", default=None, help="device whose files to show (default: this machine's)")
+    parser.add_argument("--all-devices", action="store_true", help="also list files of other devices")
+
+
+def file_status(path, device_name: str) -> str:
+    """'used', 'used (versions differ: ...)' or 'skipped: <why>' for one store file."""
+    try:
+        data = tuned.read_store(path)
+    except (OSError, ValueError) as exc:
+        return f"skipped: {exc}"
+    meta = data["metadata"]
+    if data.get("format") != tuned.FORMAT_VERSION:
+        return f"skipped: format {data.get('format')!r} (this pdlab reads {tuned.FORMAT_VERSION})"
+    if meta.get("device") != device_name:
+        return f"skipped: tuned on {meta.get('device')!r}, this device is {device_name!r}"
+    recorded = meta.get("versions", {})
+    now = tuned.running_versions(list(recorded))
+    diff = [f"{k} {v}→{now.get(k)}" for k, v in sorted(recorded.items()) if now.get(k) != v]
+    return "used" + (f" (versions differ: {', '.join(diff)})" if diff else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    name, key, arch = tuned.device_identity(args.device)
+    console = Console(width=160)
+    console.print(f"device {name} ({arch}), key {key}; roots searched in order: "
+                  + ", ".join(str(r) for r in tuned.config_roots()))
+    found = 0
+    for root in tuned.config_roots():
+        if not root.is_dir():
+            continue
+        for dev_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            if dev_dir.name != key and not args.all_devices:
+                continue
+            for path in sorted(dev_dir.glob("*.json")):
+                op = path.stem
+                if args.op and op != args.op:
+                    continue
+                found += 1
+                status = file_status(path, name)
+                try:
+                    data = tuned.read_store(path)
+                except (OSError, ValueError):
+                    console.print(f"[red]{path}: {status}[/red]")
+                    continue
+                meta = data["metadata"]
+                table = Table(title=f"{path} — {status}\n{meta.get('date', '?')}, model {meta.get('model', '?')}, "
+                              f"{meta.get('command', '')}", title_justify="left")
+                for col in ("bucket", "backend", "config", "tuned ms", "default ms", "speedup"):
+                    table.add_column(col)
+                for label in sorted(data["entries"]):
+                    e = data["entries"][label]
+                    for bname, r in sorted(e.get("backends", {}).items()):
+                        win = "*" if bname == e.get("backend") else ""
+                        table.add_row(label, bname + win, ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items()),
+                                      _f(r.get("time_ms")), _f(r.get("default_time_ms")), _f(r.get("speedup"), "x"))
+                console.print(table)
+    if not found:
+        console.print(f"no tuned-config files for {key}" + (f" and op {args.op}" if args.op else "")
+                      + ": every op runs its backend's default config")
+    console.print("* = fastest backend of the bucket. Lookup: nearest bucket by Σ|log2 ratio| over numeric keys, "
+                  "non-numeric keys equal; the first root with a match wins.", style="dim")
+    return 0
+
+
+def _f(v, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:.4g}{suffix}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run(argparse.Namespace(op=None, device=None, all_devices=True)))
