@@ -42,13 +42,6 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor(ids)[None]).logits[0].float()
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt):]
-
-
 def _checkpoint(tmp_path, dtype, *, yarn: bool, q_lora: bool, seed: int):
     from transformers import DeepseekV3ForCausalLM
 
@@ -107,31 +100,62 @@ def test_matches_transformers(tmp_path, dtype, yarn, q_lora, tol):
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
     prefill, steps, generated = _run_pdlab(model, cfg, prompts, dtype)
 
-    for b, prompt in enumerate(prompts):
-        err = _rel_err(prefill[b], _hf_logits(hf, prompt))
-        assert err < tol, f"prefill logits of prompt {b} differ from transformers: rel err {err:.2e} >= {tol}"
-    for s, lg in enumerate(steps):
-        for b, prompt in enumerate(prompts):
-            ref = _hf_logits(hf, prompt + generated[b][: s + 1])[-1]
-            err = _rel_err(lg[b], ref)
-            assert err < tol, f"decode step {s + 1}, sequence {b}: rel err {err:.2e} >= {tol}"
     full = 0
     for b, prompt in enumerate(prompts):
-        ref_tokens = _hf_greedy(hf, prompt, NEW_TOKENS)
-        i = next((i for i, (x, y) in enumerate(zip(generated[b], ref_tokens)) if x != y), None)
+        # one causal forward over prompt + generated gives transformers' logits for the prompt and
+        # for every decode step on the same prefix (teacher forcing on pdlab's tokens)
+        ref = _hf_logits(hf, prompt + generated[b])
+        n = len(prompt)
+        err = _rel_err(prefill[b], ref[:n])
+        assert err < tol, f"prefill logits of prompt {b} differ from transformers: rel err {err:.2e} >= {tol}"
+        ours = [prefill[b][-1]] + [lg[b] for lg in steps]  # logits that chose generated[b][i]
+        for i, lg in enumerate(ours[1:], start=1):
+            err = _rel_err(lg, ref[n - 1 + i])
+            assert err < tol, f"decode step {i}, sequence {b}: rel err {err:.2e} >= {tol}"
+        # transformers' greedy choice after pdlab's first i tokens is argmax(ref[n - 1 + i]); while
+        # the prefixes agree, that is transformers' own greedy sequence
+        ref_choice = [int(ref[n - 1 + i].argmax()) for i in range(NEW_TOKENS)]
+        i = next((i for i in range(NEW_TOKENS) if generated[b][i] != ref_choice[i]), None)
         if i is None:
             full += 1
             continue
         assert dtype != torch.float32, f"greedy tokens of sequence {b} differ at step {i}"
         # bf16: a divergence is allowed only at a tie at bf16 precision: the reference's top-2 gap is
         # below twice the largest logit difference between the two models on that same prefix (then
-        # a difference within the tolerance above can flip the argmax; otherwise it cannot).
-        ref = _hf_logits(hf, prompt + ref_tokens[:i])[-1]
-        ours = prefill[b][-1] if i == 0 else steps[i - 1][b]
-        top2 = ref.topk(2).values
-        gap, diff = float(top2[0] - top2[1]), float((ours - ref).abs().max())
+        # a difference within the tolerance can flip the argmax; otherwise it cannot).
+        top2 = ref[n - 1 + i].topk(2).values
+        gap, diff = float(top2[0] - top2[1]), float((ours[i] - ref[n - 1 + i]).abs().max())
         assert gap < 2 * diff, (f"greedy tokens of sequence {b} differ at step {i} ({generated[b][i]} vs "
-                                f"{ref_tokens[i]}) though the top-2 gap {gap:.3f} exceeds 2·max|Δlogit| {2 * diff:.3f}")
+                                f"{ref_choice[i]}) though the top-2 gap {gap:.3f} exceeds 2·max|Δlogit| {2 * diff:.3f}")
         print(f"sequence {b}: bf16 tie at step {i} (top-2 gap {gap:.3f} < 2·max|Δlogit| {2 * diff:.3f})")
-    # with this fixed seed at least one bf16 sequence (all fp32 ones) match for all NEW_TOKENS tokens
+    # with this fixed seed every fp32 sequence and at least one bf16 sequence match for all NEW_TOKENS
     assert full >= (len(prompts) if dtype == torch.float32 else 1)
+
+
+def test_fault_injection_is_detected(tmp_path):
+    """The comparison is sharp: a wrong rope layout, softmax scale or W_UK split shows up far above 1e-4."""
+    hf, path = _checkpoint(tmp_path, torch.float32, yarn=True, q_lora=True, seed=3)
+    model, _, cfg = load_model(path, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    prompt = torch.randint(2, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = _hf_logits(hf, prompt)
+
+    def err() -> float:
+        kv = PagedKV(cfg.num_hidden_layers, num_pages=4, dtype=torch.float32)
+        ctx, pos = kv.step({0: len(prompt)}, is_decode=False, logits_all=True)
+        return _rel_err(model(torch.tensor(prompt), pos, ctx), ref)
+
+    assert err() < 1e-4
+    rotary = model.model.rotary_emb
+    rotary.interleave = False
+    assert err() > 1e-2, "a non-interleaved rope went unnoticed"
+    rotary.interleave = True
+    attn = [layer.self_attn for layer in model.model.layers]
+    for a in attn:
+        a.softmax_scale /= cfg.rope.softmax_mscale ** 2
+    assert err() > 1e-2, "a softmax scale without YaRN's mscale² went unnoticed"
+    for a in attn:
+        a.softmax_scale *= cfg.rope.softmax_mscale ** 2
+    assert err() < 1e-4
+    a = attn[1]
+    a.w_uk = a.w_uk.roll(1, dims=0)  # heads' W_UK shifted by one
+    assert err() > 1e-2, "a mis-assigned W_UK went unnoticed"
