@@ -239,7 +239,8 @@ class DispatchHandle:
     out_dtype: torch.dtype
     expected_shape: tuple[int, ...]
     state: Any = None
-    bytes_sent: int = 0  # dispatch bytes this rank put on the wire (0 for local)
+    bytes_sent: int = 0  # dispatch bytes this rank put on the wire to other ranks (0 for local)
+    bytes_back: int = 0  # combine bytes this rank will send back to other ranks
 
 
 class BaseDispatcher(ABC):
@@ -371,9 +372,10 @@ class BaseDispatcher(ABC):
     def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor: ...
 
     def _handle(self, mode: str, layout: Layout, T: int, out_dtype: torch.dtype, state: Any,
-                bytes_sent: int = 0) -> DispatchHandle:
+                bytes_sent: int = 0, bytes_back: int = 0) -> DispatchHandle:
         shape = tuple(layout.hidden.shape[:-1]) + (self.hidden_size,)
-        return DispatchHandle(mode, LAYOUT_OF_MODE[mode], T, self.hidden_size, out_dtype, shape, state, bytes_sent)
+        return DispatchHandle(mode, LAYOUT_OF_MODE[mode], T, self.hidden_size, out_dtype, shape, state, bytes_sent,
+                              bytes_back)
 
     def describe(self) -> str:
         return (f"{self.name}(mode={self.mode}, rank {self.rank}/{self.world_size}, "

@@ -140,7 +140,8 @@ class DeepEPDispatcher(BaseDispatcher):
         # DeepEP hands back local expert ids (-1: another rank's expert)
         layout, exp = expand(recv, recv_idx, recv_w, 0, self.num_local_experts, "normal")
         sent = int(in_rank.sum()) * tokens.row_bytes() if T else 0
-        return layout, self._handle("normal", layout, T, out_dtype, _NormalState(exp, handle, recv_w), sent)
+        back = exp.num_rows * H * 2
+        return layout, self._handle("normal", layout, T, out_dtype, _NormalState(exp, handle, recv_w), sent, back)
 
     def _dispatch_ll(self, tokens, topk_idx, topk_weights, out_dtype):
         T, H = topk_idx.shape[0], self.hidden_size
@@ -164,8 +165,9 @@ class DeepEPDispatcher(BaseDispatcher):
             layout = Masked(packed, masked_m, "nvfp4", scales, tokens.global_scale)
         # every (token, expert) pair travels on its own in DeepEP's low-latency kernels
         sent = T * topk_idx.shape[1] * tokens.row_bytes()
+        back = T * topk_idx.shape[1] * H * 2  # no host sync here: each (token, expert) row comes back once
         return layout, self._handle("low_latency", layout, T, out_dtype,
-                                    _LowLatencyState(handle, topk_idx, topk_weights), sent)
+                                    _LowLatencyState(handle, topk_idx, topk_weights), sent, back)
 
     # --- combine ------------------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ class NcclDispatcher(BaseDispatcher):
         row_bytes += pad
         num_chunks = max(1, min(int(self.config["num_chunks"]), max(T, 1)))
         bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
-        chunks, received, sent_rows = [], [], 0
+        chunks, received, sent_rows, back_rows = [], [], 0, 0
         for t0, t1 in zip(bounds[:-1], bounds[1:]):
             pairs = in_rank[t0:t1].t().nonzero()  # (rank, token) sorted rank-major
             send_token = pairs[:, 1] + t0
@@ -90,13 +90,15 @@ class NcclDispatcher(BaseDispatcher):
             chunks.append(_Chunk(send_token, splits[0], splits[1]))
             received.append(recv)
             sent_rows += sum(splits[0]) - splits[0][self.rank]
+            back_rows += sum(splits[1]) - splits[1][self.rank]
         recv = received[0] if len(received) == 1 else torch.cat(received)
         recv_tokens, recv_ids, recv_w = self._unpack(recv, tokens, k)
         layout, exp = expand(recv_tokens, recv_ids, recv_w, self.expert_start, self.num_local_experts, mode,
                              self.max_m())
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
+        back_bytes = back_rows * self.hidden_size * self.combine_dtype.itemsize
         return layout, self._handle(mode, layout, T, out_dtype, _State(exp, chunks, row_bytes),
-                                    bytes_sent=sent_rows * row_bytes)
+                                    bytes_sent=sent_rows * row_bytes, bytes_back=back_bytes)
 
     @staticmethod
     def _wire_parts(tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> list[torch.Tensor]:

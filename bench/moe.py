@@ -1,0 +1,331 @@
+"""`bench moe`: the MoE layer stage by stage — route, quantize, dispatch, experts, combine — at
+DeepSeek-R1 shapes (256 experts, top-8, hidden 7168, intermediate 2048, groups 8/4) by default.
+
+    bench moe --dispatch nvfp4                      # one GPU: local dispatch, best runner
+    bench moe --ep 2 --dispatcher nccl --dispatch bf16,fp8,nvfp4 --mode normal --tokens 4096
+    bench moe --ep 4 --mode both --tokens 4096 --ll-tokens 128
+
+`--ep N` starts N ranks itself (NCCL, one GPU each; gloo on a CPU machine). Each rank holds
+E/N experts of the same seeded random NVFP4 weights and its own `tokens` tokens. Per row: median
+time of each stage and of the whole forward (the slowest rank's, under EP), bytes this rank sent
+in dispatch and got back in combine, their GB/s, expert TFLOPS and % of roofline (weight bytes
+the runner streams + activations), and the cosine error of the layer output against a plain torch
+MoE over the same routing (fp32, dequantised weights, unquantised activations). Writes CSV/JSON,
+a stacked-bar plot of the stages, and the nvfp4/fp8 vs bf16 (dispatch + combine) time ratios.
+On a CPU machine it runs a small shape with the reference backends and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+STAGES = ("route", "quantize", "dispatch", "experts", "combine")
+CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dispatch", default="nvfp4", help="payload(s) sent in dispatch: nvfp4,fp8,bf16 (comma list)")
+    p.add_argument("--runner", default="auto",
+                   help="expert runner(s): triton,torch_grouped,cutedsl,torch or auto (best usable per payload)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks to start (one GPU each)")
+    p.add_argument("--dispatcher", default=None,
+                   help="local | nccl | deepep (default: local for --ep 1, nccl otherwise)")
+    p.add_argument("--tokens", default=None, help="tokens per rank (default 1,16,128,4096 on GPU; 1,16,64 on CPU)")
+    p.add_argument("--ll-tokens", default=None, help="tokens per rank in low-latency mode (default: --tokens)")
+    p.add_argument("--mode", default="both", choices=["normal", "low_latency", "both"])
+    p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 config.json")
+    p.add_argument("--num-max-dispatch-tokens", type=int, default=None,
+                   help="low-latency buffer tokens per rank (default: the largest low-latency token count)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
+    p.add_argument("--name", default=None, help="result file stem (default moe_ep<N>)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are stopped")
+
+
+def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from pdlab.bench import report
+    from pdlab.kernels import arch
+    from pdlab.moe.config import MoEConfig, resolve_model
+    from pdlab.moe.dispatch.spawn import run_ranks
+
+    cuda = torch.cuda.is_available()
+    ngpu = torch.cuda.device_count() if cuda else 0
+    if cuda and args.ep > ngpu:
+        print(f"bench moe: --ep {args.ep} needs {args.ep} GPUs; this machine has {ngpu}")
+        return 2
+    dispatcher = args.dispatcher or ("local" if args.ep == 1 else "nccl")
+    if dispatcher == "local" and args.ep > 1:
+        print("bench moe: the local dispatcher moves no tokens between ranks; use --dispatcher nccl or deepep with --ep > 1")
+        return 2
+    cfg = resolve_model(args.model)
+    note = ""
+    if not cuda:
+        cfg = MoEConfig(**CPU_CFG)
+        note = (f"CPU machine: small shape (E={cfg.num_experts}, top-{cfg.top_k}, H={cfg.hidden_size}, "
+                f"I={cfg.intermediate_size}) with the reference backends (torch runner, gloo ranks); "
+                "times are CPU times, not GPU figures")
+        print(note)
+    tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
+    ll_tokens = _ints(args.ll_tokens) or tokens
+    modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
+    payloads = [p.strip() for p in args.dispatch.split(",") if p.strip()]
+    runners = [r.strip() for r in args.runner.split(",") if r.strip()]
+    if not cuda and runners == ["auto"]:
+        runners = ["torch"]
+    n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
+    plan = dict(cfg=asdict(cfg), tokens=tokens, ll_tokens=ll_tokens, modes=modes, payloads=payloads, runners=runners,
+                dispatcher=dispatcher, n_max=n_max, repeats=args.repeats or (20 if cuda else 5), warmup=args.warmup,
+                reference=not args.no_reference, seed=args.seed, ep=args.ep)
+    _print_availability(dispatcher, runners)
+    t0 = time.time()
+    if args.ep == 1 and dispatcher == "local":
+        rows = bench_rank(0, 1, plan=plan)
+    else:
+        per_rank = run_ranks(bench_rank, args.ep, kwargs={"plan": plan},
+                             backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
+        rows = _merge_ranks(per_rank)
+    df = pd.DataFrame(rows)
+    facts = arch.device_facts()
+    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
+    name = args.name or f"moe_ep{args.ep}"
+    ratios = _ratios(df)
+    meta = report.provenance(facts, {"plan": plan, "note": note, "wall_s": round(time.time() - t0, 1),
+                                     "dispatch_combine_ratio_vs_bf16": ratios})
+    csv = report.save(df, out_dir, name, meta)
+    ok = df[df["status"] == "ok"] if "status" in df else df
+    cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_MB",
+            "combine_MB", "comm_GBps", "tflops", "pct_roofline", "cos_err"]
+    report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
+    skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
+    for _, r in skipped.iterrows():
+        print(f"  skipped {r['mode']} t{r['tokens']} {r['payload']} {r['runner']}: {r['status'][:160]}")
+    if ratios:
+        pd.DataFrame(ratios).to_csv(csv.with_name(f"{name}_ratios.csv"), index=False)
+        for r in ratios:
+            print(f"  {r['mode']:<11} {r['tokens']:>5} tok/rank: {r['payload']} dispatch+combine "
+                  f"{r['payload_ms']:.3f} ms vs bf16 {r['bf16_ms']:.3f} ms → ratio {r['ratio']:.2f}")
+    if not args.no_plot and len(ok):
+        ok = ok.assign(config=[f"{m[:2]} t{t} {p} {r}" for m, t, p, r in
+                               zip(ok["mode"], ok["tokens"], ok["payload"], ok["runner"])])
+        report.plot_stacked(ok, "config", [f"{s}_ms" for s in STAGES], csv.with_name(f"{name}_stages.png"),
+                            f"MoE layer stages, EP{args.ep} {dispatcher} ({facts.name})", "ms (median)")
+    print(f"wrote {csv}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+
+def bench_rank(rank: int, world: int, *, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """All rows of the plan on this rank (spawnable: module level). Returns this rank's rows."""
+    import torch.distributed as dist
+
+    from pdlab.bench.harness import bench, cosine_error
+    from pdlab.bench.report import progress
+    from pdlab.bench.roofline import roofline
+    from pdlab.kernels.arch import device_facts
+    from pdlab.moe.config import MoEConfig
+    from pdlab.moe.layer import MoELayer, moe_reference
+
+    cfg = MoEConfig(**plan["cfg"])
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    facts = device_facts(dev) if dev.type == "cuda" else None
+    distributed = dist.is_initialized()
+    weights, gate, bias = synthetic_moe(cfg, plan["seed"], dev)
+    jobs = [(mode, t, p, r) for mode in plan["modes"]
+            for t in (plan["tokens"] if mode == "normal" else plan["ll_tokens"])
+            for p in plan["payloads"] for r in plan["runners"]]
+    rows: list[dict[str, Any]] = []
+    refs: dict[int, tuple] = {}
+    bar = progress(len(jobs), f"bench moe rank {rank}") if rank == 0 else contextlib.nullcontext(lambda *_: None)
+    with bar as advance:
+        for mode, T, payload, runner in jobs:
+            row = dict(mode=mode, tokens=T, payload=payload, runner=runner, ep=world, dispatcher=plan["dispatcher"],
+                       rank=rank, status="ok")
+            try:
+                layer = MoELayer(cfg, weights, gate, bias, None, plan["dispatcher"], None if runner == "auto" else runner,
+                                 mode, payload=payload, num_max_dispatch_tokens_per_rank=plan["n_max"])
+            except (ValueError, RuntimeError, KeyError) as exc:  # a pairing that cannot run: same on every rank
+                rows.append({**row, "status": str(exc)})
+                advance(f"skip {mode} {T} {payload}")
+                continue
+            row["runner"] = layer.runners[mode]
+            x = _tokens(plan["seed"], rank, T, cfg.hidden_size, dev)
+            ids, w = layer.route(x)
+            tokens = layer.quantize(x)
+            layout, handle = layer.dispatch(tokens, ids, w)
+            y = layer.experts(layout)
+            out = layer.combine(y, handle)
+            pairs = int((layout.counts if layout.kind == "contiguous" else layout.masked_m).sum())
+            active = int(((layout.counts if layout.kind == "contiguous" else layout.masked_m) > 0).sum())
+            kw = dict(device=dev, warmup=plan["warmup"], repeats=plan["repeats"],
+                      max_seconds=1e9 if distributed else 10.0)  # same call count on every rank
+            times = {
+                "route": bench(lambda: layer.route(x), **kw),
+                "quantize": bench(lambda: layer.quantize(x), **kw),
+                "dispatch": bench(lambda: layer.dispatch(tokens, ids, w), **kw),
+                "experts": bench(lambda: layer.experts(layout), **kw),
+                "combine": bench(lambda: layer.combine(y, handle), **kw),
+                "total": bench(lambda: layer(x), **kw),
+            }
+            for s, t in times.items():
+                row[f"{s}_ms"] = t.median_ms
+            row["timing"] = times["total"].kind
+            comm_s = times["dispatch"].seconds + times["combine"].seconds
+            row.update(dispatch_MB=handle.bytes_sent / 1e6, combine_MB=handle.bytes_back / 1e6,
+                       dispatch_GBps=handle.bytes_sent / times["dispatch"].seconds / 1e9,
+                       combine_GBps=handle.bytes_back / times["combine"].seconds / 1e9,
+                       comm_GBps=(handle.bytes_sent + handle.bytes_back) / comm_s / 1e9, pairs=pairs)
+            flops = pairs * cfg.flops_per_token_expert
+            wbytes = active * 3 * cfg.hidden_size * cfg.intermediate_size * _weight_bytes_per_param(row["runner"])
+            abytes = pairs * cfg.hidden_size * 2 * 2
+            rl = roofline(flops, wbytes + abytes, times["experts"].seconds, facts, "bf16")
+            row.update(tflops=rl["tflops"], experts_GBps=rl["gbps"], pct_roofline=rl["pct_roofline"])
+            if plan["reference"]:
+                if T not in refs:
+                    refs[T] = (moe_reference(x, ids, w, weights, 0, "nvfp4"),)
+                row["cos_err"] = cosine_error(out.float(), refs[T][0])
+            rows.append(row)
+            del layer, layout, y, out, handle, tokens
+            advance(f"{mode} {T} {payload} {row['runner']}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+_WEIGHTS: dict[tuple, tuple] = {}
+
+
+def synthetic_moe(cfg, seed: int, device: torch.device, chunk: int = 16):
+    """Seeded random experts (N(0, 1/fan_in)) quantized to NVFP4 the modelopt way, + gate [E, H] and
+    correction bias [E]. Built in chunks of experts on `device` (the Triton quantize kernel on a GPU)
+    and cached per process: every rank builds the same full set (its slice runs, the rest serves
+    the reference). Returns (ExpertWeights (nvfp4 only), gate fp32, bias fp32)."""
+    from pdlab.kernels import nvfp4
+    from pdlab.moe.weights import ExpertWeights
+
+    key = (seed, cfg, str(device))
+    if key in _WEIGHTS:
+        return _WEIGHTS[key]
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator(device=device)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("w13", "s13", "g13", "w2", "s2", "g2")}
+    quant = nvfp4.quantize if hasattr(nvfp4, "quantize") else (lambda x, gs: nvfp4.quantize_nvfp4(x, gs))
+    for e0 in range(0, E, chunk):
+        n = min(chunk, E - e0)
+        g.manual_seed(seed * 1000003 + e0)
+        w13 = (torch.randn(n, 2 * I, H, generator=g, device=device) * H ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(n, H, I, generator=g, device=device) * I ** -0.5).to(torch.bfloat16)
+        for w, (kq, ks, kg) in ((w13, ("w13", "s13", "g13")), (w2, ("w2", "s2", "g2"))):
+            gs = nvfp4.global_scale_from_amax(w.float().abs().amax(dim=(1, 2))).to(device)
+            packed, sf = quant(w, gs)
+            parts[kq].append(packed)
+            parts[ks].append(sf)
+            parts[kg].append(1.0 / gs)
+        del w13, w2
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    weights = ExpertWeights(E, H, I, w13_weight=cat["w13"], w13_weight_scale=cat["s13"], w13_weight_scale_2=cat["g13"],
+                            w2_weight=cat["w2"], w2_weight_scale=cat["s2"], w2_weight_scale_2=cat["g2"],
+                            w13_input_scale=torch.full((E,), 8.0 / (6 * 448), device=device),
+                            w2_input_scale=torch.full((E,), 8.0 / (6 * 448), device=device))
+    g.manual_seed(seed * 1000003 + E + 1)
+    gate = torch.randn(E, H, generator=g, device=device) * H ** -0.5
+    bias = torch.randn(E, generator=g, device=device) * 0.05
+    _WEIGHTS[key] = (weights, gate, bias)
+    return _WEIGHTS[key]
+
+
+def _tokens(seed: int, rank: int, T: int, H: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 104729 + T)
+    return torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
+
+
+def _weight_bytes_per_param(runner: str) -> float:
+    """Weight bytes a runner streams per parameter: NVFP4 (0.5 + 1/16 scale) or bf16."""
+    from pdlab.kernels import registry
+
+    try:
+        forms = registry.get_backend("moe_experts", runner).options.get("weights", ("bf16",))
+    except KeyError:
+        return 2.0
+    return 0.5625 if forms == ("nvfp4",) else 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting helpers
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()] if text else []
+
+
+def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per configuration: times = the slowest rank's, bytes = the largest rank's,
+    rates recomputed from those, error = the worst rank's."""
+    merged = []
+    for rows in zip(*per_rank):
+        row = dict(rows[0])
+        row.pop("rank", None)
+        if row["status"] == "ok":
+            for k in list(row):
+                if k.endswith("_ms") or k.endswith("_MB") or k in ("cos_err", "pairs"):
+                    row[k] = max(r[k] for r in rows)
+            comm = (row["dispatch_ms"] + row["combine_ms"]) / 1e3
+            row["dispatch_GBps"] = row["dispatch_MB"] / 1e3 / (row["dispatch_ms"] / 1e3)
+            row["combine_GBps"] = row["combine_MB"] / 1e3 / (row["combine_ms"] / 1e3)
+            row["comm_GBps"] = (row["dispatch_MB"] + row["combine_MB"]) / 1e3 / comm
+            row["tflops"] = min(r["tflops"] for r in rows)
+            row["pct_roofline"] = min(r["pct_roofline"] for r in rows)
+        merged.append(row)
+    return merged
+
+
+def _ratios(df) -> list[dict]:
+    """(dispatch + combine) time of each quantized payload vs bf16, per mode and token count."""
+    if "status" not in df or not len(df):
+        return []
+    ok = df[df["status"] == "ok"]
+    out = []
+    for (mode, T), grp in ok.groupby(["mode", "tokens"]):
+        comm = (grp["dispatch_ms"] + grp["combine_ms"]).groupby(grp["payload"]).min()
+        if "bf16" not in comm:
+            continue
+        for payload, ms in comm.items():
+            if payload != "bf16":
+                out.append({"mode": mode, "tokens": int(T), "payload": payload, "payload_ms": float(ms),
+                            "bf16_ms": float(comm["bf16"]), "ratio": float(ms / comm["bf16"])})
+    return out
+
+
+def _print_availability(dispatcher: str, runners: list[str]) -> None:
+    import pdlab.moe.dispatch  # noqa: F401  (registers the dispatchers)
+    import pdlab.moe.experts  # noqa: F401  (registers the runners)
+    from pdlab.kernels import registry
+
+    for row in registry.matrix():
+        if row["op"] in ("moe_dispatch", "moe_experts") and not row["available"]:
+            print(f"  unavailable here: {row['op']}[{row['backend']}]: {row['reason']}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    parser = argparse.ArgumentParser(prog="bench moe", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
