@@ -1,0 +1,82 @@
+"""Serving a FastAPI app with uvicorn on a socket bound up front: a port already in use is an
+OSError raised in the caller (with its traceback), and the caller learns the real port when it
+asked for port 0. `serve_app` blocks (a server process); `serve_in_thread` is for tests and tools."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0 = any free port). OSError if it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}; choose another --port "
+                               f"(0 = any free port)") from None
+    sock.listen(2048)
+    return sock
+
+
+def _server(app, sock, log_level: str):
+    import uvicorn
+
+    cfg = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2)
+    return uvicorn.Server(cfg)
+
+
+def serve_app(app, host: str, port: int, *, on_ready: Callable[[str], None] | None = None,
+              log_level: str = "warning") -> None:
+    """Serve until SIGINT/SIGTERM. on_ready(url) runs once the server accepts connections."""
+    sock = bind(host, port)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = _server(app, sock, log_level)
+    if on_ready is not None:
+        def watch():
+            for _ in range(60_000):  # bounded: 10 min at 10 ms
+                if server.started:
+                    on_ready(url)
+                    return
+                if server.should_exit:
+                    return
+                time.sleep(0.01)
+        threading.Thread(target=watch, daemon=True, name="pdlab-ready").start()
+    server.run(sockets=[sock])
+    if not server.started:
+        raise RuntimeError(f"the HTTP server on {url} did not start (see the log above)")
+
+
+class ThreadedServer:
+    """`with ThreadedServer(app) as url:` serves app on 127.0.0.1:<free port> in a thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.sock = bind(host, port)
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = _server(app, self.sock, log_level)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 20.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"server on {self.url} did not start within {timeout} s")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""The router role: OpenAI-compatible front over prefill/decode server pairs."""

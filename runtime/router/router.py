@@ -1,0 +1,330 @@
+"""The router: an OpenAI-compatible front that sends each request to a prefill/decode pair and
+streams the decode server's answer back (SSE passes through byte for byte).
+
+Pair choice (`policy`):
+- "round_robin": the next healthy prefill and the next healthy decode server, each in turn.
+- "least_loaded": the healthy prefill and the healthy decode server with the fewest requests in
+  flight through this router (ties: the one after the last pick, so equal loads still rotate).
+With no prefill servers configured the router balances over the decode list alone (colocated servers).
+
+Each request gets a transfer id. The router sends the body unchanged to both servers with headers
+`X-PD-Transfer-Id`, `X-PD-Prefill` (the prefill URL the decode server hands its page ids to) and
+`X-PD-Role`; the prefill server's reply is only checked for failure. If the prefill request fails to
+connect, the prefill server is marked unhealthy and the decode server is told to abort the transfer
+(`POST /disagg/abort`); if the client goes away, both servers are told to abort.
+
+Health: every `health_interval` seconds each server's GET /health is probed (timeout
+`health_timeout`); a failed probe or a failed connection marks it unhealthy and no request goes to it;
+the first probe that passes re-admits it. Router endpoints: the OpenAI ones, /generate, /health,
+/metrics (Prometheus), /router/backends (JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("pdlab.router")
+
+H_TID, H_PREFILL, H_DECODE, H_ROLE = "X-PD-Transfer-Id", "X-PD-Prefill", "X-PD-Decode", "X-PD-Role"
+_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill: list[str] = Field(default_factory=list, description="prefill server URLs (none: plain balancing)")
+    decode: list[str] = Field(..., min_length=1, description="decode (or colocated) server URLs")
+    policy: Literal["round_robin", "least_loaded"] = "round_robin"
+    health_interval: float = Field(2.0, gt=0, description="seconds between /health probes")
+    health_timeout: float = Field(2.0, gt=0, description="seconds a /health probe may take")
+    request_timeout: float = Field(600.0, gt=0, description="seconds an upstream request may take")
+    connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an upstream server")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _check(self):
+        for u in self.prefill + self.decode:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"server URL {u!r} must start with http:// or https://")
+        both = set(self.prefill) & set(self.decode)
+        if both:
+            raise ValueError(f"{sorted(both)} listed as both prefill and decode; a server has one role")
+        return self
+
+
+@dataclass
+class Backend:
+    url: str
+    role: str  # "prefill" | "decode"
+    healthy: bool = True
+    inflight: int = 0
+    requests: int = 0
+    errors: int = 0
+    last_error: str = ""
+    changed_at: float = field(default_factory=time.time)
+
+    def mark(self, healthy: bool, why: str = "") -> None:
+        if healthy != self.healthy:
+            self.healthy, self.changed_at = healthy, time.time()
+            if healthy:
+                log.warning("%s server %s is healthy again; re-admitted", self.role, self.url)
+            else:
+                log.warning("%s server %s marked unhealthy: %s", self.role, self.url, why)
+        if not healthy:
+            self.last_error = why
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.prefill = [Backend(u.rstrip("/"), "prefill") for u in cfg.prefill]
+        self.decode = [Backend(u.rstrip("/"), "decode") for u in cfg.decode]
+        self._rr = {"prefill": 0, "decode": 0}
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)
+
+    # ---- choice ------------------------------------------------------------------------------------
+    def _pick(self, group: list[Backend], kind: str) -> Backend | None:
+        live = [b for b in group if b.healthy]
+        if not live:
+            return None
+        start = self._rr[kind] % len(group)
+        order = group[start:] + group[:start]
+        order = [b for b in order if b.healthy]
+        if self.cfg.policy == "least_loaded":
+            best = min(order, key=lambda b: b.inflight)  # min keeps the first of equals: rotation order
+        else:
+            best = order[0]
+        self._rr[kind] = group.index(best) + 1
+        return best
+
+    def pick(self) -> tuple[Backend | None, Backend]:
+        """(prefill or None, decode); raises LookupError naming what is missing."""
+        d = self._pick(self.decode, "decode")
+        if d is None:
+            raise LookupError("no healthy decode server: " + _why(self.decode))
+        if not self.disaggregated:
+            return None, d
+        p = self._pick(self.prefill, "prefill")
+        if p is None:
+            raise LookupError("no healthy prefill server: " + _why(self.prefill))
+        return p, d
+
+    # ---- health ------------------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        async def probe(b: Backend):
+            try:
+                r = await self.client.get(f"{b.url}/health", timeout=self.cfg.health_timeout)
+                b.mark(r.status_code == 200, f"/health answered {r.status_code}")
+            except httpx.HTTPError as e:
+                b.mark(False, f"/health failed: {type(e).__name__}: {e}")
+
+        await asyncio.gather(*(probe(b) for b in self.prefill + self.decode))
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("health check round failed")
+            await asyncio.sleep(self.cfg.health_interval)
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(self.cfg.request_timeout, connect=self.cfg.connect_timeout)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._health_task
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ---- forwarding ---------------------------------------------------------------------------------
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            stream = bool(json.loads(body or b"{}").get("stream", False))
+        except (ValueError, AttributeError):
+            stream = False  # not a JSON object: the server answers 400 for it
+        try:
+            p, d = self.pick()
+        except LookupError as e:
+            return _error(503, str(e), "service_unavailable")
+        tid = f"pd-{uuid.uuid4().hex}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers[H_TID] = tid
+        if p is not None:
+            headers[H_PREFILL], headers[H_DECODE] = p.url, d.url
+        prefill_task = None
+        if p is not None:
+            p.inflight += 1
+            p.requests += 1
+            prefill_task = asyncio.create_task(self._prefill(p, d, path, body, headers, tid))
+        d.inflight += 1
+        d.requests += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                d.inflight -= 1
+
+        try:
+            up_req = self.client.build_request("POST", f"{d.url}{path}", content=body,
+                                               headers={**headers, H_ROLE: "decode"})
+            upstream = await self.client.send(up_req, stream=True)
+        except httpx.HTTPError as e:
+            release()
+            d.errors += 1
+            d.mark(False, f"{type(e).__name__}: {e}")
+            if prefill_task is not None:
+                asyncio.create_task(self._abort(p, tid, "decode server unreachable"))
+            return _error(502, f"decode server {d.url} failed: {type(e).__name__}: {e}", "bad_gateway")
+        if not stream or upstream.status_code != 200:
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                d.errors += 1
+                return _error(502, f"decode server {d.url} broke off: {e}", "bad_gateway")
+            finally:
+                await upstream.aclose()
+                release()
+            return Response(content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type", "application/json"))
+
+        async def relay():
+            finished = False
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+                finished = True
+            except httpx.HTTPError as e:
+                d.errors += 1
+                msg = json.dumps({"error": {"message": f"decode server broke off: {e}", "type": "bad_gateway"}})
+                yield f"data: {msg}\n\n".encode()
+                finished = True
+            finally:
+                await upstream.aclose()
+                release()
+                if not finished:  # the client went away mid-stream: both servers drop the request
+                    log.info("client left %s; aborting on both servers", tid)
+                    asyncio.create_task(self._abort(d, tid, "client disconnected"))
+                    if p is not None:
+                        asyncio.create_task(self._abort(p, tid, "client disconnected"))
+
+        return StreamingResponse(relay(), status_code=200,
+                                 media_type=upstream.headers.get("content-type", "text/event-stream"),
+                                 headers={H_TID: tid})
+
+    async def _prefill(self, p: Backend, d: Backend, path: str, body: bytes, headers: dict, tid: str) -> None:
+        try:
+            r = await self.client.post(f"{p.url}{path}", content=body, headers={**headers, H_ROLE: "prefill"})
+            if r.status_code >= 500:
+                p.errors += 1
+                log.warning("prefill %s answered %d for %s", p.url, r.status_code, tid)
+        except httpx.HTTPError as e:
+            p.errors += 1
+            p.mark(False, f"{type(e).__name__}: {e}")
+            await self._abort(d, tid, f"prefill server {p.url} failed: {type(e).__name__}: {e}")
+        finally:
+            p.inflight -= 1
+
+    async def _abort(self, b: Backend, tid: str, why: str) -> None:
+        try:
+            await self.client.post(f"{b.url}/disagg/abort", json={"transfer_id": tid, "reason": why},
+                                   timeout=self.cfg.health_timeout)
+        except httpx.HTTPError as e:
+            log.info("abort of %s on %s failed: %s", tid, b.url, e)
+
+    # ---- reporting --------------------------------------------------------------------------------
+    def backends(self) -> list[dict]:
+        return [{"url": b.url, "role": b.role, "healthy": b.healthy, "inflight": b.inflight,
+                 "requests": b.requests, "errors": b.errors, "last_error": b.last_error}
+                for b in self.prefill + self.decode]
+
+    def prometheus(self) -> str:
+        out = []
+        for name, help_, attr, kind in (
+                ("pdlab_router_backend_healthy", "1 if the server passes its health check", "healthy", "gauge"),
+                ("pdlab_router_backend_inflight", "requests in flight through the router", "inflight", "gauge"),
+                ("pdlab_router_backend_requests_total", "requests sent", "requests", "counter"),
+                ("pdlab_router_backend_errors_total", "failed upstream requests", "errors", "counter")):
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            out += [f'{name}{{url="{b.url}",role="{b.role}"}} {int(getattr(b, attr))}' for b in self.prefill + self.decode]
+        return "\n".join(out) + "\n"
+
+
+def create_router_app(cfg: RouterConfig) -> FastAPI:
+    router = Router(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await router.start()
+        yield
+        await router.stop()
+
+    app = FastAPI(title="pdlab router", lifespan=lifespan)
+    app.state.router = router
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        async def handler(request: Request, _path=path):
+            return await router.forward(request, _path)
+
+        app.add_api_route(path, handler, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        ok_d = any(b.healthy for b in router.decode)
+        ok_p = not router.disaggregated or any(b.healthy for b in router.prefill)
+        body = {"status": "ok" if ok_d and ok_p else "unavailable", "backends": router.backends()}
+        return JSONResponse(body, status_code=200 if ok_d and ok_p else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        try:
+            _, d = router.pick()
+            r = await router.client.get(f"{d.url}/v1/models", timeout=cfg.health_timeout)
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        except (LookupError, httpx.HTTPError) as e:
+            return _error(503, str(e), "service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/router/backends")
+    async def backends():
+        return router.backends()
+
+    return app
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _why(group: list[Backend]) -> str:
+    return "; ".join(f"{b.url}: {b.last_error or 'unhealthy'}" for b in group) or "none configured"

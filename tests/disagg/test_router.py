@@ -1,0 +1,241 @@
+"""Router against small fake servers on 127.0.0.1 ephemeral ports: SSE pass-through, transfer-id
+tagging, both pick policies, health marking and re-admission, failures and client disconnects."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdlab.runtime.disagg.http import ThreadedServer
+from pdlab.runtime.router.router import RouterConfig, create_router_app
+
+
+class Fake:
+    """A fake prefill or decode server that records what it got."""
+
+    def __init__(self, name, chunks=3, delay=0.0):
+        self.name, self.chunks, self.delay = name, chunks, delay
+        self.healthy = True
+        self.seen = []  # (path, headers, body)
+        self.aborts = []
+        self.disconnected = threading.Event()
+        self.hold = threading.Event()
+        self.hold.set()
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({"ok": self.healthy}, status_code=200 if self.healthy else 503)
+
+        @app.post("/disagg/abort")
+        async def abort(request: Request):
+            self.aborts.append(await request.json())
+            return {"ok": True}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"data": [{"id": self.name}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.seen.append(("/v1/completions", dict(request.headers), body))
+            if body.get("bad"):
+                return JSONResponse({"error": {"message": "bad field"}}, status_code=400)
+            if not body.get("stream"):
+                while not self.hold.is_set():
+                    await asyncio.sleep(0.01)
+                return {"server": self.name, "tid": request.headers.get("x-pd-transfer-id")}
+
+            async def gen():
+                try:
+                    for i in range(self.chunks):
+                        yield f"data: {json.dumps({'server': self.name, 'i': i})}\n\n"
+                        await asyncio.sleep(self.delay)
+                    yield "data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    self.disconnected.set()
+                    raise
+                finally:
+                    if not self.hold.is_set():
+                        pass
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        self.app = app
+
+
+@pytest.fixture
+def servers():
+    started = []
+
+    def start(*fakes_or_apps):
+        urls = []
+        for f in fakes_or_apps:
+            s = ThreadedServer(f.app if isinstance(f, Fake) else f)
+            urls.append(s.start())
+            started.append(s)
+        return urls
+
+    yield start
+    for s in reversed(started):
+        s.stop()
+
+
+def _router(servers, prefill, decode, **kw):
+    cfg = RouterConfig(prefill=prefill, decode=decode, health_interval=kw.pop("health_interval", 0.2),
+                       health_timeout=1.0, **kw)
+    app = create_router_app(cfg)
+    (url,) = servers(app)
+    return url, app.state.router
+
+
+def test_stream_passthrough_and_tagging(servers):
+    p, d = Fake("p0"), Fake("d0")
+    pu, du = servers(p, d)
+    url, _ = _router(servers, [pu], [du])
+    with httpx.Client(timeout=10) as c:
+        with c.stream("POST", f"{url}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join(r.iter_raw())
+    assert raw.decode() == "".join(f"data: {json.dumps({'server': 'd0', 'i': i})}\n\n" for i in range(3)) + "data: [DONE]\n\n"
+    deadline = time.monotonic() + 5
+    while not p.seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (_, ph, pb), (_, dh, db) = p.seen[0], d.seen[0]
+    assert ph["x-pd-transfer-id"] == dh["x-pd-transfer-id"] and ph["x-pd-transfer-id"].startswith("pd-")
+    assert ph["x-pd-role"] == "prefill" and dh["x-pd-role"] == "decode"
+    assert dh["x-pd-prefill"] == pu and pb == db == {"prompt": "hi", "stream": True}
+
+
+def test_non_stream_and_error_status_pass_through(servers):
+    p, d = Fake("p0"), Fake("d0")
+    url, _ = _router(servers, *([u] for u in servers(p, d)))
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 200 and r.json()["server"] == "d0"
+        r = c.post(f"{url}/v1/completions", json={"prompt": "x", "bad": 1})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "bad field"
+        assert c.get(f"{url}/v1/models").json()["data"][0]["id"] == "d0"
+
+
+def test_round_robin_over_pairs(servers):
+    fakes = [Fake(n) for n in ("p0", "p1", "d0", "d1", "d2")]
+    urls = servers(*fakes)
+    url, _ = _router(servers, urls[:2], urls[2:])
+    with httpx.Client(timeout=10) as c:
+        got = [c.post(f"{url}/v1/completions", json={"prompt": "x"}).json()["server"] for _ in range(6)]
+    assert got == ["d0", "d1", "d2", "d0", "d1", "d2"]
+    time.sleep(0.2)
+    assert [len(f.seen) for f in fakes[:2]] == [3, 3]
+
+
+def test_least_loaded_avoids_the_busy_server(servers):
+    d0, d1 = Fake("d0"), Fake("d1")
+    urls = servers(d0, d1)
+    url, router = _router(servers, [], urls, policy="least_loaded")
+    d0.hold.clear()  # d0 keeps its requests in flight
+
+    async def run():
+        async with httpx.AsyncClient(timeout=10) as c:
+            first = asyncio.create_task(c.post(f"{url}/v1/completions", json={"prompt": "a"}))
+            for _ in range(200):
+                if router.decode[0].inflight or router.decode[1].inflight:
+                    break
+                await asyncio.sleep(0.01)
+            rest = [(await c.post(f"{url}/v1/completions", json={"prompt": "b"})).json()["server"] for _ in range(3)]
+            d0.hold.set()
+            return (await first).json()["server"], rest
+
+    first, rest = asyncio.run(run())
+    assert first == "d0" and rest == ["d1", "d1", "d1"]
+
+
+def test_unhealthy_server_is_skipped_then_readmitted(servers):
+    p0, p1, d = Fake("p0"), Fake("p1"), Fake("d0")
+    pu0, pu1, du = servers(p0, p1, d)
+    url, router = _router(servers, [pu0, pu1], [du])
+    p1.healthy = False
+    deadline = time.monotonic() + 5
+    while router.prefill[1].healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not router.prefill[1].healthy
+    with httpx.Client(timeout=10) as c:
+        for _ in range(4):
+            c.post(f"{url}/v1/completions", json={"prompt": "x"})
+        time.sleep(0.2)
+        assert len(p1.seen) == 0 and len(p0.seen) == 4
+        m = c.get(f"{url}/metrics").text
+        assert f'pdlab_router_backend_healthy{{url="{pu1}",role="prefill"}} 0' in m
+        p1.healthy = True
+        deadline = time.monotonic() + 5
+        while not router.prefill[1].healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(4):
+            c.post(f"{url}/v1/completions", json={"prompt": "x"})
+        time.sleep(0.2)
+    assert len(p1.seen) == 2
+
+
+def test_dead_prefill_marked_unhealthy_and_decode_told(servers):
+    d = Fake("d0")
+    (du,) = servers(d)
+    dead = ThreadedServer(Fake("p-dead").app)
+    pu = dead.start()
+    dead.stop()  # connection refused from now on
+    live = Fake("p-live")
+    (lu,) = servers(live)
+    url, router = _router(servers, [pu, lu], [du], health_interval=30)  # only the request path notices
+    router.prefill[0].healthy = True
+    with httpx.Client(timeout=10) as c:
+        c.post(f"{url}/v1/completions", json={"prompt": "x"})
+        deadline = time.monotonic() + 5
+        while not d.aborts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not router.prefill[0].healthy
+        assert d.aborts and "prefill server" in d.aborts[0]["reason"]
+        for _ in range(3):  # other requests keep flowing, to the live prefill only
+            assert c.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 200
+    time.sleep(0.2)
+    assert len(live.seen) == 3
+
+
+def test_no_healthy_server_is_503(servers):
+    d = Fake("d0")
+    (du,) = servers(d)
+    url, router = _router(servers, [], [du])
+    d.healthy = False
+    deadline = time.monotonic() + 5
+    while router.decode[0].healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "no healthy decode server" in r.json()["error"]["message"]
+        assert c.get(f"{url}/health").status_code == 503
+
+
+def test_client_disconnect_aborts_both_sides(servers):
+    p, d = Fake("p0"), Fake("d0", chunks=200, delay=0.02)
+    pu, du = servers(p, d)
+    url, _ = _router(servers, [pu], [du])
+    with httpx.Client(timeout=10) as c:
+        with c.stream("POST", f"{url}/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            it = r.iter_raw()
+            next(it)
+    deadline = time.monotonic() + 5
+    while (not p.aborts or not d.aborts) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.aborts and p.aborts[0]["reason"] == "client disconnected"
+    assert d.aborts and d.aborts[0]["transfer_id"] == p.aborts[0]["transfer_id"]
+
+
+def test_config_rejects_bad_urls():
+    with pytest.raises(ValueError, match="http://"):
+        RouterConfig(decode=["localhost:1"])
+    with pytest.raises(ValueError, match="both prefill and decode"):
+        RouterConfig(prefill=["http://a:1"], decode=["http://a:1"])
