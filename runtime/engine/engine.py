@@ -178,7 +178,14 @@ class Engine:
 
 def describe_ops(device: torch.device) -> list[str]:
     """One line per registered op: the backend selected on `device` and where its config comes from."""
+    import importlib
+
     from pdlab.kernels import registry
+    for pkg in ("pdlab.attention", "pdlab.moe"):  # registering backends happens at import
+        try:
+            importlib.import_module(pkg)
+        except Exception as exc:  # an op package that fails to import is reported, not fatal
+            log.warning("cannot import %s: %s", pkg, exc)
     try:
         from pdlab.kernels.tuned import resolve_config
     except ImportError:

@@ -1,0 +1,102 @@
+"""Layered config: flags and/or YAML/JSON file, impossible settings rejected with reason and fix."""
+
+import argparse
+import json
+
+import pytest
+
+from pdlab.runtime.config import (ConfigError, EngineConfig, SchedulerConfig, ServerConfig, add_config_arguments,
+                                  build_config, config_from_args)
+
+
+def _parse(argv, cls=ServerConfig):
+    p = argparse.ArgumentParser()
+    add_config_arguments(p, cls)
+    return config_from_args(cls, p.parse_args(argv))
+
+
+def test_layers_extend_each_other():
+    assert issubclass(ServerConfig, SchedulerConfig) and issubclass(SchedulerConfig, EngineConfig)
+    c = ServerConfig()
+    assert c.host == "127.0.0.1" and c.page_size == 64 and c.retract_mode == "backup"
+    with pytest.raises(Exception):
+        c.page_size = 16  # frozen
+
+
+def test_flags_override_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("page-size: 16\nkv_dtype: fp8\nport: 1234\ncuda_graph_bs: [1, 2, 4]\n")
+    c = _parse(["--config", str(f), "--port", "4321", "--device", "cpu"])
+    assert (c.page_size, c.kv_dtype, c.port, c.cuda_graph_bs) == (16, "fp8", 4321, [1, 2, 4])
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"chunked_prefill_size": 512, "max_prefill_tokens": 1024}))
+    c = _parse(["--config", str(j), "--disable-cuda-graph", "--cuda-graph-bs", "1", "8"])
+    assert c.chunked_prefill_size == 512 and c.disable_cuda_graph and c.cuda_graph_bs == [1, 8]
+
+
+@pytest.mark.parametrize("settings,needle", [
+    ({"allocator": "token", "page_size": 16}, "--allocator paged"),
+    ({"chunked_prefill_size": 4096, "max_prefill_tokens": 1024}, "--max-prefill-tokens"),
+    ({"page_size": 0}, "page_size"),
+    ({"page_size": 256}, "page_size"),
+    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"device": "tpu"}, "device"),
+    ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
+    ({"cuda_graph_bs": [512], "max_running_requests": 64}, "cuda_graph_bs"),
+    ({"not_a_setting": 1}, "unknown setting"),
+    ({"port": 70000}, "port"),
+])
+def test_impossible_settings_are_rejected_with_the_reason(settings, needle):
+    with pytest.raises(ConfigError, match="invalid configuration") as e:
+        build_config(ServerConfig, **settings)
+    assert needle in str(e.value)
+
+
+def test_cuda_device_without_cuda_is_rejected():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="--device cpu"):
+        build_config(EngineConfig, device="cuda")
+
+
+def test_bad_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config(ServerConfig, str(tmp_path / "missing.yaml"))
+    f = tmp_path / "bad.json"
+    f.write_text("{oops")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        build_config(ServerConfig, str(f))
+    f.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="mapping"):
+        build_config(ServerConfig, str(f))
+
+
+def test_pool_smaller_than_one_request_is_rejected_at_start():
+    from pdlab.runtime.engine.engine import Engine
+    from pdlab.runtime.engine.testing import load_toy
+    m, tok, cfg = load_toy(max_position_embeddings=1024)
+    with pytest.raises(ConfigError, match="fewer than one maximal request"):
+        Engine(build_config(SchedulerConfig, device="cpu", page_size=64, max_total_tokens=512), m, tok, cfg)
+
+
+def test_serve_cli_rejects_bad_settings_before_loading(capsys):
+    from pdlab.runtime.cli import main
+    rc = main(["serve", "--device", "cpu", "--allocator", "token", "--page-size", "64"])
+    assert rc == 2
+    assert "--allocator paged" in capsys.readouterr().err
+
+
+def test_disagg_flags_are_delegated(monkeypatch, capsys):
+    import sys
+    import types
+    from pdlab.runtime import cli
+    seen = {}
+    fake = types.ModuleType(cli.DISAGG_LAUNCHER)
+    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, cli.DISAGG_LAUNCHER, fake)
+    assert cli.main(["serve", "--role", "router", "--port", "1"]) == 0
+    assert seen["argv"] == ["--role", "router", "--port", "1"]
+    monkeypatch.setitem(sys.modules, cli.DISAGG_LAUNCHER, None)  # import fails like a missing module
+    assert cli.main(["serve", "--disagg"]) == 2
+    assert "not built yet" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""Engine: step tensors built from a batch (checked by hand), page-table sync, the start-up report,
+and the real embedded model served under KV pressure (page 64, fp8) with identical greedy outputs."""
+
+import pytest
+import torch
+
+from pdlab.runtime.config import SchedulerConfig, build_config
+from pdlab.runtime.core import Batch, Req, SamplingParams
+from pdlab.runtime.engine.engine import Engine
+from pdlab.runtime.engine.loop import LLM
+from pdlab.runtime.engine.testing import load_toy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _engine(page=4, total=64):
+    m, tok, cfg = load_toy(max_position_embeddings=32)
+    return Engine(build_config(SchedulerConfig, device="cpu", page_size=page, max_total_tokens=total), m, tok, cfg,
+                  max_running_requests=4)
+
+
+def test_prefill_step_tensors():
+    eng = _engine()
+    a = Req(list(range(10, 16)), SamplingParams())  # 6 tokens, chunk of 4 already cached
+    a.cached_len = 4
+    a.pages = [3, 7]
+    b = Req(list(range(20, 23)), SamplingParams())  # 3 new tokens
+    b.pages = [5]
+    batch = Batch([a, b], [2, 3], is_decode=False)
+    eng.page_table.sync([a, b])
+    ids, pos, ctx = eng.prepare(batch)
+    assert ids.tolist() == [14, 15, 20, 21, 22]
+    assert pos.tolist() == [4, 5, 0, 1, 2]
+    assert ctx.slots.tolist() == [7 * 4 + 0, 7 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2]
+    assert ctx.seqlens.tolist() == [6, 3] and ctx.qo_indptr.tolist() == [0, 2, 5]
+    assert ctx.logits_indices.tolist() == [1, 4] and ctx.max_q_len == 3 and not ctx.is_decode
+    assert ctx.block_table.tolist() == [[3, 7], [5, 0]] or ctx.block_table[:, :1].tolist() == [[3], [5]]
+    assert ctx.block_table.dtype == torch.int32 and ctx.seqlens.dtype == torch.int32
+    assert batch.samples(0) and batch.samples(1)
+
+
+def test_decode_step_tensors_and_incremental_table():
+    eng = _engine()
+    r = Req([1, 2, 3, 4, 5], SamplingParams())
+    r.output_ids = [9]
+    r.cached_len = 5
+    r.pages = [2, 6]
+    eng.page_table.sync([r])
+    assert r.table_len == 2
+    ids, pos, ctx = eng.prepare(Batch([r], [1], is_decode=True))
+    assert ids.tolist() == [9] and pos.tolist() == [5] and ctx.slots.tolist() == [6 * 4 + 1]
+    assert ctx.seqlens.tolist() == [6] and ctx.is_decode and ctx.qo_indptr.tolist() == [0, 1]
+    r.pages.append(11)
+    eng.page_table.sync([r])
+    assert eng.page_table.table[r.table_row, :3].tolist() == [2, 6, 11]
+    eng.page_table.release(r)
+    assert r.table_row == -1
+
+
+def test_forward_refuses_a_request_without_pages():
+    eng = _engine()
+    r = Req([1, 2, 3, 4, 5], SamplingParams())
+    r.pages = [1]
+    with pytest.raises(RuntimeError, match="must allocate"):
+        eng.forward(Batch([r], [5], is_decode=False))
+
+
+def test_describe_names_backends_and_config_source():
+    lines = _engine().describe()
+    assert any("KV" in line and "pages" in line for line in lines)
+    assert any(line.startswith("op mla_decode: backend") and "config" in line for line in lines)
+
+
+def _real_model():
+    try:
+        from pdlab.runtime.model import load_model
+    except ImportError as exc:
+        pytest.skip(f"pdlab.runtime.model not importable: {exc}")
+    return load_model(None, "cpu", torch.float32)
+
+
+def test_embedded_model_greedy_identical_under_pressure(monkeypatch):
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    model, tok, cfg = _real_model()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 57, 44, 61, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(device="cpu", page_size=64, kv_dtype="fp8", kv_scale=0.02, max_context_len=128,
+                  chunked_prefill_size=16, max_prefill_tokens=32)
+    ref = LLM(model=model, tokenizer=tok, model_config=cfg, max_total_tokens=4096, **common).generate(prompts, sp)
+    llm = LLM(model=model, tokenizer=tok, model_config=cfg, max_total_tokens=192, decode_reserve_tokens=0, **common)
+    got = llm.generate(prompts, sp)
+    assert llm.scheduler.num_retractions >= 2
+    assert [g["token_ids"] for g in got] == [r["token_ids"] for r in ref]
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
