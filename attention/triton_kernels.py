@@ -195,10 +195,15 @@ def _scale_args(kv_scale, device):
     return (1.0 if kv_scale is None else float(kv_scale)), None, False
 
 
-def _tile(H: int, BLOCK_T: int, BLOCK_H: int) -> tuple[int, int]:
-    """Heads per program: at most the config's BLOCK_H and the head count (power of two), with
-    BLOCK_T*BLOCK_H >= 16 rows for tl.dot."""
-    bh = min(_pow2_at_least(BLOCK_H), _pow2_at_least(H))
+def _tile(H: int, BLOCK_T: int, BLOCK_H: int, uniform: bool) -> tuple[int, int]:
+    """(query tokens, heads) per program. Decode (uniform S_q) keeps the rows BLOCK_T*heads at the
+    configured BLOCK_H (heads = BLOCK_H / S_q) so that S_q > 1 costs no extra registers or shared
+    memory; prefill uses BLOCK_T x BLOCK_H as configured. Heads never exceed H (power of two) and
+    rows are at least 16 for tl.dot."""
+    bh = _pow2_at_least(BLOCK_H)
+    if uniform:
+        bh = max(1, bh // BLOCK_T)
+    bh = min(bh, _pow2_at_least(H))
     return BLOCK_T, max(bh, 16 // BLOCK_T if BLOCK_T < 16 else 1)
 
 
@@ -224,7 +229,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     B = seqlens.shape[0]
     dev = q3.device
     block_t = _pow2_at_least(q_per_seq) if q_per_seq > 0 else int(config.get("BLOCK_T", 1))
-    block_t, block_h = _tile(H, block_t, int(config["BLOCK_H"]))
+    block_t, block_h = _tile(H, block_t, int(config["BLOCK_H"]), q_per_seq > 0)
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
     splits = int(config.get("num_splits", 0) or 0)

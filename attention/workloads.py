@@ -33,26 +33,33 @@ class Problem:
         return int(self.seqlens.sum())
 
 
+def _generator(device, seed: int | None) -> torch.Generator | None:
+    """A generator on the problem's device (data is drawn where it lives: no host-side gigabytes)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
 def _pool(seqlens: list[int], page: int, dtype: torch.dtype, device, capacity: int | None, poison: bool,
           fp8: bool, gen: torch.Generator | None, spare_pages: int = 3):
     B = len(seqlens)
     cap = capacity or max(seqlens)
     pages = -(-cap // page)
     P = B * pages + spare_pages
-    latent = torch.randn(P, page, 576, generator=gen, dtype=torch.float32).to(device)
-    order = torch.randperm(P, generator=gen)[: B * pages].view(B, pages).to(torch.int32).to(device)
+    latent = torch.randn(P, page, 576, generator=gen, dtype=torch.float32, device=device)
+    order = torch.randperm(P, generator=gen, device=device)[: B * pages].view(B, pages).to(torch.int32)
     kv_scale = None
     if fp8:
         kv_scale = float(latent.abs().max()) / 448.0
         kv = quantize_kv_fp8(latent, kv_scale)
     else:
         kv = latent.to(dtype)
-    if poison:
+    if poison:  # every row at a position >= its sequence's length becomes NaN (0x7F is NaN in e4m3)
         pos = torch.arange(pages * page, device=device)
-        for b, n in enumerate(seqlens):
-            dead = order[b].long().repeat_interleave(page)[pos >= n]
-            offs = (pos % page)[pos >= n]
-            kv[dead, offs] = 0x7F if fp8 else float("nan")  # 0x7F is NaN in e4m3
+        lens = torch.tensor(seqlens, device=device)
+        dead = pos[None, :] >= lens[:, None]
+        pg = order.long().repeat_interleave(page, dim=1)[dead]
+        kv[pg, (pos % page).expand(B, -1)[dead]] = 0x7F if fp8 else float("nan")
     return kv, order, kv_scale
 
 
@@ -60,9 +67,9 @@ def decode_problem(seqlens: list[int], heads: int, q_len: int = 1, page: int = 6
                    kv_dtype: str = "same", device="cpu", capacity: int | None = None, poison: bool = True,
                    seed: int | None = None) -> Problem:
     """A decode batch: len(seqlens) sequences, each with `q_len` new tokens (seqlens include them)."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = _generator(device, seed)
     kv, table, kv_scale = _pool(seqlens, page, dtype, device, capacity, poison, kv_dtype == "fp8", gen)
-    q = torch.randn(len(seqlens), q_len, heads, 576, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(len(seqlens), q_len, heads, 576, generator=gen, device=device).to(dtype)
     return Problem(q, kv, table, torch.tensor(seqlens, dtype=torch.int32, device=device), None, kv_scale,
                    576 ** -0.5, q_len)
 
@@ -72,10 +79,10 @@ def prefill_problem(seqlens: list[int], new_tokens: list[int], heads: int, page:
                     seed: int | None = None) -> Problem:
     """An extend batch: sequence b has seqlens[b] tokens of which the last new_tokens[b] are new."""
     assert all(0 <= n <= s for n, s in zip(new_tokens, seqlens)), "new tokens must fit in seqlens"
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = _generator(device, seed)
     kv, table, kv_scale = _pool(seqlens, page, dtype, device, capacity, poison, kv_dtype == "fp8", gen)
     T = sum(new_tokens)
-    q = torch.randn(T, heads, 576, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(T, heads, 576, generator=gen, device=device).to(dtype)
     indptr = torch.tensor([0] + list(torch.tensor(new_tokens).cumsum(0).tolist()), dtype=torch.int32, device=device)
     return Problem(q, kv, table, torch.tensor(seqlens, dtype=torch.int32, device=device), indptr, kv_scale,
                    576 ** -0.5, max(new_tokens) if new_tokens else 1)

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from pdlab.kernels.arch import device_facts
 
     import pandas as pd
+    from pathlib import Path
+
+    Path(args.out or report.default_out_dir("attention")).mkdir(parents=True, exist_ok=True)
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                         err_lse = cosine_error(lse, ref[1]) if ref is not None else float("nan")
                         graph = args.cuda_graph and not b.reference
                         t = bench(fn, device=device, repeats=args.repeats, cuda_graph=graph,
-                                  max_seconds=args.max_seconds)
+                                  warmup=2 if b.reference else 5, max_seconds=args.max_seconds)
                         rf = roofline(flops, nbytes, t.seconds, facts, "bf16")
                         rows.append(dict(row, status="ok", config_source=source,
                                          config=json.dumps(used, sort_keys=True) if used else "",
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
                                          config=json.dumps(cfg) if cfg else ""))
                     advance(f"{base['shape']} {name}")
             del p, ref
+            pd.DataFrame(rows).to_csv(f"{args.out or report.default_out_dir('attention')}/"
+                                      f"{args.name or 'mla_' + args.op}.partial.csv", index=False)
             if cuda:
                 torch.cuda.empty_cache()
 

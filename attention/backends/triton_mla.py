@@ -52,7 +52,7 @@ def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_sc
     if B == 0:
         return out, lse
     cfg = config or DECODE_DEFAULT
-    cfg = _warps(cfg, tk._pow2_at_least(Sq) * min(int(cfg["BLOCK_H"]), H))
+    cfg = _warps(cfg, min(int(cfg["BLOCK_H"]), tk._pow2_at_least(Sq) * H))
     tk.mla_attention(q.reshape(B * Sq, H, 576), kv_cache, block_table, seqlens, None, out.view(B * Sq, H, 512),
                      lse, (H, 1, Sq), softmax_scale, kv_scale, q_per_seq=Sq, q_blocks=1, config=cfg)
     return out, lse

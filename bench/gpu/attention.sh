@@ -1,47 +1,62 @@
 #!/usr/bin/env bash
-# MLA attention on one GPU: GPU tests, a small config sweep of the triton decode kernel at the goal
-# shapes, then `bench attention` at the goal shapes with the defaults. Results go to $OUT
-# (default /tmp/pdlab_attention). Run from the repository root.
+# MLA attention on one GPU, in one batch: GPU tests, a config sweep of the triton decode kernel at
+# the goal shapes (B=128, seqlen 8192, page 64, S_q=1), then `bench attention` at the goal shapes
+# (seqlen 1024..16384, 16/128 heads, bf16/fp8) with the default config AND the sweep's best config,
+# then a prefill picture. Every step has its own timeout; benches save partial CSVs as they go.
+# Results go to $OUT (default /tmp/pdlab_attention). Run from the repository root.
 set -u
 OUT=${OUT:-/tmp/pdlab_attention}
 mkdir -p "$OUT"
 export PDLAB_RESULTS_DIR="$OUT"
 PY=${PY:-python3}
-STAGE=${STAGE:-all}   # all | tests | sweep | bench
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$OUT/device.txt" 2>&1
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
 date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date.txt"
+BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.argv[1:]))' attention --out "$OUT")
+B=(--batch 128 --page-size 64 --s-q 1)
 
-if [[ $STAGE == all || $STAGE == tests ]]; then
-  timeout 150 $PY -m pytest -q -m gpu tests/attention -x --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
-fi
+timeout 65 $PY -m pytest -q -m gpu tests/attention -rA --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
+tail -15 "$OUT/gpu_tests.txt"; grep -E "fp8 vs unquantised|PASSED|FAILED" "$OUT/gpu_tests.txt" | head -30
 
-B="$PY -m pdlab.bench.cli attention --out $OUT --batch 128 --page-size 64 --s-q 1 --repeats 20 --max-seconds 1"
-if [[ $STAGE == all || $STAGE == sweep ]]; then
-  # memory-bound: 16 heads, bf16 and fp8
-  H16=()
-  for cfg in '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":2,"num_warps":4}' \
-             '{"BLOCK_H":16,"BLOCK_N":64,"num_stages":2,"num_warps":4}' \
-             '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4}' \
-             '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":4,"num_warps":4}' \
-             '{"BLOCK_H":16,"BLOCK_N":64,"num_stages":3,"num_warps":8}' \
-             '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"num_splits":8}' \
-             '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"waves":4}'; do H16+=(--config "$cfg"); done
-  timeout 120 $B --backend triton --seqlen 8192 --heads 16 --kv-dtype bf16,fp8 --name sweep_h16 "${H16[@]}" 2>&1 | tail -30
-  # compute-bound: 128 heads
-  H128=()
-  for cfg in '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":2,"num_warps":8}' \
-             '{"BLOCK_H":64,"BLOCK_N":16,"num_stages":3,"num_warps":8}' \
-             '{"BLOCK_H":64,"BLOCK_N":64,"num_stages":2,"num_warps":8}' \
-             '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":3,"num_warps":8}' \
-             '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":2,"num_warps":4}' \
-             '{"BLOCK_H":128,"BLOCK_N":32,"num_stages":2,"num_warps":8}' \
-             '{"BLOCK_H":32,"BLOCK_N":32,"num_stages":3,"num_warps":4}'; do H128+=(--config "$cfg"); done
-  timeout 150 $B --backend triton --seqlen 8192 --heads 128 --kv-dtype bf16 --name sweep_h128 "${H128[@]}" 2>&1 | tail -30
-fi
+# memory-bound: 16 heads, bf16 and fp8
+C16=()
+for cfg in '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":2,"num_warps":4}' \
+           '{"BLOCK_H":16,"BLOCK_N":64,"num_stages":2,"num_warps":4}' \
+           '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4}' \
+           '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"num_splits":8}' \
+           '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"waves":4}'; do C16+=(--config "$cfg"); done
+timeout 45 "${BENCH[@]}" "${B[@]}" --backend triton --seqlen 8192 --heads 16 --kv-dtype bf16,fp8 --repeats 10 \
+  --max-seconds 0.5 --no-reference --name sweep_h16 "${C16[@]}" > "$OUT/sweep_h16.txt" 2>&1
+# compute-bound: 128 heads
+C128=()
+for cfg in '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":2,"num_warps":8}' \
+           '{"BLOCK_H":64,"BLOCK_N":16,"num_stages":3,"num_warps":8}' \
+           '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":3,"num_warps":8}' \
+           '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":2,"num_warps":8,"num_splits":1}' \
+           '{"BLOCK_H":32,"BLOCK_N":32,"num_stages":3,"num_warps":4}'; do C128+=(--config "$cfg"); done
+timeout 40 "${BENCH[@]}" "${B[@]}" --backend triton --seqlen 8192 --heads 128 --kv-dtype bf16 --repeats 10 \
+  --max-seconds 0.5 --no-reference --name sweep_h128 "${C128[@]}" > "$OUT/sweep_h128.txt" 2>&1
 
-if [[ $STAGE == all || $STAGE == bench ]]; then
-  timeout 200 $B --backend triton,flashmla,flashinfer,torch --seqlen 1024,4096,8192,16384 --heads 16,128 \
-    --kv-dtype bf16,fp8 --name mla_decode_goals 2>&1 | tail -50
-fi
-ls -la "$OUT"
+best() {  # best config of a sweep CSV (lowest median over its rows), as JSON
+  $PY - "$1" <<'PYEOF'
+import sys, pandas as pd
+try:
+    df = pd.read_csv(sys.argv[1]); df = df[df.status == "ok"]
+    print(df.groupby("config").median_ms.mean().idxmin())
+except Exception:
+    print("")
+PYEOF
+}
+for h in 16 128; do
+  f="$OUT/sweep_h$h.csv"; [[ -f $f ]] || f="$OUT/sweep_h$h.partial.csv"
+  BEST=$(best "$f"); echo "best h$h: $BEST" | tee -a "$OUT/best_configs.txt"
+  EXTRA=(); [[ -n $BEST ]] && EXTRA=(--config '{}' --config "$BEST")
+  timeout $((h == 16 ? 50 : 55)) "${BENCH[@]}" "${B[@]}" --backend triton,flashmla,flashinfer,torch --seqlen 8192,1024,4096,16384 --heads $h \
+    --kv-dtype bf16,fp8 --repeats 15 --max-seconds 0.5 --name mla_decode_goals_h$h "${EXTRA[@]}" \
+    > "$OUT/goals_h$h.txt" 2>&1
+  tail -25 "$OUT/goals_h$h.txt"
+done
+timeout 20 "${BENCH[@]}" --op prefill --backend triton,flashinfer,torch --batch 2 --seqlen 4096 --heads 16,128 \
+  --kv-dtype bf16 --page-size 64 --repeats 5 --max-seconds 0.5 --name mla_prefill > "$OUT/prefill.txt" 2>&1
+tail -8 "$OUT/prefill.txt"
+ls "$OUT"

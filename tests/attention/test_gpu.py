@@ -41,7 +41,7 @@ def test_decode_bf16(heads, q_len, seed):
 
 
 @pytest.mark.parametrize("page,cfg", [(1, {"BLOCK_N": 16}), (16, {"num_splits": 1}), (128, {"BLOCK_N": 64}),
-                                      (32, {"BLOCK_H": 128, "BLOCK_N": 16}), (8, {"num_splits": 7})])
+                                      (32, {"BLOCK_H": 32, "BLOCK_N": 16}), (8, {"num_splits": 7})])
 def test_decode_pages_and_configs(page, cfg, seed):
     rng = random.Random(seed)
     p = decode_problem(_lens(8, 2000, 1, rng), 128, 1, page, torch.bfloat16, device=DEV, seed=seed)
