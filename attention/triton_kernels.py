@@ -145,7 +145,7 @@ def _mla_combine(O_PART, LSE_PART, O, LSE, stride_op_t, stride_op_h, stride_op_s
 
 
 @triton.jit
-def _store_kv(KV, SLOTS, LAT, inv_scale, SCALE_PTR, stride_kv_p, stride_kv_o, stride_lat_t, n_slots,
+def _store_kv(KV, SLOTS, LAT, scale, SCALE_PTR, stride_kv_p, stride_kv_o, stride_lat_t, n_slots,
               PAGE: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
               D_NOPE: tl.constexpr, D_PE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -154,7 +154,7 @@ def _store_kv(KV, SLOTS, LAT, inv_scale, SCALE_PTR, stride_kv_p, stride_kv_o, st
     slot = tl.where(ok, slot, 0)
     dst = KV + (slot // PAGE) * stride_kv_p + (slot % PAGE) * stride_kv_o
     if SCALE_FROM_PTR:
-        inv_scale = 1.0 / tl.load(SCALE_PTR).to(tl.float32)
+        scale = tl.load(SCALE_PTR).to(tl.float32)
     d = tl.arange(0, D_NOPE)
     dp = D_NOPE + tl.arange(0, D_PE)
     width = tl.where(ok, D_NOPE + D_PE, 0)  # a vector mask (scalar masks trip the interpreter)
@@ -163,8 +163,8 @@ def _store_kv(KV, SLOTS, LAT, inv_scale, SCALE_PTR, stride_kv_p, stride_kv_o, st
     x = tl.load(LAT + t * stride_lat_t + d, mask=m, other=0.0)
     xp = tl.load(LAT + t * stride_lat_t + dp, mask=mp, other=0.0)
     if FP8:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        xp = tl.clamp(xp.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        x = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        xp = tl.clamp(tl.div_rn(xp.to(tl.float32), scale), -448.0, 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(dst + d, x.to(KV.dtype.element_ty), mask=m)
     tl.store(dst + dp, xp.to(KV.dtype.element_ty), mask=mp)
 
@@ -271,6 +271,6 @@ def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, 
     scale, scale_ptr, from_ptr = _scale_args(kv_scale if fp8 else None, kv_cache.device)
     T = slots.shape[0]
     P, page, _ = kv_cache.shape
-    _store_kv[(T,)](kv_cache, slots, latent, 1.0 / scale, scale_ptr if from_ptr else slots,
+    _store_kv[(T,)](kv_cache, slots, latent, scale, scale_ptr if from_ptr else slots,
                     kv_cache.stride(0), kv_cache.stride(1), latent.stride(0), P * page,
                     PAGE=page, FP8=fp8, SCALE_FROM_PTR=from_ptr, D_NOPE=512, D_PE=64, num_warps=4)
