@@ -203,25 +203,18 @@ def expand(recv: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     return layout, Expansion(mode, M, slot, weights, E, max_m)
 
 
-def reduce_rows(y: Layout, exp: Expansion, chunk_rows: int = 4096) -> torch.Tensor:
-    """Σ over local experts of weight · expert output, per received row: [M, H] fp32.
+def reduce_rows(y: Layout, exp: Expansion, chunk_rows: int = 4096, out_dtype: torch.dtype = torch.float32,
+                impl: str = "auto") -> torch.Tensor:
+    """Σ over local experts of weight · expert output, per received row: [M, H] of out_dtype
+    (fp32 accumulation).
 
-    y: the experts' output in the layout `expand` produced (bf16 hidden [N, H] or [E_l, M_max, H])."""
+    y: the experts' output in the layout `expand` produced (bf16 hidden [N, H] or [E_l, M_max, H]).
+    impl: "triton" | "torch" | "auto" (see `_reduce.gather_reduce`)."""
+    from pdlab.moe.dispatch._reduce import gather_reduce
+
     h = y.hidden
-    H = h.shape[-1]
-    flat = h.reshape(-1, H)
-    out = torch.empty((exp.num_rows, H), dtype=torch.float32, device=h.device)
-    idx_all = exp.index
-    for r0 in range(0, exp.num_rows, chunk_rows):
-        r1 = min(exp.num_rows, r0 + chunk_rows)
-        idx = idx_all[r0:r1]
-        w = exp.weights[r0:r1]
-        acc = out[r0:r1]
-        acc.zero_()
-        for j in range(idx.shape[1]):
-            rows = idx[:, j].clamp_min(0)
-            acc.addcmul_(flat.index_select(0, rows).float(), w[:, j:j + 1])
-    return out
+    return gather_reduce(h.reshape(-1, h.shape[-1]), exp.index, exp.weights, out_dtype, impl=impl,
+                         chunk_rows=chunk_rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,7 +177,8 @@ class DeepEPDispatcher(BaseDispatcher):
             out, _, _ = self.buffer.low_latency_combine(y.hidden.to(torch.bfloat16), st.topk_idx, st.topk_weights,
                                                         st.deep_handle)
             return out.to(handle.out_dtype)
-        partial = reduce_rows(y, st.expansion, int(self.config.get("chunk_rows", 4096))).to(torch.bfloat16)
+        partial = reduce_rows(y, st.expansion, int(self.config.get("chunk_rows", 4096)), torch.bfloat16,
+                              self.config.get("reduce_impl", "auto"))
         kwargs = {}
         cfg = self._deep_config()
         if cfg is not None:
@@ -219,8 +220,8 @@ def _probe() -> str | None:
                   priority=30,
                   config_space={"num_sms": [20, 24, 32], "nvl_chunk_size": [4, 6, 8, 12],
                                 "nvl_buffer_size": [256, 512], "rdma_chunk_size": [8, 16],
-                                "rdma_buffer_size": [128, 256], "chunk_rows": [4096, 8192]},
-                  default_config={"num_sms": 24, "chunk_rows": 4096},
+                                "rdma_buffer_size": [128, 256], "reduce_impl": ["triton", "torch"]},
+                  default_config={"num_sms": 24, "reduce_impl": "auto", "chunk_rows": 4096},
                   options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),
                            "layouts": ("contiguous", "masked"), "one_mode_per_buffer": True})
 def create_deepep(num_experts: int, hidden_size: int, **kwargs) -> DeepEPDispatcher:

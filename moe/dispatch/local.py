@@ -30,11 +30,13 @@ class LocalDispatcher(BaseDispatcher):
         return layout, self._handle(mode, layout, topk_ids.shape[0], out_dtype, exp)
 
     def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
-        return reduce_rows(y, handle.state, int(self.config["chunk_rows"])).to(handle.out_dtype)
+        return reduce_rows(y, handle.state, int(self.config["chunk_rows"]), handle.out_dtype,
+                           self.config["reduce_impl"])
 
 
 @register_backend("moe_dispatch", "local", archs=("cpu", "cuda"), priority=10, reference=True,
-                  config_space={"chunk_rows": [2048, 4096, 8192]}, default_config={"chunk_rows": 4096},
+                  config_space={"reduce_impl": ["triton", "torch"], "chunk_rows": [2048, 4096, 8192]},
+                  default_config={"reduce_impl": "auto", "chunk_rows": 4096},
                   options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),
                            "layouts": ("contiguous", "masked"), "max_ranks": 1})
 def create_local(num_experts: int, hidden_size: int, **kwargs) -> LocalDispatcher:

@@ -37,6 +37,7 @@ class _State:
     expansion: object
     chunks: list[_Chunk]
     row_bytes: int
+    back_index: torch.Tensor  # [T, R] int64: row of the combine buffer holding (token, rank), -1 if none
 
 
 class NcclDispatcher(BaseDispatcher):
@@ -77,9 +78,13 @@ class NcclDispatcher(BaseDispatcher):
         num_chunks = max(1, min(int(self.config["num_chunks"]), max(T, 1)))
         bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
         chunks, received, sent_rows, back_rows = [], [], 0, 0
+        back_index = torch.full((T, R), -1, dtype=torch.long, device=dev)
+        sent_before = 0
         for t0, t1 in zip(bounds[:-1], bounds[1:]):
             pairs = in_rank[t0:t1].t().nonzero()  # (rank, token) sorted rank-major
             send_token = pairs[:, 1] + t0
+            back_index[send_token, pairs[:, 0]] = torch.arange(sent_before, sent_before + pairs.shape[0], device=dev)
+            sent_before += pairs.shape[0]
             send_counts = in_rank[t0:t1].sum(0)
             recv_counts = torch.empty_like(send_counts)
             self._dist.all_to_all_single(recv_counts, send_counts, group=self.group)
@@ -97,7 +102,7 @@ class NcclDispatcher(BaseDispatcher):
                              self.max_m())
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
         back_bytes = back_rows * self.hidden_size * self.combine_dtype.itemsize
-        return layout, self._handle(mode, layout, T, out_dtype, _State(exp, chunks, row_bytes),
+        return layout, self._handle(mode, layout, T, out_dtype, _State(exp, chunks, row_bytes, back_index),
                                     bytes_sent=sent_rows * row_bytes, bytes_back=back_bytes)
 
     @staticmethod
@@ -131,20 +136,24 @@ class NcclDispatcher(BaseDispatcher):
     # --- combine ------------------------------------------------------------------------------
 
     def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
+        from pdlab.moe.dispatch._reduce import gather_reduce
+
         state: _State = handle.state
-        partial = reduce_rows(y, state.expansion, int(self.config["chunk_rows"])).to(self.combine_dtype)
+        impl = self.config["reduce_impl"]
+        partial = reduce_rows(y, state.expansion, int(self.config["chunk_rows"]), self.combine_dtype, impl)
         H = partial.shape[1]
-        out = torch.zeros((handle.num_tokens, H), dtype=torch.float32, device=partial.device)
-        r0 = 0
+        back = torch.empty((sum(sum(c.send_splits) for c in state.chunks), H), dtype=partial.dtype,
+                           device=partial.device)
+        r0 = s0 = 0
         for chunk in state.chunks:
-            n_recv = sum(chunk.recv_splits)
-            back = torch.empty((sum(chunk.send_splits), H), dtype=partial.dtype, device=partial.device)
+            n_recv, n_send = sum(chunk.recv_splits), sum(chunk.send_splits)
             # sent as bytes: gloo has no bf16 all-to-all
-            self._dist.all_to_all_single(back.view(torch.uint8), partial[r0:r0 + n_recv].contiguous().view(torch.uint8),
+            self._dist.all_to_all_single(back[s0:s0 + n_send].view(torch.uint8),
+                                         partial[r0:r0 + n_recv].view(torch.uint8),
                                          chunk.send_splits, chunk.recv_splits, group=self.group)
-            r0 += n_recv
-            out.index_add_(0, chunk.send_token, back.float())
-        return out.to(handle.out_dtype)
+            r0, s0 = r0 + n_recv, s0 + n_send
+        return gather_reduce(back, state.back_index, None, handle.out_dtype, impl=impl,
+                             chunk_rows=int(self.config["chunk_rows"]))
 
 
 def _probe() -> str | None:
@@ -156,8 +165,9 @@ def _probe() -> str | None:
 
 
 @register_backend("moe_dispatch", "nccl", archs=("cpu", "cuda"), probe=_probe, priority=20,
-                  config_space={"num_chunks": [1, 2, 4], "chunk_rows": [2048, 4096, 8192]},
-                  default_config={"num_chunks": 1, "chunk_rows": 4096},
+                  config_space={"num_chunks": [1, 2, 4], "reduce_impl": ["triton", "torch"],
+                                "chunk_rows": [2048, 4096, 8192]},
+                  default_config={"num_chunks": 1, "reduce_impl": "auto", "chunk_rows": 4096},
                   options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),
                            "layouts": ("contiguous", "masked"), "dedup_per_rank": True,
                            "needs_process_group": True})
