@@ -89,3 +89,53 @@ class PagedKV:
             slots=torch.tensor(slots, dtype=torch.int64), logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             kv_caches=self.pools, kv_scale=None, max_q_len=max(new.values()), q_len=1)
         return ctx, torch.tensor(positions, dtype=torch.int64)
+
+
+def write_modelopt_checkpoint(src, dst, quantize_dense: tuple[str, ...] = ()) -> dict:
+    """Rewrite an unquantized HF DeepseekV3 checkpoint directory `src` as a modelopt NVFP4 one in
+    `dst`: every routed expert's gate/up/down weight → weight (uint8) + weight_scale (e4m3) +
+    weight_scale_2 + input_scale, plus the non-expert linears whose names end with one of
+    `quantize_dense`; everything else stays as it was. An expert's gate and up share one
+    weight_scale_2 (as modelopt exports them). Writes hf_quant_config.json (exclude_modules
+    = lm_head) and returns {name: the dequantized fp32 weight} for every quantized tensor."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from pdlab.kernels.nvfp4 import dequantize_nvfp4, quantize_weight_modelopt
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out, dequant = {}, {}
+    for name, t in tensors.items():
+        base = name[: -len(".weight")]
+        if not (name.endswith(".weight") and (".mlp.experts." in name or base.endswith(quantize_dense))):
+            out[name] = t.contiguous()
+            continue
+        joint = t.float()
+        if base.endswith((".gate_proj", ".up_proj")) and ".mlp.experts." in name:
+            # modelopt gives an expert's gate and up one shared weight_scale_2 (they run as one GEMM)
+            stem = base.rsplit(".", 1)[0]
+            joint = torch.cat([tensors[stem + ".gate_proj.weight"], tensors[stem + ".up_proj.weight"]]).float()
+        q = quantize_weight_modelopt(joint)
+        rows = slice(None)
+        if joint.shape[0] != t.shape[0]:
+            n = t.shape[0]
+            rows = slice(0, n) if base.endswith(".gate_proj") else slice(n, 2 * n)
+        packed, scale = q["weight"][rows].contiguous(), q["weight_scale"][rows].contiguous()
+        out[name], out[base + ".weight_scale"] = packed, scale
+        out[base + ".weight_scale_2"] = q["weight_scale_2"].reshape(())
+        out[base + ".input_scale"] = torch.tensor(8.0 / (6 * 448), dtype=torch.float32)
+        dequant[name] = dequantize_nvfp4(packed, scale, 1.0 / q["weight_scale_2"])
+    save_file(out, str(dst / "model.safetensors"))
+    shutil.copy(src / "config.json", dst / "config.json")
+    quant = {"producer": {"name": "modelopt"},
+             "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                              "exclude_modules": ["lm_head"]}}
+    (dst / "hf_quant_config.json").write_text(json.dumps(quant))
+    return dequant

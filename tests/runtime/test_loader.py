@@ -1,0 +1,178 @@
+"""The checkpoint loader: sharded safetensors, modelopt NVFP4, tokenizer files, MTP layers, and the
+errors for missing files / unknown architectures / wrong, missing or unexpected tensors."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdlab.runtime.model import CheckpointError, ConfigError, LoadOptions, load_model
+from pdlab.runtime.model.testing import PagedKV, hf_config, hf_model, write_modelopt_checkpoint
+from pdlab.runtime.model.tiny import write_tokenizer
+
+pytest.importorskip("transformers")
+OPTIONS = LoadOptions(attn_backend="torch", moe_runner="torch")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny fp32 transformers checkpoint (3 layers, 8 experts), its model, and a sharded copy."""
+    root = tmp_path_factory.mktemp("ckpt")
+    hf = hf_model(hf_config(), seed=5)
+    hf.save_pretrained(root / "single")
+    hf.save_pretrained(root / "sharded", max_shard_size="200KB")
+    return hf, root
+
+
+def _logits(model, cfg, ids, dtype=torch.float32):
+    kv = PagedKV(cfg.num_hidden_layers, num_pages=4, dtype=dtype)
+    ctx, pos = kv.step({0: len(ids)}, is_decode=False, logits_all=True)
+    return model(torch.tensor(ids), pos, ctx)
+
+
+def _copy(src, dst, edit=None, config_edit=None):
+    """Copy a single-file checkpoint, editing its tensors dict and/or config dict."""
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    if edit:
+        edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    if config_edit:
+        config_edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+IDS = [5, 17, 200, 3, 99, 250, 31, 8, 64, 128, 7]
+
+
+def test_sharded_equals_single(ckpt):
+    _, root = ckpt
+    assert (root / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((root / "sharded").glob("*.safetensors"))) > 1
+    a, _, cfg = load_model(root / "single", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    b, _, _ = load_model(root / "sharded", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), n
+    assert torch.equal(_logits(a, cfg, IDS), _logits(b, cfg, IDS))
+
+
+def test_nvfp4_modelopt_checkpoint(ckpt, tmp_path):
+    """Experts (and one dense o_proj) in NVFP4: the loaded model computes with exactly the dequantized
+    weights, i.e. it matches the bf16 checkpoint whose quantized tensors are replaced by their
+    dequantized values."""
+    _, root = ckpt
+    dequant = write_modelopt_checkpoint(root / "single", tmp_path / "fp4", quantize_dense=("layers.1.self_attn.o_proj",))
+    model, _, cfg = load_model(tmp_path / "fp4", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    assert cfg.quant is not None and cfg.quant.algo == "NVFP4" and cfg.quant.exclude_modules == ("lm_head",)
+    w = model.model.layers[1].mlp.moe.weights
+    assert w.has_nvfp4 and not w.has_bf16 and w.w13_weight.shape == (8, 64, 32)
+    dq_dir = _copy(root / "single", tmp_path / "dq", edit=lambda t: t.update(dequant))
+    ref, _, _ = load_model(dq_dir, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    assert torch.equal(model.model.layers[1].self_attn.o_proj.weight, ref.model.layers[1].self_attn.o_proj.weight)
+    got, want = _logits(model, cfg, IDS), _logits(ref, cfg, IDS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # and the quantization is real: the unquantized checkpoint gives visibly different logits
+    plain, _, _ = load_model(root / "single", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    assert (got - _logits(plain, cfg, IDS)).abs().max() > 1e-3
+
+
+def test_nvfp4_expert_missing_scale(ckpt, tmp_path):
+    _, root = ckpt
+    write_modelopt_checkpoint(root / "single", tmp_path / "fp4")
+    t = load_file(str(tmp_path / "fp4" / "model.safetensors"))
+    del t["model.layers.2.mlp.experts.3.down_proj.weight_scale"]
+    save_file(t, str(tmp_path / "fp4" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts\.3\.down_proj.*weight_scale"):
+        load_model(tmp_path / "fp4", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+
+
+def test_mtp_layers_are_skipped(ckpt, tmp_path, caplog):
+    _, root = ckpt
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
+    d = _copy(root / "single", tmp_path / "mtp", edit=lambda t: t.update(extra))
+    with caplog.at_level(logging.INFO, logger="pdlab.runtime.model"):
+        model, _, cfg = load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    assert "skipped checkpoint layers [3]" in caplog.text
+    ref, _, _ = load_model(root / "single", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    assert torch.equal(_logits(model, cfg, IDS), _logits(ref, cfg, IDS))
+
+
+def test_tokenizer_files(ckpt, tmp_path):
+    _, root = ckpt
+    d = _copy(root / "single", tmp_path / "tok")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS)
+    write_tokenizer(d)
+    _, tok, _ = load_model(d, "cpu", torch.float32, options=OPTIONS)
+    ids = tok.encode("Hello world")
+    assert ids[0] == tok.bos_token_id and tok.decode(ids) == "Hello world"
+    assert 1 in tok.eos_token_ids  # config.json's eos_token_id
+
+
+@pytest.mark.parametrize("case", ["no_dir", "no_config", "no_weights", "missing_shard"])
+def test_missing_files(ckpt, tmp_path, case):
+    _, root = ckpt
+    d = tmp_path / "m"
+    if case == "no_dir":
+        d, match = tmp_path / "nope", "not a directory"
+    elif case == "no_config":
+        d.mkdir()
+        match = "config.json not found in"
+    elif case == "no_weights":
+        d.mkdir()
+        (d / "config.json").write_text((root / "single" / "config.json").read_text())
+        match = "no weights in .*model.safetensors"
+    else:
+        import shutil
+
+        shutil.copytree(root / "sharded", d)
+        victim = sorted(d.glob("model-*.safetensors"))[0]
+        victim.unlink()
+        match = f"names shard.*{victim.name}"
+    with pytest.raises(FileNotFoundError, match=match):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+
+
+def test_unknown_architecture(ckpt, tmp_path):
+    _, root = ckpt
+    d = _copy(root / "single", tmp_path / "arch",
+              config_edit=lambda c: c.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2"))
+    with pytest.raises(ConfigError, match="unknown architecture.*DeepseekV2ForCausalLM.*DeepseekV3ForCausalLM"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+
+
+def test_wrong_shape_names_tensor_expected_and_got(ckpt, tmp_path):
+    _, root = ckpt
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    d = _copy(root / "single", tmp_path / "shape", edit=lambda t: t.update({name: torch.zeros(96, 512)}))
+    with pytest.raises(CheckpointError, match=rf"{name}.*shape \[96, 512\].*expects \[128, 512\]"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    # a config that disagrees with the weights (more heads) is caught the same way
+    d2 = _copy(root / "single", tmp_path / "heads", config_edit=lambda c: c.update(num_attention_heads=8,
+                                                                                  num_key_value_heads=8))
+    with pytest.raises(CheckpointError, match=r"self_attn\.\w+\.weight' in .* has shape \[\d+, \d+\] but the config expects"):
+        load_model(d2, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+
+
+def test_missing_and_unexpected_tensors(ckpt, tmp_path):
+    _, root = ckpt
+    d = _copy(root / "single", tmp_path / "missing", edit=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.0\.mlp\.up_proj\.weight"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    d = _copy(root / "single", tmp_path / "expert", edit=lambda t: t.pop("model.layers.2.mlp.experts.7.gate_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing.*experts\.7\.gate_proj\.weight"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    d = _copy(root / "single", tmp_path / "extra",
+              edit=lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(4, 4)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.1\.self_attn\.k_proj\.weight'"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    d = _copy(root / "single", tmp_path / "extra_expert",
+              edit=lambda t: t.update({"model.layers.1.mlp.experts.8.up_proj.weight": torch.zeros(32, 64)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*experts\.8\.up_proj"):
+        load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
