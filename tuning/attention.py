@@ -115,7 +115,7 @@ def _tolerance(bucket) -> float:
 MLA_DECODE = register_target(TuneTarget(
     op="mla_decode", description="MLA decode over the paged latent cache",
     buckets=decode_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=False), call=_call_decode,
-    error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",),
+    error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",), cuda_graph=True,
     bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
 
 MLA_PREFILL = register_target(TuneTarget(

@@ -175,8 +175,12 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
             print(f"{prog}: {target.op}: {exc}", file=sys.stderr)
             status = 1
             continue
+        varying = [k for k in (rep.studies[0].bucket if rep.studies else {})
+                   if len({str(s.bucket[k]) for s in rep.studies}) > 1]
         for s in rep.studies:
-            rows.append({"op": rep.op, "bucket": tuned.bucket_label(s.bucket), "backend": s.backend,
+            rows.append({"op": rep.op, "bucket": tuned.bucket_label(s.bucket),
+                         "shape": ",".join(f"{k}={s.bucket[k]}" for k in varying) or "(one bucket)",
+                         "backend": s.backend,
                          "default_ms": s.default_time_ms, "tuned_ms": s.time_ms,
                          "speedup": (s.default_time_ms / s.time_ms) if s.default_time_ms and s.time_ms else None,
                          "trials": s.trials, "failed": s.failed, "config": str(s.config), "note": s.reason})
@@ -189,7 +193,7 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
                 print(f"  skipped {backend} {tuned.bucket_label(bucket) if bucket else ''}: {reason}")
     if rows:
         df = pd.DataFrame(rows)
-        report.print_table(df, f"tuning on {facts.name}", [c for c in df.columns if c != "config"])
+        report.print_table(df, f"tuning on {facts.name}", [c for c in df.columns if c not in ("config", "bucket")])
         report.save(df, out_dir, "tuning", meta)
         print(f"summary and plots in {out_dir}")
     if not os.environ.get(tuned.CONFIG_DIR_ENV) and not args.store:

@@ -259,7 +259,8 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
     failed = sum(t.state == TrialState.FAIL for t in trials)
     res = StudyResult(backend.name, dict(bucket), name, len(trials), failed, None, None, None, None, history)
     if _best(study) is None:
-        res.reason = "no trial produced a correct result"
+        reasons = [t.user_attrs.get(FAIL_REASON, "") for t in trials if t.state == TrialState.FAIL]
+        res.reason = "no trial produced a correct result" + (f" (last: {reasons[-1]})" if reasons else "")
         return res
     res.best_config = backend.config(_decode(study.best_trial.params, space))
     default = backend.config()
@@ -305,15 +306,18 @@ def _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
         err = worst
     if not err <= tol:
         return None, reason or f"wrong result: error {err:.3g} > tolerance {tol:.3g}"
-    try:
-        timing = bench(lambda: target.call(backend, cfg, inputs), device=device, warmup=settings.warmup,
-                       repeats=settings.repeats,
-                       max_seconds=math.inf if lockstep is not None else settings.max_seconds,
-                       cuda_graph=target.cuda_graph and device.type == "cuda")
-        return timing.median_ms, ""
-    except Exception as exc:
-        _free(device)
-        return None, _describe(exc)
+    graph = target.cuda_graph and device.type == "cuda" and lockstep is None
+    for use_graph in ((True, False) if graph else (False,)):
+        try:
+            timing = bench(lambda: target.call(backend, cfg, inputs), device=device, warmup=settings.warmup,
+                           repeats=settings.repeats,
+                           max_seconds=math.inf if lockstep is not None else settings.max_seconds,
+                           cuda_graph=use_graph)
+            return timing.median_ms, ""
+        except Exception as exc:  # not capturable (host sync in the backend): time it eagerly instead
+            _free(device)
+            reason = _describe(exc)
+    return None, reason
 
 
 def remeasure(target: TuneTarget, backend: str, best: dict, default: dict, inputs: Any, ref: Any, tol: float,
