@@ -160,9 +160,10 @@ class PrefillRole(RoleHooks):
         return self.transfer.register(pool.kv_caches, pool.kv_scale)
 
     # ---- any thread ---------------------------------------------------------------------------
-    def submit(self, req: Req, transfer_id: str) -> Record:
+    def submit(self, req: Req, transfer_id: str, sink: Callable[[StepOutput], None] | None = None) -> Record:
         """Start prefilling `req` for the decode side's transfer `transfer_id`. ValueError for a bad
-        request (raised here). Wait for the outcome with `wait(transfer_id, timeout)`."""
+        request (raised here). The outcome goes to `sink` as one final StepOutput (the first token, or
+        an error), and `wait(transfer_id, timeout)` blocks for it."""
         preq = prefill_params(req)
         preq.rid = transfer_id
         preq.meta["transfer_id"] = transfer_id
@@ -173,7 +174,7 @@ class PrefillRole(RoleHooks):
                 self.metrics.move(rec, State.BOOTSTRAPPING, "request arrived")
             if rec.req is not None:
                 raise ValueError(f"transfer id {transfer_id!r} is already in flight; use a unique id")
-            rec.req = preq
+            rec.req, rec.sink = preq, sink
             self.metrics.move(rec, State.WAITING, "queued for prefill")
         try:
             self.loop.submit(preq, lambda out, rec=rec: self._on_output(rec, out))
@@ -279,7 +280,7 @@ class PrefillRole(RoleHooks):
             self.metrics.transfer_seconds += rec.transfer_s
         sched.release(rec.req.rid)
         self.metrics.move(rec, State.DONE, f"{rec.nbytes} bytes in {rec.transfer_s * 1e3:.2f} ms")
-        rec.done_event.set()
+        self._answer(rec)
 
     def _fail(self, sched, rec: Record, why: str) -> None:
         if rec.state in TERMINAL:
@@ -300,7 +301,21 @@ class PrefillRole(RoleHooks):
                 self.transfer.notify(rec.peer, {"transfer_id": rec.transfer_id, "event": "failed", "error": why})
             except (KVTransferError, ValueError, OSError) as e:
                 log.info("could not tell %s that %s failed: %s", rec.peer, rec.transfer_id, e)
+        self._answer(rec)
+
+    def _answer(self, rec: Record) -> None:
         rec.done_event.set()
+        if self.loop is not None:
+            _drop_sink(self.loop, rec.transfer_id)  # the scheduler emits nothing more for it
+        if rec.sink is None:
+            return
+        n = rec.req.prompt_len if rec.req is not None else 0
+        if rec.state is State.DONE:
+            out = StepOutput(rec.transfer_id, [rec.first_token], "", True, FinishReason.LENGTH, n, 1)
+        else:
+            out = StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, n, 0, error=rec.error)
+        sink, rec.sink = rec.sink, None
+        sink(out)
 
 
 # ================================================================================= decode role
@@ -423,7 +438,10 @@ class DecodeRole(RoleHooks):
 
     def _abort(self, sched, tid: str, why: str) -> None:
         rec = self.records.get(tid)
-        if rec is None or rec.state in TERMINAL:
+        if rec is None:
+            sched.abort(tid, why)  # not a disaggregated request
+            return
+        if rec.state in TERMINAL:
             return
         if rec.state in (State.WAITING, State.TRANSFERRING):
             rec.abort_requested, rec.error = True, why  # free pages once the prefill stops writing

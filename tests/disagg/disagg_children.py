@@ -76,3 +76,34 @@ def _ct(*a, **k):
     from pdlab.runtime.disagg.transfer import create_transfer
 
     return create_transfer(*a, **k)
+
+
+def load_sensitive_toy(**kw):
+    """(model, tokenizer, config) of the toy model with attention over every stored row, so a single
+    missing, misplaced or corrupted KV row changes the logits (the toy's own attention is dominated by
+    each token's own row)."""
+    from pdlab.runtime.engine.testing import LATENT, ToyModel, _load, _store, load_toy
+
+    class KVSensitiveToy(ToyModel):
+        def forward(self, input_ids, positions, ctx):
+            ps = ctx.page_size
+            for layer, cache in enumerate(ctx.kv_caches):
+                _store(cache, ctx.slots, self.latent(input_ids, positions, layer), ctx.kv_scale)
+            out = []
+            for b in range(ctx.seqlens.shape[0]):
+                n = int(ctx.seqlens[b])
+                pages = ctx.block_table[b, : -(-n // ps)].long()
+                h = 0
+                for cache in ctx.kv_caches:
+                    rows = _load(cache[pages].reshape(-1, LATENT)[:n], ctx.kv_scale)
+                    w = torch.linspace(1.0, 2.0, n, device=rows.device)  # position-weighted: order matters
+                    h = h + rows[-1] + 3.0 * (w[:, None] * rows).sum(0) / w.sum()
+                out.append(h @ self.out * 4.0)
+            return torch.stack(out).float()
+
+    _, tok, cfg = load_toy(**kw)
+    return KVSensitiveToy(cfg, seed=0), tok, cfg
+
+
+def failing_factory(**kw):
+    raise FileNotFoundError("model path /nonexistent/ckpt has no config.json (pretend loader)")

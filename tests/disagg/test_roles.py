@@ -2,43 +2,21 @@
 server, token for token, with the toy model whose logits depend on every stored KV row; plus the
 failure cases: dead prefill, client abort, layout mismatch, KV pressure on the decode side."""
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
-import torch
 
 from pdlab.runtime.core import Req, SamplingParams
 from pdlab.runtime.disagg.offline import DisaggLLM
 from pdlab.runtime.disagg.roles import State
 from pdlab.runtime.disagg.transfer.nixl import available as nixl_available
 from pdlab.runtime.engine.loop import LLM
-from pdlab.runtime.engine.testing import LATENT, ToyModel, _load, _store, load_toy
+sys.path.insert(0, str(Path(__file__).parent))
+from disagg_children import load_sensitive_toy  # noqa: E402
 
-
-class KVSensitiveToy(ToyModel):
-    """The toy model with uniform attention over every stored row (plus the last row), so a single
-    missing, misplaced or corrupted KV row changes the logits (the toy's own attention is dominated
-    by each token's own row)."""
-
-    def forward(self, input_ids, positions, ctx):
-        ps = ctx.page_size
-        for layer, cache in enumerate(ctx.kv_caches):
-            _store(cache, ctx.slots, self.latent(input_ids, positions, layer), ctx.kv_scale)
-        out = []
-        for b in range(ctx.seqlens.shape[0]):
-            n = int(ctx.seqlens[b])
-            pages = ctx.block_table[b, : -(-n // ps)].long()
-            h = 0
-            for cache in ctx.kv_caches:
-                rows = _load(cache[pages].reshape(-1, LATENT)[:n], ctx.kv_scale)
-                w = torch.linspace(1.0, 2.0, n)  # position-weighted, so order matters too
-                h = h + rows[-1] + 3.0 * (w[:, None] * rows).sum(0) / w.sum()
-            out.append(h @ self.out * 4.0)
-        return torch.stack(out).float()
-
-
-_, TOK, CFG = load_toy()
-MODEL = KVSensitiveToy(CFG, seed=0)
+MODEL, TOK, CFG = load_sensitive_toy()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
 

@@ -1,0 +1,194 @@
+"""`runtime serve --disagg` and `runtime serve --role prefill|decode|router`.
+
+--disagg (one machine): a prefill server and a decode server (on cuda:0 / cuda:1 when there are two
+GPUs, else both on the configured device), each on a free port, then the router on --host/--port in
+front of them; all three supervised (runtime/supervisor.py): a child that fails to start makes the
+launch exit non-zero within seconds with that child's own traceback and exit code, and stops the others.
+
+--role prefill|decode: one server of that role (settings as for `runtime serve`, plus the transfer
+and dispatch settings of `RoleConfig`). --role router: the router alone, with --prefill URL... and
+--decode URL... (no --prefill: plain balancing over --decode servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import uuid
+
+from pdlab.runtime.config import ConfigError, add_config_arguments, build_config, config_from_args
+
+log = logging.getLogger("pdlab.disagg")
+
+ROUTER_FLAGS = ("prefill", "decode", "policy", "health_interval", "health_timeout", "request_timeout")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdlab.runtime.disagg.config import RoleConfig
+
+    add_config_arguments(parser, RoleConfig, exclude={"role"})
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--disagg", action="store_true", help="prefill + decode servers and a router on this machine")
+    mode.add_argument("--role", choices=["prefill", "decode", "router"], help="start one role")
+    g = parser.add_argument_group("router")
+    g.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill server URLs (--role router)")
+    g.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode server URLs (--role router)")
+    g.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin",
+                   help="how the router picks a prefill/decode pair")
+    g.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
+    g.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health probe may take")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds an upstream request may take")
+    g.add_argument("--start-timeout", type=float, default=900.0, help="seconds --disagg waits for start-up acks")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `runtime serve --disagg|--role ...` (argv without the leading 'serve')."""
+    parser = argparse.ArgumentParser(prog="runtime serve", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdlab.runtime.disagg.config import RoleConfig
+    from pdlab.runtime.router.router import RouterConfig
+
+    rargs = {k: getattr(args, k) for k in ROUTER_FLAGS}
+    try:
+        if args.role == "router":
+            rcfg = RouterConfig(host=args.host or "127.0.0.1", port=30000 if args.port is None else args.port, **rargs)
+            return _run_inline(serve_router, rcfg.model_dump())
+        if args.role in ("prefill", "decode"):
+            cfg = config_from_args(RoleConfig, args)
+            cfg = build_config(RoleConfig, **{**cfg.model_dump(), "role": args.role})
+            return _run_inline(serve_role, cfg.model_dump())
+        base = config_from_args(RoleConfig, args).model_dump()
+        pre, dec = _split_devices(base)
+        pcfg = build_config(RoleConfig, **{**pre, "role": "prefill", "port": 0})
+        dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0})
+    except (ConfigError, ValueError) as exc:
+        print(f"runtime serve: {exc}", file=sys.stderr)
+        return 2
+    return launch_disagg(pcfg.model_dump(), dcfg.model_dump(), router={**rargs, "host": base["host"],
+                                                                         "port": base["port"]},
+                         start_timeout=args.start_timeout)
+
+
+def launch_disagg(prefill_cfg: dict, decode_cfg: dict, *, router: dict, start_timeout: float = 900.0,
+                  model_factory: str | None = None, on_ready=None) -> int:
+    """Start prefill + decode, then the router in front of them; supervise until one exits or
+    Ctrl-C. Returns the exit code. on_ready(acks) is called once everything is up (tests)."""
+    from pdlab.runtime.router.router import RouterConfig
+    from pdlab.runtime.supervisor import ChildSpec, LaunchError, Supervisor
+
+    sup = Supervisor(start_timeout=start_timeout)
+    try:
+        acks = sup.start([
+            ChildSpec("prefill", serve_role, args=(prefill_cfg,), kwargs={"model_factory": model_factory}),
+            ChildSpec("decode", serve_role, args=(decode_cfg,), kwargs={"model_factory": model_factory}),
+        ])
+        rcfg = RouterConfig(**{**router, "prefill": [acks["prefill"]["url"]], "decode": [acks["decode"]["url"]]})
+        acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
+    except LaunchError as exc:
+        print(f"runtime serve --disagg: launch failed: {exc}", file=sys.stderr, flush=True)
+        return exc.exitcode if exc.exitcode and exc.exitcode > 0 else 1
+    for name in ("prefill", "decode", "router"):
+        print(f"{name} ready at {acks[name]['url']}", flush=True)
+    print(f"serving (disaggregated) on {acks['router']['url']}", flush=True)
+    if on_ready is not None:
+        on_ready(acks)
+    return sup.wait()
+
+
+# ---------------------------------------------------------------------------------------- children
+def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwargs: dict | None = None) -> None:
+    """Child: one prefill or decode server. Acks {"url", "role", "agent"} once it accepts requests,
+    then serves until SIGTERM."""
+    from pdlab.runtime.disagg.bootstrap import HttpLink, RoleLoop, install
+    from pdlab.runtime.disagg.config import RoleConfig
+    from pdlab.runtime.disagg.roles import DecodeRole, PrefillRole
+    from pdlab.runtime.disagg.transfer.base import create_transfer
+    from pdlab.runtime.server.api import create_app
+    from pdlab.runtime.server.serve import Server
+
+    cfg = RoleConfig(**cfg)
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s %(levelname)s {cfg.role} %(name)s: %(message)s")
+    model, tok, mcfg = _load(cfg, model_factory, factory_kwargs)
+    agent = cfg.agent_name or f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    transfer = create_transfer(cfg.kv_transfer, agent, layer_group_size=cfg.transfer_layer_group,
+                               **({"convert": True} if cfg.kv_transfer_convert and cfg.role == "prefill" else {}))
+    if cfg.role == "prefill":
+        role = PrefillRole(transfer, transfer_timeout=cfg.transfer_timeout)
+    else:
+        role = DecodeRole(transfer, HttpLink(), transfer_timeout=cfg.transfer_timeout)
+    server = Server(cfg, model, tok, mcfg, hooks=role)
+    role.attach(server.loop)
+    # the same OpenAI handlers, over a loop that hands router-tagged requests to the role
+    server.app = create_app(RoleLoop(server.loop, role), server.codec, server.metrics,
+                            model_name=cfg.served_model_name, api_key=cfg.api_key, max_queue=cfg.max_queue)
+    install(server.app, role)
+    for line in server.describe():
+        log.info("%s", line)
+    port = server.start()
+    url = f"http://{cfg.host}:{port}"
+    log.info("%s server ready at %s (transfer %s, agent %s)", cfg.role, url, cfg.kv_transfer, agent)
+    ack({"url": url, "role": cfg.role, "agent": agent})
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.stop()
+        if isinstance(role, DecodeRole):
+            role.close()
+        transfer.close()
+
+
+def serve_router(ack, cfg: dict) -> None:
+    """Child: the router. Acks {"url"} once it accepts requests."""
+    from pdlab.runtime.disagg.http import serve_app
+    from pdlab.runtime.router.router import RouterConfig, create_router_app
+
+    rcfg = RouterConfig(**cfg)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    serve_app(create_router_app(rcfg), rcfg.host, rcfg.port, on_ready=lambda url: ack({"url": url}))
+
+
+def _run_inline(target, cfg: dict) -> int:
+    """One role in this process; the 'ack' just prints where it serves."""
+    try:
+        target(lambda info: print(f"ready: {info}", flush=True), cfg)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _load(cfg, model_factory: str | None, factory_kwargs: dict | None):
+    if model_factory is not None:
+        from pdlab.runtime.supervisor import _resolve
+
+        return _resolve(model_factory)(**(factory_kwargs or {}))
+    import torch
+
+    from pdlab.runtime.engine.engine import TORCH_DTYPES
+    from pdlab.runtime.model import LoadOptions, load_model
+
+    opts = LoadOptions(moe_runner=cfg.moe_runner, dispatcher=cfg.moe_dispatcher, moe_decode_mode=cfg.moe_dispatch_mode)
+    return load_model(cfg.model_path, torch.device(cfg.resolved_device), TORCH_DTYPES[cfg.resolved_dtype], options=opts)
+
+
+def _split_devices(base: dict) -> tuple[dict, dict]:
+    """Prefill on cuda:0 and decode on cuda:1 when two GPUs exist and no device was forced."""
+    dev = base.get("device", "auto")
+    if dev in ("auto", "cuda"):
+        try:
+            import torch
+
+            n = torch.cuda.device_count()
+        except Exception:  # noqa: BLE001 - no usable CUDA: both on the configured device
+            n = 0
+        if n >= 2:
+            return {**base, "device": "cuda:0"}, {**base, "device": "cuda:1"}
+    return dict(base), dict(base)
