@@ -21,8 +21,8 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date.txt"
 echo "EP=$EP dispatcher=$DISPATCHER gpus=$NGPU" | tee "$OUT/plan.txt"
 
-timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/moe/test_ep.py tests/moe/test_dispatch_reduce.py \
-    2>&1 | tail -40 > "$OUT/tests_ep.txt"
+PDLAB_EP=$EP timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q -s -p no:cacheprovider -m "gpu or multigpu" tests/moe/test_ep.py tests/moe/test_dispatch_reduce.py \
+    2>&1 | tail -60 > "$OUT/tests_ep.txt"
 cat "$OUT/tests_ep.txt"
 
 bench() {  # bench <name> <timeout> <args...>
