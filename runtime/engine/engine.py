@@ -15,6 +15,7 @@ import torch
 from pdlab.runtime.config import ConfigError, EngineConfig
 from pdlab.runtime.context import ForwardContext
 from pdlab.runtime.core import Batch
+from pdlab.runtime.env import ENV
 from pdlab.runtime.engine.sample import SampleOutput, SamplingTensors, sample
 from pdlab.runtime.memory.pool import MLAKVPool
 from pdlab.runtime.memory.table import PageTable
@@ -51,8 +52,12 @@ class Engine:
         self.device = torch.device(cfg.resolved_device)
         self.dtype = TORCH_DTYPES[cfg.resolved_dtype]
         if model is None:
-            from pdlab.runtime.model import load_model  # the model package is optional for the engine
-            model, tokenizer, model_config = load_model(cfg.model_path, self.device, self.dtype)
+            from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
+            if is_synthetic(cfg.model_path):
+                model, tokenizer, model_config = load_synthetic(cfg.model_path, self.device, self.dtype, cfg.seed)
+            else:
+                from pdlab.runtime.model import load_model  # the model package is optional for the engine
+                model, tokenizer, model_config = load_model(cfg.model_path, self.device, self.dtype)
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.num_layers = int(_attr(model_config, "num_hidden_layers"))
         self.vocab_size = int(_attr(model_config, "vocab_size"))
@@ -75,10 +80,18 @@ class Engine:
                 "--max-total-tokens / --mem-fraction-static or lower --max-context-len")
         self.page_table = PageTable(max_running_requests, max_pages, self.device)
         self.graphs = None
+        self.graph_error: str | None = None
+        self.profile = ENV.step_profile and self.device.type == "cuda"
+        self.last_gpu_ms = 0.0
         use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
         if use_graph:
             from pdlab.runtime.engine.graph import GraphRunner
-            self.graphs = GraphRunner(self, cfg.cuda_graph_bs)
+            try:
+                self.graphs = GraphRunner(self, cfg.cuda_graph_bs)
+            except Exception as exc:  # e.g. an op that syncs with the host: serve eagerly, and say so
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed (%s); decode runs eagerly", self.graph_error)
+                torch.cuda.synchronize(self.device)
 
     # ---- sizes -------------------------------------------------------------------------------
     def _num_pages(self) -> int:
@@ -103,6 +116,9 @@ class Engine:
                                    "the scheduler must allocate before the step")
         self.page_table.sync(reqs)
         t0 = time.perf_counter()
+        if self.profile:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
             logits = self.graphs.replay(reqs)
         else:
@@ -116,8 +132,12 @@ class Engine:
         sreqs = [reqs[i] for i in sampled]
         st = SamplingTensors.from_reqs(sreqs, self.vocab_size, logits.device)
         out = sample(logits, st)
+        if self.profile:
+            ev1.record()
         next_ids, lps = _to_host(out, sreqs)
-        return ForwardOutput(sampled, next_ids, lps, gpu_ms=(time.perf_counter() - t0) * 1e3)
+        gpu_ms = ev0.elapsed_time(ev1) if self.profile else (time.perf_counter() - t0) * 1e3
+        self.last_gpu_ms = gpu_ms
+        return ForwardOutput(sampled, next_ids, lps, gpu_ms=gpu_ms)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         """Device tensors of a step: input_ids [T] int64, positions [T] int64, and its ForwardContext."""
@@ -171,7 +191,8 @@ class Engine:
         lines = [f"device {self.device}, dtype {self.cfg.resolved_dtype}, KV {p.kv_dtype} page {p.page_size}: "
                  f"{p.allocator.capacity} pages = {p.max_tokens} tokens over {p.num_layers} layers "
                  f"({type(p.allocator).__name__}), max context {self.max_context_len}",
-                 "cuda graphs: " + (f"batch sizes {self.graphs.batch_sizes}" if self.graphs else "off (eager)")]
+                 "cuda graphs: " + (f"batch sizes {self.graphs.batch_sizes}" if self.graphs else
+                                    f"off (capture failed: {self.graph_error})" if self.graph_error else "off (eager)")]
         lines += describe_ops(self.device)
         return lines
 

@@ -168,7 +168,7 @@ class Scheduler:
     def _schedule(self) -> Batch | None:
         for _ in range(len(self.prefill.prefilling) + len(self.decode.running) + 2):
             want_decode = self._last_was_chunk and self.decode.running
-            if not want_decode:
+            if not want_decode and (self.waiting or self.prefill.prefilling):
                 plan = self.prefill.plan(self.waiting, len(self.decode.running), self.decode.reserve_pages(),
                                          self.num_admitted)
                 self.num_admitted += len(plan.admitted)

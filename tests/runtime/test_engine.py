@@ -99,3 +99,28 @@ def test_embedded_model_greedy_identical_under_pressure(monkeypatch):
     assert llm.scheduler.num_retractions >= 2
     assert [g["token_ids"] for g in got] == [r["token_ids"] for r in ref]
     assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
+
+
+def test_perf_helpers_run_and_leave_no_pages():
+    from pdlab.runtime.engine import perf
+    m, tok, cfg = load_toy(max_position_embeddings=128)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=1024,
+              max_context_len=128, max_running_requests=4)
+    rows = perf.decode_throughput(llm, [1, 3], context=20, steps=2, warmup=1)
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["tok_per_s"] > 0 for r in rows)
+    t = perf.ttft(llm, 40, repeats=1)
+    assert t["ttft_ms"] > 0
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity and not llm.scheduler.by_rid
+
+
+def test_synthetic_spec_is_validated():
+    from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic, r1_config
+    assert is_synthetic("synthetic:deepseek-r1:4") and not is_synthetic("/models/r1")
+    with pytest.raises(ValueError, match="unknown synthetic model"):
+        load_synthetic("synthetic:llama", "cpu")
+    try:
+        cfg = r1_config(4)
+    except ImportError:
+        pytest.skip("model package missing")
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_hidden_layers) == (7168, 128, 256, 4)
+    assert cfg.latent_dim == 576 and cfg.first_k_dense_replace == 1

@@ -1,0 +1,139 @@
+"""Engine-level measurements (used by bench/gpu/runtime.sh; runs on CPU too at small sizes):
+
+- decode throughput at batch sizes 1…256 with a fixed context: requests are placed straight into the
+  running set with `context` tokens of (unwritten) KV, then timed through real `Scheduler.step()`s;
+  decode cost does not depend on the KV values, so no prefill is needed to set it up;
+- the host share of a decode step: step wall time vs. GPU time of forward + sampling (CUDA events,
+  PDLAB_STEP_PROFILE=1), and the scheduler + post-processing part of the wall time;
+- TTFT for one request of N prompt tokens (arrival → first token through the scheduler).
+
+`python -m pdlab.runtime.engine.perf --model-path synthetic:deepseek-r1:4 --out DIR` writes
+decode.csv / ttft.csv / perf.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdlab.runtime.core import Req, ReqStatus, SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20, warmup: int = 3) -> list[dict]:
+    """Rows: batch, context, step_ms (median), tok_per_s, gpu_ms, host_share, sched_share."""
+    sched, eng = llm.scheduler, llm.engine
+    vocab = eng.vocab_size
+    rows = []
+    for bs in batch_sizes:
+        reqs = []
+        for i in range(bs):
+            r = Req([(7 * i + j) % (vocab - 2) + 2 for j in range(context)],
+                    SamplingParams(temperature=0.0, max_tokens=steps + warmup + 2, ignore_eos=True))
+            r.seed = i + 1
+            r.output_ids = [3]
+            r.cached_len = context  # KV of the prompt is "there" (values do not affect speed)
+            r.pages = eng.pool.allocate(eng.pool.allocator.pages_for(context + steps + warmup + 2))
+            r.status = ReqStatus.RUNNING
+            r.admitted_at = sched.num_admitted
+            sched.num_admitted += 1
+            sched.by_rid[r.rid] = r
+            sched.decode.add(r)
+            reqs.append(r)
+        walls, gpus, hosts = [], [], []
+        for k in range(warmup + steps):
+            _sync(eng.device)
+            t0 = time.perf_counter()
+            sched.step()
+            _sync(eng.device)
+            wall = (time.perf_counter() - t0) * 1e3
+            if k >= warmup:
+                walls.append(wall)
+                gpus.append(eng.last_gpu_ms)
+                ls = sched.last_step
+                hosts.append(ls["schedule_ms"] + ls["process_ms"])
+        for r in reqs:
+            sched.abort(r.rid)
+        step = statistics.median(walls)
+        gpu = statistics.median(gpus)
+        rows.append({"batch": bs, "context": context, "step_ms": step, "tok_per_s": bs / step * 1e3,
+                     "gpu_ms": gpu, "host_share": max(0.0, 1.0 - gpu / step) if eng.profile else None,
+                     "sched_share": statistics.median(hosts) / step,
+                     "graph": eng.graphs is not None and eng.graphs.can_run(bs)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def ttft(llm, prompt_len: int, repeats: int = 3) -> dict:
+    """Median arrival → first-token time (ms) of one request with `prompt_len` prompt tokens."""
+    vocab = llm.engine.vocab_size
+    times = []
+    for k in range(repeats + 1):
+        ids = [(11 * j + k) % (vocab - 2) + 2 for j in range(prompt_len)]
+        req = Req(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        _sync(llm.engine.device)
+        t0 = time.perf_counter()
+        llm.scheduler.add_request(req)
+        while not req.finished:
+            llm.scheduler.step()
+        _sync(llm.engine.device)
+        if k > 0:  # the first run warms up kernels for this shape
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"prompt_len": prompt_len, "ttft_ms": statistics.median(times), "runs": times}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdlab.runtime.engine.perf", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--ttft-lens", default="1024,8192")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--out", default="perf_out")
+    a = p.parse_args(argv)
+    os.environ.setdefault("PDLAB_STEP_PROFILE", "1")
+    from pdlab.runtime.engine.loop import LLM
+    sizes = [int(x) for x in a.batch_sizes.split(",") if x]
+    ttft_lens = [int(x) for x in a.ttft_lens.split(",") if x]
+    need = max(max(sizes) * (a.context + a.steps + 64), max(ttft_lens, default=0) + 64)
+    t0 = time.perf_counter()
+    llm = LLM(model_path=a.model_path, device=a.device, page_size=a.page_size, kv_dtype=a.kv_dtype,
+              max_total_tokens=a.max_total_tokens or need + 4096, max_running_requests=max(sizes),
+              max_context_len=max(a.context + a.steps + 64, max(ttft_lens, default=0) + 64),
+              chunked_prefill_size=8192, max_prefill_tokens=8192, disable_cuda_graph=a.disable_cuda_graph,
+              cuda_graph_bs=sizes)
+    load_s = time.perf_counter() - t0
+    lines = llm.engine.describe()
+    print("\n".join(lines), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import pandas as pd
+    dec = decode_throughput(llm, sizes, a.context, a.steps)
+    pd.DataFrame(dec).to_csv(out / "decode.csv", index=False)
+    tt = [ttft(llm, n) for n in ttft_lens]
+    for row in tt:
+        print(json.dumps(row), flush=True)
+    pd.DataFrame([{k: v for k, v in r.items() if k != "runs"} for r in tt]).to_csv(out / "ttft.csv", index=False)
+    (out / "perf.json").write_text(json.dumps({"startup": lines, "load_s": load_s, "decode": dec, "ttft": tt,
+                                               "args": vars(a)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
