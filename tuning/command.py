@@ -39,6 +39,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
     parser.add_argument("--out", default=None, help="folder for the summary CSV/JSON and PNG plots (default "
                         "bench/results/<device>/tuning)")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each measurement (the first "
+                        "compiles a new config; default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="device to tune on (default cuda:current)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -124,6 +126,7 @@ def _settings(args, budget, bucket_budget):
 
     return SearchSettings(storage=storage_url(args.storage), budget_s=budget, bucket_budget_s=bucket_budget,
                           max_trials=args.trials, sampler=args.sampler, seed=args.seed, repeats=args.repeats,
+                          warmup=args.warmup,
                           backends=args.backends.split(",") if args.backends else None,
                           show_progress=not args.no_progress)
 

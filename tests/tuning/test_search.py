@@ -109,3 +109,52 @@ def test_resume_after_kill(toy, isolated):
     interrupted = [t for t in after if t.user_attrs.get(FAIL_REASON, "").startswith("interrupted")]
     assert len(interrupted) == sum(not t.state.is_finished() for t in before)
     assert (isolated / "configs" / "cpu" / "toy_matmul.json").exists()
+
+
+def _rank(rank, world, port, root, q):
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from pdlab.tuning.search import Lockstep, follow
+
+    spec = importlib.util.spec_from_file_location("pdlab_tuning_toy_rank", HERE / "toy.py")
+    toy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy)
+    target = toy.register_collective()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        lock = Lockstep(torch.device("cpu"))
+        settings = toy.settings(None, 20, backends=["chunked"])
+        if rank == 0:
+            rep = tune_op(target, [{"n": 4096}], DEEPSEEK_R1, settings, device=torch.device("cpu"),
+                          store_root=root, metadata=toy.metadata(), lockstep=lock)
+            s = rep.studies[0]
+            q.put((s.trials, s.failed, s.config, str(rep.store_file)))
+        else:
+            follow(target, DEEPSEEK_R1, settings, torch.device("cpu"), lock)
+            q.put("followed")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_multi_rank_lockstep_search(isolated):
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(isolated / "configs"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = [q.get(timeout=5) for _ in range(2)]
+    assert "followed" in got
+    trials, failed, config, store_file = next(g for g in got if g != "followed")
+    assert (trials, failed) == (4, 1) and config["chunks"] in (1, 2, 4)  # grid of 4, chunks=0 failed
+    assert json.loads(Path(store_file).read_text())["entries"]["n=4096"]["backend"] == "chunked"

@@ -109,3 +109,42 @@ def metadata() -> dict:
 
 if __name__ == "__main__":
     run(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 50)
+
+
+COLLECTIVE = "toy_allreduce"
+
+
+def register_collective() -> TuneTarget:
+    """A collective op for the multi-rank (lockstep) search: sum of x over ranks, in chunks.
+    chunks=0 "fails to compile"; the expected output is computed by each rank itself."""
+
+    @register_backend(COLLECTIVE, "chunked", archs=("cpu",), config_space={"chunks": [0, 1, 2, 4]},
+                      default_config={"chunks": 1})
+    def toy_chunked(x, *, config):
+        import torch.distributed as dist
+
+        if config["chunks"] <= 0:
+            raise RuntimeError("compile error: chunks=0 (simulated)")
+        out = x.clone()
+        for part in out.chunk(config["chunks"]):
+            dist.all_reduce(part)
+        return out
+
+    def build(bucket, model, device):
+        import torch.distributed as dist
+
+        r = dist.get_rank()
+        return torch.arange(bucket["n"], dtype=torch.float32) * (r + 1)
+
+    def expected(x):
+        import torch.distributed as dist
+
+        w = dist.get_world_size()
+        return x / (dist.get_rank() + 1) * (w * (w + 1) / 2)
+
+    from pdlab.kernels import registry
+
+    return register_target(TuneTarget(
+        op=COLLECTIVE, description="toy all-reduce", buckets=lambda model: [{"n": 4096}], build=build,
+        call=lambda b, cfg, x: registry.get_backend(COLLECTIVE, b).impl(x, config=cfg),
+        error=_error, tolerance=lambda bucket: 1e-6, reference_output=expected))
