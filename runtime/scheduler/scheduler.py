@@ -120,7 +120,9 @@ class Scheduler:
 
     def kv_ready(self, rid: str, first_token: int) -> None:
         """Decode role: the prompt KV of a preallocated request is in its pages; continue decoding."""
-        req = self.parked.pop(rid)
+        req = self.parked.pop(rid, None)
+        if req is None or req.status != ReqStatus.WAITING_FOR_KV:
+            return  # aborted (client gone) while its KV was in flight: nothing to continue
         req.cached_len = req.prompt_len
         req.admitted_at = self.num_admitted
         self.num_admitted += 1
