@@ -160,6 +160,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     for bucket, bs in plan:
         skipped += [(bucket, b.name, "does not accept this bucket") for b in usable if b not in bs]
     total = sum(len(bs) for _, bs in plan)
+    winners: dict[str, list[dict]] = {}
     with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
         for i, (bucket, bs) in enumerate(plan):
             now = time.perf_counter()
@@ -187,8 +188,11 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 now = time.perf_counter()
                 backend_deadline = now + (bucket_deadline - now) / (len(bs) - j)
                 res = run_study(target, backend, bucket, inputs, ref, settings, device=device,
-                                device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep)
+                                device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep,
+                                warm_start=winners.get(backend.name))
                 results.append(res)
+                if res.best_config is not None:
+                    winners.setdefault(backend.name, []).append(res.best_config)
                 if res.config is not None:
                     per_backend[backend.name] = store.backend_result(
                         res.config, res.time_ms, res.default_time_ms, res.trials, res.failed, res.study_name)
@@ -208,9 +212,11 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
 
 def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any, ref: Any,
               settings: SearchSettings, *, device: torch.device, device_key: str, deadline: float,
-              bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None) -> StudyResult:
+              bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None,
+              warm_start: Sequence[dict] | None = None) -> StudyResult:
     """Search `backend`'s config space on one bucket until `deadline` (perf_counter), the trial
-    cap or the grid's end; then re-measure best vs default. Resumes a study of the same name."""
+    cap or the grid's end; then re-measure best vs default. Resumes a study of the same name.
+    warm_start: configs to try first (after the default) in a new TPE/random study."""
     import optuna
     from optuna.trial import TrialState
 
@@ -223,8 +229,15 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
         # left RUNNING by an interrupted run (killed, or the config crashed the process)
         study._storage.set_trial_user_attr(t._trial_id, FAIL_REASON, "interrupted (run killed mid-trial)")
         study.tell(t.number, state=TrialState.FAIL)
-    if not study.trials and backend.default_config and not isinstance(sampler, optuna.samplers.GridSampler):
-        study.enqueue_trial(_encode(backend.config(), space))
+    if not study.trials and space and not isinstance(sampler, optuna.samplers.GridSampler):
+        # warm start: the default, then the winners of this backend's buckets tuned earlier in the run
+        seeds = []
+        for cfg in [backend.config()] + list(reversed(warm_start or [])):
+            enc = _encode(cfg, space)
+            if enc and enc not in seeds:
+                seeds.append(enc)
+        for enc in seeds[:4]:
+            study.enqueue_trial(enc, skip_if_exists=True)
     grid = isinstance(sampler, optuna.samplers.GridSampler)
     seen: dict[str, float] = {_key(t.params): t.value for t in study.trials if t.state == TrialState.COMPLETE}
     limit = min(settings.max_trials, space_size(space)) if grid or not space else settings.max_trials
@@ -462,9 +475,10 @@ def _decode(params: Mapping[str, Any], space: Mapping[str, list]) -> dict:
 
 
 def _encode(cfg: Mapping[str, Any], space: Mapping[str, list]) -> dict:
+    """The optuna params of `cfg` (knobs whose value is not among the space's choices are left out)."""
     out = {}
     for k, values in space.items():
-        if k in cfg:
+        if k in cfg and cfg[k] in values:
             out[k] = cfg[k] if all(_primitive(x) for x in values) else f"#{values.index(cfg[k])}"
     return out
 

@@ -158,3 +158,17 @@ def test_multi_rank_lockstep_search(isolated):
     trials, failed, config, store_file = next(g for g in got if g != "followed")
     assert (trials, failed) == (4, 1) and config["chunks"] in (1, 2, 4)  # grid of 4, chunks=0 failed
     assert json.loads(Path(store_file).read_text())["entries"]["n=4096"]["backend"] == "chunked"
+
+
+def test_tpe_warm_start_tries_default_then_earlier_winners(toy, isolated):
+    storage = optuna.storages.InMemoryStorage()
+    buckets = [{"m": 16, "k": 64, "dtype": "fp32"}, {"m": 64, "k": 64, "dtype": "fp32"}]
+    rep = tune_op(toy.register(), buckets, DEEPSEEK_R1, toy.settings(storage, 6, backends=["wide"]),
+                  device=torch.device("cpu"), store_root=None, metadata=toy.metadata())
+    first, second = (optuna.load_study(study_name=study_name("cpu", "toy_matmul", "wide", b), storage=storage)
+                     for b in buckets)
+    assert first.trials[0].params == {"rows": 1, "cols": 1, "flip": False}  # the default first
+    enc = {k: rep.studies[0].best_config[k] for k in ("rows", "cols", "flip")}
+    assert second.trials[0].params == {"rows": 1, "cols": 1, "flip": False}
+    if enc != second.trials[0].params:
+        assert second.trials[1].params == enc  # then the previous bucket's winner
