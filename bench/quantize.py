@@ -19,8 +19,8 @@ CPU_M = [1, 16, 128]
 CPU_K = [2048]
 # A few launch configs tried by --sweep at M=4096, K=7168 (the tuner searches the full space).
 SWEEP = [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w}
-         for bm, bk, w in [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4),
-                           (8, 512, 8), (8, 1024, 8), (8, 256, 2), (16, 256, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 8)]]
+         for bm, bk, w in [(2, 1024, 2), (4, 512, 2), (4, 1024, 4), (8, 256, 2), (8, 512, 4), (8, 512, 8),
+                           (8, 1024, 4), (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 512, 8)]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,11 +1,13 @@
 """Triton NVFP4 quantize kernel (imported only when the `triton` backend runs; imports triton).
 
-One program quantizes a [BLOCK_M rows, BLOCK_K columns] tile, loaded with vectorised row loads
-and viewed as [BLOCK_M, BLOCK_K/16, 16] for the block maxima; the element rounding takes about ten
-instructions (no compare ladder) so the kernel stays memory-bound. The arithmetic is the reference's, step for step
-(see pdlab.kernels.nvfp4): fp32, IEEE round-to-nearest division (`div_rn`, not the approximate
-`/`), and the e4m3 cast done with integer arithmetic so the kernel is exact on GPU and under the
-CPU interpreter alike.
+One program quantizes BLOCK_M rows x BLOCK_K columns of one group (grid axis 2: the expert of a
+grouped [E, M, K] input, else 0). The input is read as words holding an (even, odd) element pair,
+so unpacking is a shift and packing two codes into a byte needs no shuffle; each 16-element block is
+loaded as two 16-byte halves, so one thread owns whole blocks: the block maximum and the per-block
+scale arithmetic stay in registers and are done once per block. The arithmetic is the reference's, step for step (pdlab.kernels.nvfp4):
+fp32, IEEE round-to-nearest division (`div_rn`, not the approximate `/`), and the e4m3 and e2m1
+roundings done with integer/bit arithmetic, so the kernel is exact on GPU and under the CPU
+interpreter alike (whose fp8 casts differ from torch's).
 """
 
 import triton
@@ -14,20 +16,17 @@ import triton.language as tl
 
 @triton.jit
 def _e4m3_rne(v):
-    """fp32 v in [0, 448] (no NaN) -> (value of e4m3(v) as fp32, its e4m3 byte as int32), RNE."""
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    mant = (bits & 0x7FFFFF) | 0x800000
-    # keep 3 mantissa bits for normals (e >= -6); subnormals have a fixed quantum of 2^-9
-    shift = tl.minimum(tl.maximum(14 - e, 20), 30)
-    q = mant >> shift
-    rem = mant & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    e_eff = tl.maximum(e, -6)
-    byte = (e_eff + 6) * 8 + q  # carries from q=15 to 16 land on the next exponent by construction
-    pow2 = ((e_eff - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return q.to(tl.float32) * pow2, byte
+    """fp32 v in [0, 448] (no NaN) -> (value of e4m3(v) as fp32, its e4m3 byte as int32), RNE.
+
+    One fp32 addition of C = 2^(e + 20) rounds v to a multiple of C's ulp 2^(e - 3), the e4m3
+    step at v's exponent e (e >= -6; below, the subnormal step 2^-9); the sum's low bits count the
+    steps q, and the byte is (e + 6) * 8 + q, continuous across binades and into the subnormals."""
+    e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    c_bits = (e + 147) << 23
+    c = c_bits.to(tl.float32, bitcast=True)
+    s = v + c
+    q = s.to(tl.int32, bitcast=True) - c_bits
+    return s - c, (e + 6) * 8 + q
 
 
 @triton.jit
@@ -37,11 +36,53 @@ def _e2m1_rne(y):
     |y| is rounded by one fp32 addition of a power of two whose ulp is the E2M1 step of |y|'s
     range (0.5 below 2, 1 below 4, 2 up to 6); the sum's low bits then count steps."""
     a = tl.minimum(tl.abs(y), 6.0)
-    k = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127), 129)  # exponent field: 127, 128, 129
+    k = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)  # exponent field: 127, 128 or 129 (a <= 6)
     c_bits = (k + 22) << 23  # 2^22, 2^23, 2^24
     s = a + c_bits.to(tl.float32, bitcast=True)
     code = s.to(tl.int32, bitcast=True) - c_bits + 2 * (k - 127)
     return code | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _unpack_pairs(w, IN_KIND: tl.constexpr):
+    """Words holding two consecutive elements -> (even, odd) as fp32. IN_KIND 0: bf16 pairs in
+    int32, 1: fp16 pairs in int32, 2: fp32 pairs in int64 (low half = even element)."""
+    if IN_KIND == 0:
+        even = (w << 16).to(tl.float32, bitcast=True)
+        odd = (w & -65536).to(tl.float32, bitcast=True)
+    elif IN_KIND == 1:
+        even = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        even = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        odd = ((w >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def _block_amax(e, o):
+    return tl.max(tl.maximum(tl.abs(e), tl.abs(o)), axis=2)
+
+
+@triton.jit
+def _e2m1_steps(y):
+    """The unsigned part of `_e2m1_rne` without its constant: E2M1 code of |y| minus E2M1_K0,
+    as uint32 (wrapping); one instruction fewer per element than finishing each code."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    k = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)
+    s = a + ((k + 22) << 23).to(tl.float32, bitcast=True)
+    return s.to(tl.uint32, bitcast=True) + (k * (2 - (1 << 23))).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _quant_pairs(even, odd, mult):
+    """Two E2M1 codes per byte, the even element in the low nibble: the constant of both codes is
+    added once (17 * E2M1_K0 mod 2^32), then the two sign bits are set."""
+    ye = even * mult
+    yo = odd * mult
+    byte = _e2m1_steps(ye) + (_e2m1_steps(yo) << 4) + 1157623586
+    byte = byte | ((ye.to(tl.uint32, bitcast=True) >> 28) & 8) | ((yo.to(tl.uint32, bitcast=True) >> 24) & 0x80)
+    return byte.to(tl.uint8)
 
 
 @triton.jit
@@ -59,53 +100,58 @@ def e4m3_e2m1_probe_kernel(v_ptr, sf_val_ptr, sf_byte_ptr, code_ptr, N, BLOCK: t
 @triton.jit
 def nvfp4_quant_kernel(
     x_ptr, gs_ptr, mm_ptr, q_ptr, sf_ptr,
-    R, K, stride_xr, rows_per_group, gs_rows, gs_stride, sw_k_tiles, sw_group_elems,
-    HAS_MASK: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    M, K, stride_xw, sw_k_tiles,
+    IN_KIND: tl.constexpr, GS_MODE: tl.constexpr, HAS_MASK: tl.constexpr, SWIZZLE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """x: rows g*M + m of a [G*M, K] view, read as words of two elements (row stride stride_xw
+    words; IN_KIND 0 bf16 / 1 fp16 in int32 words, 2 fp32 in int64 words). GS_MODE: 0 one global scale,
+    1 one per group, 2 one per row. HAS_MASK: rows m >= masked_m[g] are not read (zero output).
+    SWIZZLE: scales go to the 128x4 layout [G, ceil(M/128), sw_k_tiles, 32, 4, 4]."""
     NB: tl.constexpr = BLOCK_K // 16
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    blocks = pid_k * NB + tl.arange(0, NB)
-    in_rows = rows < R
-    in_blocks = blocks < K // 16
-    group = rows // rows_per_group
+    g = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row within the group
+    blk = pid_k * NB + tl.arange(0, NB)  # 16-element block along K
+    in_rows = m < M
+    in_blk = blk < K // 16
     live = in_rows
     if HAS_MASK:
-        m_in_group = rows - group * rows_per_group
-        count = tl.load(mm_ptr + group, mask=in_rows, other=0)
-        live = in_rows & (m_in_group < count)
-    gs = tl.load(gs_ptr + (rows // gs_rows) * gs_stride, mask=in_rows, other=1.0)
+        live = in_rows & (m < tl.load(mm_ptr + g))
+    zero = tl.zeros((BLOCK_M, NB), tl.float32)
+    if GS_MODE == 2:
+        gs = zero + tl.load(gs_ptr + m, mask=in_rows, other=1.0)[:, None]
+    elif GS_MODE == 1:
+        gs = zero + tl.load(gs_ptr + g)
+    else:
+        gs = zero + tl.load(gs_ptr)
 
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    ld_mask = live[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=ld_mask, other=0.0)
-    xb = tl.reshape(x.to(tl.float32), (BLOCK_M, NB, 16))
+    row = g.to(tl.int64) * M + m
+    # a block of 16 elements = 8 words of two elements; each half-block (4 words) is one vector load
+    offs = row[:, None, None] * stride_xw + blk[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+    mask = live[:, None, None] & in_blk[None, :, None]
+    e_lo, o_lo = _unpack_pairs(tl.load(x_ptr + offs, mask=mask, other=0), IN_KIND)
+    e_hi, o_hi = _unpack_pairs(tl.load(x_ptr + offs + 4, mask=mask, other=0), IN_KIND)
 
-    amax = tl.max(tl.abs(xb), axis=2)  # [BLOCK_M, NB]
-    gs2 = tl.broadcast_to(gs[:, None], (BLOCK_M, NB))
-    six = tl.full((BLOCK_M, NB), 6.0, tl.float32)
-    v = tl.minimum(tl.math.div_rn(amax, six) * gs2, 448.0)
+    amax = tl.maximum(_block_amax(e_lo, o_lo), _block_amax(e_hi, o_hi))  # [BLOCK_M, NB]
+    v = tl.minimum(tl.math.div_rn(amax, zero + 6.0) * gs, 448.0)
     sf, sf_byte = _e4m3_rne(v)
     nonzero = sf > 0
-    one = tl.full((BLOCK_M, NB), 1.0, tl.float32)
-    mult = tl.where(nonzero, tl.math.div_rn(gs2, tl.where(nonzero, sf, one)), 0.0)
+    mult = tl.where(nonzero, tl.math.div_rn(gs, tl.where(nonzero, sf, 1.0)), 0.0)[:, :, None]
 
-    y = xb * mult[:, :, None]
-    code = _e2m1_rne(y)
-    lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
-    packed = lo | (hi << 4)  # even element in the low nibble
+    q_offs = row[:, None, None] * (K // 2) + blk[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+    st_mask = in_rows[:, None, None] & in_blk[None, :, None]
+    tl.store(q_ptr + q_offs, _quant_pairs(e_lo, o_lo, mult), mask=st_mask)
+    tl.store(q_ptr + q_offs + 4, _quant_pairs(e_hi, o_hi, mult), mask=st_mask)
 
-    q_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    st_mask = in_rows[:, None] & (q_cols < K // 2)[None, :]
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * (K // 2) + q_cols[None, :], packed.to(tl.uint8), mask=st_mask)
-
-    sf_mask = in_rows[:, None] & in_blocks[None, :]
+    sf_mask = in_rows[:, None] & in_blk[None, :]
     if SWIZZLE:
-        m = (rows - group * rows_per_group)[:, None]
-        k = blocks[None, :]
-        off = (group[:, None].to(tl.int64) * sw_group_elems + (m // 128) * (sw_k_tiles * 512)
-               + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
+        mm = m[:, None]
+        kk = blk[None, :]
+        m_tiles = (M + 127) // 128
+        sf_offs = (g.to(tl.int64) * (m_tiles * sw_k_tiles * 512) + (mm // 128) * (sw_k_tiles * 512)
+                   + (kk // 4) * 512 + (mm % 32) * 16 + ((mm % 128) // 32) * 4 + (kk % 4))
     else:
-        off = rows[:, None].to(tl.int64) * (K // 16) + blocks[None, :]
-    tl.store(sf_ptr + off, sf_byte.to(tl.uint8), mask=sf_mask)
+        sf_offs = row[:, None] * (K // 16) + blk[None, :]
+    tl.store(sf_ptr + sf_offs, sf_byte.to(tl.uint8), mask=sf_mask)

@@ -22,13 +22,16 @@ def _next_pow2(n: int) -> int:
 
 
 def default_config(rows: int, k: int) -> dict:
-    """The launch config used when none is given: 8 x 512 tiles, shrunk for tiny inputs."""
-    return {"BLOCK_M": min(8, _next_pow2(rows)), "BLOCK_K": max(16, min(512, _next_pow2(k))), "num_warps": 4}
+    """The launch config used when none is given: 8 x 512 tiles (32 elements per thread), fewer
+    rows and warps for few-row (decode) inputs."""
+    block_m = min(8, _next_pow2(rows))
+    block_k = max(16, min(512, _next_pow2(k)))
+    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_warps": max(1, min(4, block_m * block_k // 1024))}
 
 
 @register_backend(
     "nvfp4_quantize", "triton", archs=("cpu", "cuda"), packages=("triton",), probe=_probe, priority=50,
-    config_space={"BLOCK_M": [1, 2, 4, 8, 16, 32], "BLOCK_K": [64, 128, 256, 512, 1024, 2048],
+    config_space={"BLOCK_M": [1, 2, 4, 8, 16, 32], "BLOCK_K": [16, 32, 64, 128, 256, 512, 1024, 2048],
                   "num_warps": [1, 2, 4, 8]},
     default_config={"BLOCK_M": 8, "BLOCK_K": 512, "num_warps": 4},
     options={"swizzle": True, "masked": True, "input_dtypes": ("bf16", "fp16", "fp32")},
@@ -50,30 +53,39 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch
     K = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, K)  # a view unless the leading dims cannot merge
     R = x2.shape[0]
-    per_lead = R // x.shape[0] if x.dim() >= 2 else R  # rows per index of x's first dim
-    grouped = x.dim() == 3
-    rows_per_group = per_lead if grouped else R  # masked_m and swizzle tiles are per group
-    cfg = default_config(R, K)
+    groups = x.shape[0] if x.dim() >= 3 else 1  # grid axis 2; masked_m and swizzle tiles are per group
+    M = R // groups if groups else 0
+    cfg = default_config(M, K)
     cfg.update(config or {})
     k16 = K // 16
     packed = torch.empty((*x.shape[:-1], K // 2), dtype=torch.uint8, device=x.device)
     if swizzle:
-        mt, kt = (rows_per_group + 127) // 128, (k16 + 3) // 4
-        alloc = torch.zeros if (rows_per_group % 128 or k16 % 4) else torch.empty
+        mt, kt = (M + 127) // 128, (k16 + 3) // 4
+        alloc = torch.zeros if (M % 128 or k16 % 4) else torch.empty
         scales = alloc((*x.shape[:-2], mt, kt, 32, 4, 4), dtype=torch.uint8, device=x.device)
-        sw_group = mt * kt * 512
     else:
         scales = torch.empty((*x.shape[:-1], k16), dtype=torch.uint8, device=x.device)
-        kt, sw_group = 0, 0
-    gs = global_scale.reshape(-1)
-    gs_stride = 1 if gs.numel() > 1 else 0
-    grid = (_cdiv(R, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"]))
+        kt = 0
+    gs_mode = 0 if global_scale.numel() == 1 else (2 if x.dim() == 2 else 1)
+    in_kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
+    words = _as_pairs(x2, torch.int64 if in_kind == 2 else torch.int32)
+    if R == 0 or K == 0:
+        return packed, scales.view(torch.float8_e4m3fn)
+    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"]), groups)
     nvfp4_quant_kernel[grid](
-        x2, gs, masked_m if masked_m is not None else gs, packed, scales,
-        R, K, x2.stride(0), rows_per_group, per_lead, gs_stride, kt, sw_group,
-        HAS_MASK=masked_m is not None, SWIZZLE=swizzle, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"])
+        words, global_scale, masked_m if masked_m is not None else global_scale, packed, scales,
+        M, K, words.stride(0), kt,
+        IN_KIND=in_kind, GS_MODE=gs_mode, HAS_MASK=masked_m is not None, SWIZZLE=swizzle,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     return packed, scales.view(torch.float8_e4m3fn)
+
+
+def _as_pairs(x2: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """[R, K] 16- or 32-bit elements -> [R, K/2] words of two elements (a view when aligned)."""
+    try:
+        return x2.view(word)
+    except RuntimeError:  # row stride or offset not word-aligned
+        return x2.contiguous().view(word)
 
 
 def _cdiv(a: int, b: int) -> int:
