@@ -33,6 +33,9 @@ _QUANT_AUX = ("weight_scale", "weight_scale_2", "input_scale")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale")
 
 
+EXPERT_CHUNK = 8
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model; the message names the tensor (and file)."""
 
@@ -384,19 +387,26 @@ class _Loader:
         first = self.src.get(found[(0, "gate_proj")]["weight"])
         if first.dtype == torch.uint8:
             return ExpertWeights.from_modelopt(self._stack_modelopt(layer, found))
-        w13 = torch.empty(E, 2 * self.cfg.moe_intermediate_size, self.cfg.hidden_size, dtype=self.dtype,
-                          device=self.device)
-        w2 = torch.empty(E, self.cfg.hidden_size, self.cfg.moe_intermediate_size, dtype=self.dtype,
-                         device=self.device)
-        inter = self.cfg.moe_intermediate_size
-        for e in range(E):
-            for proj, dst in (("gate_proj", w13[e, :inter]), ("up_proj", w13[e, inter:]), ("down_proj", w2[e])):
+        if not self.opt.quantize_experts:
+            return ExpertWeights.from_bf16(*self._bf16_experts(found, range(E)), quantize=False)
+        # Quantizing at load goes EXPERT_CHUNK experts at a time, so a full-width layer never holds
+        # all its bf16 experts (and their fp32 quantization temporaries) at once.
+        return _concat_experts([
+            ExpertWeights.from_bf16(*self._bf16_experts(found, range(s, min(s + EXPERT_CHUNK, E))), quantize=True,
+                                    keep_bf16=False) for s in range(0, E, EXPERT_CHUNK)])
+
+    def _bf16_experts(self, found, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts `experts` of a bf16/fp32 checkpoint → (w13 [e, 2I, H], w2 [e, H, I]) on the device."""
+        inter, H = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        w13 = torch.empty(len(experts), 2 * inter, H, dtype=self.dtype, device=self.device)
+        w2 = torch.empty(len(experts), H, inter, dtype=self.dtype, device=self.device)
+        for i, e in enumerate(experts):
+            for proj, dst in (("gate_proj", w13[i, :inter]), ("up_proj", w13[i, inter:]), ("down_proj", w2[i])):
                 name = found[(e, proj)]["weight"]
                 t = self.src.get(name)
                 self._check(name, t.shape, self.expected[name])
                 dst.copy_(t.to(device=self.device, dtype=self.dtype))
-        q = self.opt.quantize_experts
-        return ExpertWeights.from_bf16(w13, w2, quantize=q, keep_bf16=not q)
+        return w13, w2
 
     def _stack_modelopt(self, layer: int, found) -> dict[str, torch.Tensor]:
         """Per-expert modelopt tensors → the stacked names `ExpertWeights.from_modelopt` takes:
@@ -445,3 +455,17 @@ class _Loader:
         if d_in is not None:
             out["w2_input_scale"] = d_in
         return out
+
+
+def _concat_experts(pieces: list):
+    """Concatenate NVFP4-only ExpertWeights of consecutive expert ranges into one."""
+    from pdlab.moe.weights import ExpertWeights
+
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    out = ExpertWeights(sum(p.num_experts for p in pieces), first.hidden_size, first.intermediate_size)
+    for k in ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
+              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale"):
+        setattr(out, k, torch.cat([getattr(p, k) for p in pieces]))
+    return out

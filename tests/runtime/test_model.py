@@ -12,7 +12,8 @@ import torch
 from pdlab.runtime.model import ConfigError, LoadOptions, ModelConfig, load_model
 from pdlab.runtime.model.layers import RMSNorm, RotaryEmbedding
 from pdlab.runtime.model.testing import PagedKV
-from pdlab.runtime.model.tiny import TINY_CONFIG, TOKENIZER_FILE, tiny_tokenizer, train_tokenizer_json
+from pdlab.runtime.model.tiny import (TINY_CONFIG, TINY_SEED, TOKENIZER_FILE, synthetic_config, tiny_tokenizer,
+                                      train_tokenizer_json)
 
 # The DeepSeek-V3 / R1 config.json (the fields pdlab reads).
 DEEPSEEK_V3 = {
@@ -41,6 +42,10 @@ def test_config_deepseek_v3():
     assert [cfg.is_moe_layer(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     assert ModelConfig.from_hf(TINY_CONFIG.to_hf()) == TINY_CONFIG
+    # the synthetic speed-test model is R1's shape with fewer layers
+    r1_4 = ModelConfig.from_hf({**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+                                "num_nextn_predict_layers": 0})
+    assert synthetic_config(4, 1) == r1_4
 
 
 def test_config_matches_transformers_scaling():
@@ -138,6 +143,22 @@ def test_tiny_default(tiny):
     moe = [layer.mlp.moe for layer in model.model.layers if layer.is_moe]
     assert len(moe) == cfg.num_hidden_layers - cfg.first_k_dense_replace
     assert all(m.weights.has_nvfp4 and not m.weights.has_bf16 for m in moe), "the default model's experts are NVFP4"
+    # the experts were quantized a few at a time at load: same tensors as quantizing the whole stack
+    from pdlab.moe.weights import ExpertWeights
+    from pdlab.runtime.model.loader import EXPERT_CHUNK, RandomSource
+
+    assert cfg.n_routed_experts > EXPERT_CHUNK
+    src, inter = RandomSource(cfg, TINY_SEED), cfg.moe_intermediate_size
+    e = range(cfg.n_routed_experts)
+    w13 = torch.stack([torch.cat([src.get(f"model.layers.1.mlp.experts.{i}.{p}_proj.weight") for p in ("gate", "up")])
+                       for i in e])
+    w2 = torch.stack([src.get(f"model.layers.1.mlp.experts.{i}.down_proj.weight") for i in e])
+    whole = ExpertWeights.from_bf16(w13, w2, quantize=True, keep_bf16=False)
+    for k in ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale", "w2_input_scale"):
+        got, want = getattr(moe[0].weights, k), getattr(whole, k)
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), k
+    assert w13.shape == (cfg.n_routed_experts, 2 * inter, cfg.hidden_size)
     # seeded: a second load (default runners) gives the same weights
     again, _, _ = load_model(None, "cpu", torch.float32)
     for (n, p), (_, q) in zip(model.state_dict().items(), again.state_dict().items()):
