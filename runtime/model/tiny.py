@@ -55,40 +55,6 @@ def load_tiny(device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfl
     return model, tiny_tokenizer(), TINY_CONFIG
 
 
-def synthetic_config(num_layers: int = 4, dense_layers: int = 1, **overrides) -> ModelConfig:
-    """DeepSeek-R1's shape at full width (hidden 7168, 128 heads, 256 experts top-8, vocab 129280)
-    with `num_layers` layers of which the first `dense_layers` are dense; `overrides` replace fields."""
-    from dataclasses import replace
-
-    cfg = ModelConfig(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=num_layers, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-        first_k_dense_replace=dense_layers, rms_norm_eps=1e-6, max_position_embeddings=163840,
-        rope=RopeConfig(theta=10000.0, kind="yarn", factor=40.0, original_max_position_embeddings=4096,
-                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        bos_token_id=0, eos_token_ids=(1,))
-    cfg = replace(cfg, **overrides)
-    cfg.validate()
-    return cfg
-
-
-def load_synthetic(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, *,
-                   num_layers: int = 4, dense_layers: int = 1, seed: int = 0, options=None, **overrides):
-    """(model, tokenizer, config) of a random DeepSeek-R1-shaped model for speed measurements:
-    full width, few layers, NVFP4 experts (quantized at load, a few experts at a time), weights drawn
-    on `device`. The tokenizer is the tiny one (ids past its 512 tokens decode to nothing)."""
-    from dataclasses import replace
-
-    from pdlab.runtime.model.loader import LoadOptions, RandomSource, build_model
-
-    cfg = synthetic_config(num_layers, dense_layers, **overrides)
-    options = replace(options or LoadOptions(), quantize_experts=True)
-    model = build_model(cfg, RandomSource(cfg, seed, gen_device=device), device, dtype, options=options)
-    return model, tiny_tokenizer(), cfg
-
-
 def tiny_tokenizer():
     """The shipped tokenizer (byte-level BPE, 512 tokens, chat template in TOKENIZER_CONFIG)."""
     from pdlab.runtime.model.tokenizer import Tokenizer

@@ -12,8 +12,7 @@ import torch
 from pdlab.runtime.model import ConfigError, LoadOptions, ModelConfig, load_model
 from pdlab.runtime.model.layers import RMSNorm, RotaryEmbedding
 from pdlab.runtime.model.testing import PagedKV
-from pdlab.runtime.model.tiny import (TINY_CONFIG, TINY_SEED, TOKENIZER_FILE, synthetic_config, tiny_tokenizer,
-                                      train_tokenizer_json)
+from pdlab.runtime.model.tiny import TINY_CONFIG, TINY_SEED, TOKENIZER_FILE, tiny_tokenizer, train_tokenizer_json
 
 # The DeepSeek-V3 / R1 config.json (the fields pdlab reads).
 DEEPSEEK_V3 = {
@@ -42,10 +41,11 @@ def test_config_deepseek_v3():
     assert [cfg.is_moe_layer(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     assert ModelConfig.from_hf(TINY_CONFIG.to_hf()) == TINY_CONFIG
-    # the synthetic speed-test model is R1's shape with fewer layers
+    # the engine's synthetic speed-test model is R1's shape with fewer layers
+    synthetic = pytest.importorskip("pdlab.runtime.engine.synthetic")
     r1_4 = ModelConfig.from_hf({**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 1,
                                 "num_nextn_predict_layers": 0})
-    assert synthetic_config(4, 1) == r1_4
+    assert synthetic.r1_config(4) == r1_4
 
 
 def test_config_matches_transformers_scaling():
