@@ -139,8 +139,7 @@ def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwar
     try:
         while True:
             time.sleep(3600)
-    finally:
-        server.stop()
+    finally:  # SIGTERM: the HTTP and engine threads are daemons; release the transfer endpoints
         if isinstance(role, DecodeRole):
             role.close()
         transfer.close()
@@ -153,6 +152,7 @@ def serve_router(ack, cfg: dict) -> None:
 
     rcfg = RouterConfig(**cfg)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is too much
     serve_app(create_router_app(rcfg), rcfg.host, rcfg.port, on_ready=lambda url: ack({"url": url}))
 
 

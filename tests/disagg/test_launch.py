@@ -1,0 +1,198 @@
+"""Disaggregated serving over HTTP (prefill server, decode server, router in their own processes),
+the launcher's failure modes, and the per-role configuration checks."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdlab.runtime.config import ConfigError, build_config
+from pdlab.runtime.core import SamplingParams
+from pdlab.runtime.disagg.config import RoleConfig
+from pdlab.runtime.disagg.launch import launch_disagg, serve_role, serve_router
+from pdlab.runtime.engine.loop import LLM
+from pdlab.runtime.router.router import RouterConfig
+from pdlab.runtime.supervisor import ChildSpec, Supervisor
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from disagg_children import load_sensitive_toy  # noqa: E402
+
+FACTORY = "disagg_children:load_sensitive_toy"
+BASE = dict(device="cpu", page_size=16, max_total_tokens=4096, chunked_prefill_size=32, max_prefill_tokens=64,
+            max_context_len=512, log_level="warning", port=0, transfer_timeout=5.0)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """prefill + decode + router, supervised; yields (router_url, acks, supervisor)."""
+    sup = Supervisor(start_timeout=120, stop_timeout=5)
+    try:
+        acks = sup.start([
+            ChildSpec("prefill", serve_role, args=({**BASE, "role": "prefill"},), kwargs={"model_factory": FACTORY}),
+            ChildSpec("decode", serve_role, args=({**BASE, "role": "decode"},), kwargs={"model_factory": FACTORY}),
+        ])
+        rcfg = RouterConfig(prefill=[acks["prefill"]["url"]], decode=[acks["decode"]["url"]], port=0,
+                            health_interval=0.5, health_timeout=1.0)
+        acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
+        yield acks["router"]["url"], acks, sup
+    finally:
+        sup.stop()
+
+
+def _generate(client, url, ids, max_new=10, stream=False):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new}, "stream": stream}
+    if not stream:
+        r = client.post(f"{url}/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+    last = None
+    with client.stream("POST", f"{url}/generate", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                assert "error" not in last, last
+    return last["output_ids"]
+
+
+def test_http_greedy_equals_colocated(stack):
+    url, acks, _ = stack
+    lens = [1, 3, 15, 16, 17, 32, 37, 103]  # short, page-boundary, longer than one prefill chunk
+    prompts = [[(7 * i + 3 * n) % 256 for i in range(n)] for n in lens]
+    model, tok, cfg = load_sensitive_toy()
+    settings = {k: v for k, v in BASE.items() if k not in ("log_level", "port", "transfer_timeout")}
+    ref = [r["token_ids"] for r in LLM(model=model, tokenizer=tok, model_config=cfg, **settings)
+           .generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))]
+    with httpx.Client(timeout=60) as c:
+        got = [_generate(c, url, p, stream=(i % 2 == 1)) for i, p in enumerate(prompts)]
+        assert got == ref
+        # states visible in metrics on both servers
+        m = c.get(f"{acks['decode']['url']}/metrics").text
+        assert 'pdlab_disagg_transitions_total{role="decode",state="done"}' in m
+        st = c.get(f"{acks['prefill']['url']}/disagg/state").json()
+        assert st["total"]["transferring"] >= len(prompts) and st["bytes_sent"] > 0
+        # an OpenAI completion with token ids through the router
+        r = c.post(f"{url}/v1/completions", json={"prompt": prompts[2], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_http_client_disconnect_frees_pages_on_both_sides(stack):
+    url, acks, _ = stack
+    with httpx.Client(timeout=30) as c:
+        body = {"input_ids": [5] * 40, "sampling_params": {"temperature": 0.0, "max_new_tokens": 400,
+                                                           "ignore_eos": True}, "stream": True}
+        with c.stream("POST", f"{url}/generate", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # first token arrived: leave
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            d = c.get(f"{acks['decode']['url']}/metrics").text
+            p = c.get(f"{acks['prefill']['url']}/metrics").text
+            if _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0:
+                break
+            time.sleep(0.1)
+        assert _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0, (d, p)
+
+
+def _gauge(text, name):
+    for line in text.splitlines():
+        if not line.startswith("#") and name in line.split("{")[0].split(" ")[0]:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric containing {name!r} in:\n{text[:2000]}")
+
+
+def test_prefill_death_fails_request_marks_unhealthy_and_readmits(stack):
+    """Kill the prefill server mid-flight: the client gets an error in time, the router marks it
+    unhealthy; a new prefill on the same port is re-admitted once its health check passes."""
+    url, acks, sup = stack
+    with httpx.Client(timeout=30) as c:
+        pid = sup.children["prefill"]
+        os.kill(pid, 9)
+        t0 = time.monotonic()
+        r = c.post(f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code >= 400 and time.monotonic() - t0 < 10, r.text
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            b = c.get(f"{url}/router/backends").json()
+            if not b[0]["healthy"]:
+                break
+            time.sleep(0.1)
+        assert b[0]["role"] == "prefill" and not b[0]["healthy"]
+        assert c.post(f"{url}/generate", json={"input_ids": [1], "sampling_params": {}}).status_code == 503
+        # decode freed the pages of the failed request
+        assert _gauge(c.get(f"{acks['decode']['url']}/metrics").text, "kv_cache_usage_ratio") == 0
+        # a new prefill on the same port: re-admitted, requests flow again
+        port = int(acks["prefill"]["url"].rsplit(":", 1)[1])
+        sup2 = Supervisor(start_timeout=120)
+        try:
+            sup2.start([ChildSpec("prefill2", serve_role, args=({**BASE, "role": "prefill", "port": port},),
+                                  kwargs={"model_factory": FACTORY})])
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not c.get(f"{url}/router/backends").json()[0]["healthy"]:
+                time.sleep(0.1)
+            assert _generate(c, url, [9, 8, 7], max_new=3)
+        finally:
+            sup2.stop()
+
+
+# ------------------------------------------------------------------------------ launch failures
+def _cli(*args, timeout=60):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pdlab", "runtime", "serve", *args], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    return p.returncode, p.stderr + p.stdout, time.monotonic() - t0
+
+
+def test_disagg_bad_model_path_exits_with_childs_error():
+    rc, out, dt = _cli("--disagg", "--model-path", "/nonexistent/model", "--device", "cpu", "--port", "0")
+    assert rc != 0 and "EOFError" not in out
+    assert "/nonexistent/model" in out and "own error" in out and "exit code" in out, out
+    assert dt < 30  # includes three interpreters importing torch on a 2-core machine
+
+
+def test_disagg_port_in_use_exits_with_childs_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, out, dt = _cli("--role", "router", "--decode", "http://127.0.0.1:9", "--port", str(port))
+    assert rc != 0 and "Address already in use" in out and "choose another --port" in out, out
+
+
+def test_import_error_in_a_worker_fails_launch_fast(capfd):
+    t0 = time.monotonic()
+    rc = launch_disagg({**BASE, "role": "prefill"}, {**BASE, "role": "decode"},
+                       router={"host": "127.0.0.1", "port": 0}, model_factory="pdlab_no_such_module_q:load",
+                       start_timeout=60)
+    err = capfd.readouterr().err
+    assert rc == 1 and time.monotonic() - t0 < 15
+    assert "ModuleNotFoundError" in err and "pdlab_no_such_module_q" in err and "EOFError" not in err
+
+
+# ------------------------------------------------------------------------------ configuration
+@pytest.mark.parametrize("settings, match", [
+    (dict(role="prefill", moe_dispatch_mode="low_latency", chunked_prefill_size=4096, dispatch_max_tokens_per_rank=128),
+     "exceeds the dispatch buffer's 128 tokens per rank"),
+    (dict(role="decode", moe_dispatch_mode="normal", moe_runner="cutedsl"),
+     "accepts only the masked layout"),
+    (dict(role="decode", max_total_tokens=1024, max_context_len=4096, page_size=64),
+     "smaller than one maximal request"),
+    (dict(role="prefill", kv_transfer="nixl", kv_transfer_convert=True), "needs the local transfer backend"),
+    (dict(role="decode", moe_runner="no_such_runner"), "unknown MoE runner"),
+])
+def test_impossible_role_configs_rejected(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config(RoleConfig, **settings)
+
+
+def test_valid_role_configs():
+    build_config(RoleConfig, role="decode", moe_dispatch_mode="low_latency", moe_runner="cutedsl")
+    build_config(RoleConfig, role="prefill", moe_runner="triton", chunked_prefill_size=4096)
