@@ -59,8 +59,10 @@ def hf_model(config, seed: int):
 class PagedKV:
     """One [pages, 16, 576] pool per layer; each sequence gets pages from a shuffled free list."""
 
-    def __init__(self, num_layers: int, num_pages: int, dtype: torch.dtype, seed: int = 0):
-        self.pools = [torch.zeros(num_pages, PAGE, 576, dtype=dtype) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, num_pages: int, dtype: torch.dtype, seed: int = 0,
+                 device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.pools = [torch.zeros(num_pages, PAGE, 576, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free = list(range(num_pages))
         random.Random(seed).shuffle(self.free)
         self.pages: dict[int, list[int]] = {}
@@ -83,12 +85,15 @@ class PagedKV:
             logits_idx.extend(range(indptr[-2], indptr[-1]) if logits_all else [indptr[-1] - 1])
         width = max(len(self.pages[s]) for s in new)
         table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s in new]
+        dev = self.device
         ctx = ForwardContext(
-            is_decode=is_decode, block_table=torch.tensor(table, dtype=torch.int32),
-            seqlens=torch.tensor(seqlens, dtype=torch.int32), qo_indptr=torch.tensor(indptr, dtype=torch.int32),
-            slots=torch.tensor(slots, dtype=torch.int64), logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+            is_decode=is_decode, block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            seqlens=torch.tensor(seqlens, dtype=torch.int32, device=dev),
+            qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=dev),
+            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             kv_caches=self.pools, kv_scale=None, max_q_len=max(new.values()), q_len=1)
-        return ctx, torch.tensor(positions, dtype=torch.int64)
+        return ctx, torch.tensor(positions, dtype=torch.int64, device=dev)
 
 
 def write_modelopt_checkpoint(src, dst, quantize_dense: tuple[str, ...] = ()) -> dict:

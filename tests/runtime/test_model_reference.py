@@ -58,10 +58,16 @@ def _checkpoint(tmp_path, dtype, *, yarn: bool, q_lora: bool, seed: int):
     return hf, path
 
 
-def _run_pdlab(model, cfg, prompts: list[list[int]], dtype):
+def _run_pdlab(model, cfg, prompts: list[list[int]], dtype, device="cpu"):
     """Prefill (ragged batch, the last prompt chunked) then NEW_TOKENS batched greedy decode steps.
-    Returns (prefill logits per prompt [len, V], decode logits per step [B, V], generated ids per prompt)."""
-    kv = PagedKV(cfg.num_hidden_layers, num_pages=32, dtype=dtype)
+    Returns (prefill logits per prompt [len, V], decode logits per step [B, V], generated ids per
+    prompt), logits on the CPU."""
+    kv = PagedKV(cfg.num_hidden_layers, num_pages=32, dtype=dtype, device=device)
+    model_forward = model
+
+    def model(ids, pos, ctx):  # noqa: F811  (host ids in, host logits out)
+        return model_forward(ids.to(device), pos, ctx).cpu()
+
     prefill = [None] * len(prompts)
     first = {0: len(prompts[0]), 1: len(prompts[1]), 2: CHUNK}
     ctx, pos = kv.step(first, is_decode=False, logits_all=True)
@@ -92,13 +98,24 @@ CASES = [
 
 @pytest.mark.parametrize("dtype,yarn,q_lora,tol", CASES)
 def test_matches_transformers(tmp_path, dtype, yarn, q_lora, tol):
+    _compare(tmp_path, dtype, yarn, q_lora, tol, "cpu", OPTIONS)
+
+
+@pytest.mark.gpu
+def test_matches_transformers_on_gpu(tmp_path):
+    """bf16 on CUDA with the default backends (triton MLA kernels, the best MoE runner) against
+    transformers on the CPU, same tolerance and greedy rule as the CPU bf16 case."""
+    _compare(tmp_path, torch.bfloat16, True, True, 4e-2, "cuda", LoadOptions(quantize_experts=False))
+
+
+def _compare(tmp_path, dtype, yarn, q_lora, tol, device, options):
     hf, path = _checkpoint(tmp_path, dtype, yarn=yarn, q_lora=q_lora, seed=7)
-    model, tok, cfg = load_model(path, "cpu", dtype, options=OPTIONS, require_tokenizer=False)
+    model, tok, cfg = load_model(path, device, dtype, options=options, require_tokenizer=False)
     assert tok is None and cfg.rope.kind == ("yarn" if yarn else "default")
     assert (cfg.q_lora_rank is None) != q_lora
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    prefill, steps, generated = _run_pdlab(model, cfg, prompts, dtype)
+    prefill, steps, generated = _run_pdlab(model, cfg, prompts, dtype, device)
 
     full = 0
     for b, prompt in enumerate(prompts):
