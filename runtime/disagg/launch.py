@@ -115,6 +115,10 @@ def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwar
     from pdlab.runtime.server.serve import Server
 
     cfg = RoleConfig(**cfg)
+    if cfg.device.startswith("cuda:"):  # both roles see every GPU (CUDA IPC needs the peer's device visible)
+        import torch
+
+        torch.cuda.set_device(cfg.device)
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s %(levelname)s {cfg.role} %(name)s: %(message)s")
     model, tok, mcfg = _load(cfg, model_factory, factory_kwargs)
     agent = cfg.agent_name or f"{cfg.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
