@@ -151,6 +151,10 @@ class ModelConfig:
             v = hf.get(key)
             return default if v is None else v
 
+        qc = hf.get("quantization_config")
+        if isinstance(qc, Mapping) and qc.get("quant_method") == "fp8":
+            raise ConfigError("config.json's quantization_config is fp8 (DeepSeek's block-scaled FP8 release), which "
+                              "pdlab does not load: convert it to bf16 first, or use a modelopt NVFP4 checkpoint")
         if get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (DeepSeek-V3 uses 'silu')")
         if get("moe_layer_freq", 1) != 1:
@@ -275,6 +279,7 @@ _KNOWN = {
     "first_k_dense_replace", "rms_norm_eps", "max_position_embeddings", "rope_scaling", "rope_parameters",
     "rope_theta", "rope_interleave", "attention_bias", "tie_word_embeddings", "bos_token_id", "eos_token_id",
     "num_nextn_predict_layers", "num_mtp_layers", "hidden_act", "moe_layer_freq", "topk_method", "scoring_func",
+    "quantization_config",
 }
 
 

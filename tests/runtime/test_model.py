@@ -110,6 +110,7 @@ def test_rmsnorm_matches_transformers_bitwise():
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_key_value_heads": 1}, "num_key_value_heads 1"),
     ({"kv_lora_rank": None}, "lacks 'kv_lora_rank'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "fp8.*convert it to bf16"),
 ])
 def test_config_rejects(change, match):
     with pytest.raises(ConfigError, match=match):
