@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="result file stem (default moe_ep<N>)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are stopped")
+    p.add_argument("--profile", action="store_true",
+                   help="also write a torch.profiler table (CPU + CUDA) of dispatch and combine per configuration")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
     plan = dict(cfg=asdict(cfg), tokens=tokens, ll_tokens=ll_tokens, modes=modes, payloads=payloads, runners=runners,
                 dispatcher=dispatcher, n_max=n_max, repeats=args.repeats or (20 if cuda else 5), warmup=args.warmup,
-                reference=not args.no_reference, seed=args.seed, ep=args.ep)
+                reference=not args.no_reference, seed=args.seed, ep=args.ep, profile=args.profile)
     _print_availability(dispatcher, runners)
     t0 = time.time()
     if args.ep == 1 and dispatcher == "local":
@@ -97,10 +99,18 @@ def run(args: argparse.Namespace) -> int:
         per_rank = run_ranks(bench_rank, args.ep, kwargs={"plan": plan},
                              backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
         rows = _merge_ranks(per_rank)
+    profiles = [(r, r.pop("profile_text")) for r in rows if "profile_text" in r]
     df = pd.DataFrame(rows)
     facts = arch.device_facts()
     out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
     name = args.name or f"moe_ep{args.ep}"
+    if profiles:
+        from pathlib import Path
+
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(f"== {r['mode']} {r['tokens']} tok/rank {r['payload']} {r['runner']} (rank 0): "
+                            f"dispatch + combine, 3 calls ==\n{t}" for r, t in profiles)
+        (Path(out_dir) / f"{name}_profile.txt").write_text(text)
     ratios = _ratios(df)
     meta = report.provenance(facts, {"plan": plan, "note": note, "wall_s": round(time.time() - t0, 1),
                                      "dispatch_combine_ratio_vs_bf16": ratios})
@@ -213,6 +223,8 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
     abytes = pairs * cfg.hidden_size * 2 * 2
     rl = roofline(flops, wbytes + abytes, times["experts"].seconds, facts, "bf16")
     row.update(tflops=rl["tflops"], experts_GBps=rl["gbps"], pct_roofline=rl["pct_roofline"])
+    if plan.get("profile"):
+        row["profile_text"] = _profile(lambda: layer.combine(y, layer.dispatch(tokens, ids, w)[1]), dev)
     if plan["reference"]:
         if T not in refs:
             refs[T] = (moe_reference(x, ids, w, weights, 0, "nvfp4"),)
@@ -266,6 +278,19 @@ def synthetic_moe(cfg, seed: int, device: torch.device, chunk: int = 8):
     return _WEIGHTS[key]
 
 
+def _profile(fn, dev: torch.device, calls: int = 3) -> str:
+    """torch.profiler table (sorted by CPU total) of `calls` calls of fn."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+
+
 def _tokens(seed: int, rank: int, T: int, H: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed * 7919 + rank * 104729 + T)
     return torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
@@ -295,7 +320,7 @@ def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
     rates recomputed from those, error = the worst rank's."""
     merged = []
     for rows in zip(*per_rank):
-        row = dict(rows[0])
+        row = dict(rows[0])  # rank 0's profile_text, if any, stays
         row.pop("rank", None)
         row["status"] = next((r["status"] for r in rows if r["status"] != "ok"), "ok")
         if row["status"] == "ok":
