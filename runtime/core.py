@@ -54,12 +54,14 @@ class SamplingParams:
         """Raise ValueError naming the bad field and the allowed range."""
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k != -1 and not (1 <= self.top_k < 2**62):
+            raise ValueError(f"top_k must be -1 (off) or in [1, 2**62), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not (-2**63 <= t < 2**63) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be 64-bit integers")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):

@@ -38,7 +38,7 @@ class SamplingTensors:
         ps = [r.params for r in reqs]
         pin = device.type == "cuda"
         f = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in ps], dtype=torch.float32, pin_memory=pin)
-        i = torch.tensor([[p.top_k if p.top_k > 0 else vocab_size, r.seed & ((1 << 63) - 1), len(r.output_ids)]
+        i = torch.tensor([[min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size, r.seed & ((1 << 63) - 1), len(r.output_ids)]
                           for p, r in zip(ps, reqs)], dtype=torch.int64, pin_memory=pin)
         f, i = f.to(device, non_blocking=True), i.to(device, non_blocking=True)
         return cls(temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], top_k=i[:, 0], seed=i[:, 1], step=i[:, 2],

@@ -8,6 +8,9 @@ Module and parameter names mirror the HF checkpoint (`model.layers.{i}.self_attn
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
 from torch import nn
 
@@ -159,10 +162,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, rotary, ctx):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, rotary, ctx)
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, ctx) if self.is_moe else self.mlp(x))
+    def forward(self, h, cos, sin, rotary, ctx, stage=None):
+        with stage("attention") if stage else contextlib.nullcontext():
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, rotary, ctx)
+        with stage("moe" if self.is_moe else "dense_mlp") if stage else contextlib.nullcontext():
+            x = self.post_attention_layernorm(h)
+            return h + (self.mlp(x, ctx) if self.is_moe else self.mlp(x))
 
 
 class DeepseekV3Model(nn.Module):
@@ -182,7 +187,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     Build with `load_model` (weights + post-load derivations); constructing it directly gives
     uninitialised weights and no routed experts.
     attn_backend / attn_config: passed to every `mla_prefill` / `mla_decode` call (None = registry's
-    choice and tuned/default config)."""
+    choice and tuned/default config).
+    stage_hook: None, or a callable name → context manager wrapped around each stage of forward
+    ("embed", per layer "attention" and "dense_mlp" / "moe", then "head"), e.g. CUDA-event timers
+    (profile.py). Leave None when capturing CUDA graphs."""
 
     def __init__(self, config: ModelConfig, *, attn_backend: str | None = None, attn_config: dict | None = None):
         super().__init__()
@@ -190,6 +198,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = config
         self.model = DeepseekV3Model(config, attn_backend, attn_config)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
+        self.stage_hook: Callable[[str], ContextManager] | None = None
 
     def post_load(self) -> None:
         """Derive W_UK / W_UV from kv_b_proj (call after weights change; the loader does)."""
@@ -218,10 +227,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                              f"{self.config.num_hidden_layers} layers: allocate one pool per layer")
         if ctx.slots.shape[0] != T:
             raise ValueError(f"ctx.slots has {ctx.slots.shape[0]} entries for {T} tokens: one slot per new token")
-        m = self.model
-        h = m.embed_tokens(input_ids)
-        cos, sin = m.rotary_emb(positions, h.dtype)
+        m, stage = self.model, self.stage_hook
+        with stage("embed") if stage else contextlib.nullcontext():
+            h = m.embed_tokens(input_ids)
+            cos, sin = m.rotary_emb(positions, h.dtype)
         for layer in m.layers:
-            h = layer(h, cos, sin, m.rotary_emb, ctx)
-        h = m.norm(h[ctx.logits_indices])
-        return self.lm_head(h).float()
+            h = layer(h, cos, sin, m.rotary_emb, ctx, stage)
+        with stage("head") if stage else contextlib.nullcontext():
+            h = m.norm(h[ctx.logits_indices])
+            return self.lm_head(h).float()

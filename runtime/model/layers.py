@@ -46,9 +46,13 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.interleave = rope.interleave
         self.attention_factor = rope.attention_factor
-        self.register_buffer("inv_freq", _inv_freq(dim, rope), persistent=False)
+        # computed on the CPU (as transformers does) so every device gets the same frequencies, then
+        # placed where the module is being built
+        device = torch.empty(0).device
+        self.register_buffer("inv_freq", _inv_freq(dim, rope).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int → (cos, sin) [T, dim/2] of `dtype` (on positions' device)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         cos = freqs.cos() * self.attention_factor
         sin = freqs.sin() * self.attention_factor
@@ -66,7 +70,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def _inv_freq(dim: int, rope: RopeConfig) -> torch.Tensor:
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    """[dim/2] fp32 on the CPU: default or YaRN-blended inverse frequencies."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
     if rope.kind != "yarn":
         return 1.0 / pos_freqs
     base, orig = rope.theta, rope.original_max_position_embeddings
@@ -80,7 +85,7 @@ def _inv_freq(dim: int, rope: RopeConfig) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp  # share of the original (extrapolated) frequency per dim pair
     return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 

@@ -62,7 +62,10 @@ class Server:
         """Start the engine loop and uvicorn in background threads; returns the bound port."""
         import uvicorn
         self.loop.start()
-        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without it,
+        # Nagle + delayed ACKs add ~40 ms to every response on a kept-alive connection
+        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.port))
         self.port = sock.getsockname()[1]

@@ -17,8 +17,8 @@ from pdlab.runtime.server.serve import Server
 
 BAD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**64, -2**63, 1e308, -1e308, 0.5, -0.5, "", "x", "\u0000\ud7ff",
               "a" * 5000, [], [None], [1, "a"], {}, {"k": 1}, [[[[]]]]]
-MAX_REQUESTS = 400
-TIME_BUDGET_S = 25.0
+MAX_REQUESTS = 2000
+TIME_BUDGET_S = 40.0
 
 
 def _resolve(schema, spec):
@@ -130,8 +130,13 @@ def test_fuzz_from_openapi_schema_gives_no_5xx(server):
             schema = op["requestBody"]["content"]["application/json"]["schema"]
             cases += [(path, d, b) for d, b in _mutations(schema, spec, rng)]
         assert {p for p, _, _ in cases} >= {"/v1/completions", "/v1/chat/completions", "/generate"}
+        # every top-level field mutation runs; nested ones are sampled to stay inside the bound
+        top = [c for c in cases if "." not in c[1].split("=")[0] and "[]" not in c[1]]
+        nested = [c for c in cases if c not in top]
+        rng.shuffle(nested)
+        cases = top + nested[:max(0, MAX_REQUESTS - len(top))]
         rng.shuffle(cases)
-        cases = cases[:MAX_REQUESTS]
+        print("fuzz cases: top-level", len(top), "nested", len(nested), "running", len(cases))
         t0 = time.time()
         statuses, fails = {}, []
         for path, desc, body in cases:
@@ -149,7 +154,7 @@ def test_fuzz_from_openapi_schema_gives_no_5xx(server):
                 assert err["message"] and err["code"] == r.status_code, (path, desc, r.text)
         print("fuzz statuses", statuses, "cases", len(cases), "seconds", round(time.time() - t0, 1))
         assert not fails, fails[:5]
-        assert sum(statuses.values()) >= 200, statuses  # enough cases ran inside the time budget
+        assert sum(statuses.values()) == len(cases), statuses  # all ran inside the time budget  # enough cases ran inside the time budget
         assert statuses.get(400, 0) > 100 and statuses.get(200, 0) > 5, statuses
         assert c.get("/health").status_code == 200
         ok = c.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 3, "temperature": 0})
