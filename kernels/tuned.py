@@ -34,8 +34,9 @@ import json
 import logging
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -57,6 +58,7 @@ _RESOLVED: dict[tuple, tuple[dict, str]] = {}
 _FILES: dict[tuple[str, float], dict | None] = {}
 _FACTS: dict[str, tuple[str, str, str]] = {}
 _WARNED: set = set()
+_OBSERVERS: list[list] = []
 
 
 def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], device=None,
@@ -77,6 +79,8 @@ def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], devic
     """
     if explicit is not None:
         return _with_defaults(op, backend, explicit, strict=True), "explicit"
+    for seen in _OBSERVERS:
+        seen.append((op, backend, dict(bucket)))
     name, key, _arch = _device(device)
     user = os.environ.get(CONFIG_DIR_ENV, "")
     cache_key = (op, backend, tuple(sorted((k, str(v)) for k, v in bucket.items())), name, user)
@@ -201,6 +205,18 @@ def read_store(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict) or "entries" not in data or "metadata" not in data:
         raise ValueError(f"{path}: not a pdlab tuned-config file (needs 'metadata' and 'entries')")
     return data
+
+
+@contextmanager
+def observe() -> Iterator[list[tuple[str, str, dict]]]:
+    """Record the (op, backend, bucket) of every non-explicit lookup inside the block (the tuner
+    uses it to check that an op asks for the bucket keys the store is written with)."""
+    seen: list[tuple[str, str, dict]] = []
+    _OBSERVERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _OBSERVERS.remove(seen)
 
 
 def clear_cache() -> None:

@@ -191,6 +191,8 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
         print(f"{rep.op}: {len(rep.winners())} buckets stored in {rep.store_file or '(nothing stored)'}; "
               f"geometric-mean speedup over default {g:.3f}x; tuning took {rep.seconds:.1f} s"
               if g else f"{rep.op}: nothing stored; tuning took {rep.seconds:.1f} s")
+        for note in rep.notes:
+            print(f"  WARNING: {note}")
         for bucket, backend, reason in rep.skipped:
             if reason != "does not accept this bucket":
                 print(f"  skipped {backend} {tuned.bucket_label(bucket) if bucket else ''}: {reason}")

@@ -68,7 +68,7 @@ class DispatchInputs:
 def _call(backend: str, cfg: dict, x: DispatchInputs):
     from pdlab.moe.dispatch import create_dispatcher
 
-    key = (backend, tuple(sorted(cfg.items())))
+    key = (backend, tuple(sorted((cfg or {}).items())))
     d = x.dispatchers.get(key)
     if d is None:
         b = x.bucket

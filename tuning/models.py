@@ -47,7 +47,7 @@ def load_model_shape(name_or_path: str | None) -> ModelShape:
         return DEEPSEEK_R1
     if name_or_path.lower() in NAMED:
         return NAMED[name_or_path.lower()]
-    path = Path(name_or_path).expanduser()
+    path = Path(name_or_path).expanduser().resolve()
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
@@ -60,7 +60,8 @@ def load_model_shape(name_or_path: str | None) -> ModelShape:
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}; tuning needs a DeepSeek-V3-style config "
                          "(MLA + routed experts)")
-    return ModelShape(cfg.get("_name_or_path") or path.parent.name, cfg["hidden_size"],
+    name = cfg.get("_name_or_path") or (path.parent.name if path.name == "config.json" else path.stem)
+    return ModelShape(name, cfg["hidden_size"],
                       cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"],
                       cfg["qk_nope_head_dim"], cfg["moe_intermediate_size"], cfg["n_routed_experts"],
                       cfg["num_experts_per_tok"])

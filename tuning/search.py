@@ -95,6 +95,7 @@ class OpReport:
     store_file: Path | None
     seconds: float
     skipped: list[tuple[dict, str, str]]  # (bucket, backend, reason)
+    notes: list[str] = field(default_factory=list)  # integration problems (op not reading the store, ...)
 
     def winners(self) -> list[tuple[dict, StudyResult]]:
         """Per bucket the fastest stored backend result."""
@@ -161,6 +162,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
         skipped += [(bucket, b.name, "does not accept this bucket") for b in usable if b not in bs]
     total = sum(len(bs) for _, bs in plan)
     winners: dict[str, list[dict]] = {}
+    notes: list[str] = []
     with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
         for i, (bucket, bs) in enumerate(plan):
             now = time.perf_counter()
@@ -197,12 +199,15 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                     per_backend[backend.name] = store.backend_result(
                         res.config, res.time_ms, res.default_time_ms, res.trials, res.failed, res.study_name)
                 bar.advance(1)
-            del inputs, ref
-            _free(device)
             if per_backend and store_root is not None:
                 store_file = store.write_results(store_root, key, target.op, metadata,
                                                  store.merge_bucket(bucket, per_backend))
-    report = OpReport(target.op, name, results, store_file, time.perf_counter() - t_start, skipped)
+                tunable = [b for b in per_backend if any(x.name == b and x.config_space for x in bs)]
+                if lockstep is None and tunable and not notes:  # once per op: does the op read the store?
+                    notes += _check_lookup(target, tunable[0], bucket, inputs, device)
+            del inputs, ref
+            _free(device)
+    report = OpReport(target.op, name, results, store_file, time.perf_counter() - t_start, skipped, notes)
     if plot_dir is not None and results:
         from pdlab.tuning import plots
 
@@ -394,6 +399,27 @@ def follow(target: TuneTarget, model: ModelShape, settings: SearchSettings, devi
         elif msg[0] == "measure":
             _, backend, cfg, tol = msg
             _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
+
+
+def _check_lookup(target: TuneTarget, backend: str, bucket: Mapping, inputs: Any, device: torch.device) -> list[str]:
+    """Call the op once without a config and check it asks the store for this bucket's key set;
+    a mismatch means the op would never find what was just stored."""
+    tuned.clear_cache()
+    with tuned.observe() as seen:
+        try:
+            target.call(backend, None, inputs)
+            _sync(device)
+        except Exception as exc:
+            return [f"{target.op}[{backend}] called without a config failed ({_describe(exc)}); "
+                    "cannot check that it reads the tuned store"]
+    asked = [b for op, name, b in seen if op == target.op and name == backend]
+    if not asked:
+        return [f"{target.op}[{backend}] did not look up a tuned config when called without one: the stored "
+                "configs are not used by the op yet"]
+    if any(set(b) == set(bucket) for b in asked):
+        return []
+    return [f"{target.op}[{backend}] looks up buckets with keys {sorted(asked[0])} but the tuner stores "
+            f"{sorted(bucket)}: the op will not find these configs until both use the keys of docs/tuning.md"]
 
 
 def _inputs_and_reference(target: TuneTarget, ref_backend: Backend | None, bucket: Mapping, model: ModelShape,

@@ -51,6 +51,7 @@ def test_small_study_writes_store_that_lookup_returns(toy, isolated):
         assert cfg == r["config"] and src == f"tuned:{rep.store_file}"
     assert data["metadata"]["device"] == "cpu" and data["format"] == tuned.FORMAT_VERSION
     assert rep.geomean_speedup() > 0
+    assert rep.notes == []  # the toy op asks the store for the keys it was written with
     assert (isolated / "plots" / "toy_matmul" / "speedup.png").stat().st_size > 1000
     assert len(list((isolated / "plots" / "toy_matmul" / "history").glob("*.png"))) == 4
 
@@ -172,3 +173,10 @@ def test_tpe_warm_start_tries_default_then_earlier_winners(toy, isolated):
     assert second.trials[0].params == {"rows": 1, "cols": 1, "flip": False}
     if enc != second.trials[0].params:
         assert second.trials[1].params == enc  # then the previous bucket's winner
+
+
+def test_op_asking_other_bucket_keys_is_reported(toy, isolated, monkeypatch):
+    monkeypatch.setitem(toy.LOOKUP, "keys", ("m", "k"))  # an op that forgot the dtype key
+    rep = toy.run(None, str(isolated / "configs"), 8)
+    assert len(rep.notes) == 1
+    assert "looks up buckets with keys ['k', 'm']" in rep.notes[0] and "'dtype'" in rep.notes[0]

@@ -67,9 +67,17 @@ def _build(bucket, model, device):
     return (torch.randn(bucket["m"], bucket["k"], generator=g), torch.randn(bucket["k"], 32, generator=g))
 
 
-def _call(backend, cfg, inputs):
-    from pdlab.kernels import registry
+LOOKUP = {"keys": ("m", "k", "dtype")}  # the bucket keys the toy op asks the store for
 
+
+def _call(backend, cfg, inputs):
+    """The op's public function: an explicit config, else the tuned one for its bucket."""
+    from pdlab.kernels import registry, tuned
+
+    if cfg is None:
+        a = inputs[0]
+        full = {"m": a.shape[0], "k": a.shape[1], "dtype": "fp32"}
+        cfg, _ = tuned.resolve_config(OP, backend, {k: full[k] for k in LOOKUP["keys"]})
     return registry.get_backend(OP, backend).impl(*inputs, config=cfg)
 
 
@@ -91,7 +99,7 @@ def settings(storage, trials: int = 50, **kw):
     return SearchSettings(**base)
 
 
-def run(storage: str, store_dir: str, trials: int, backends=("blocked",), buckets=None):
+def run(storage, store_dir: str, trials: int, backends=("blocked",), buckets=None):
     from pdlab.tuning.search import tune_op
 
     target = register()
