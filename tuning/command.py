@@ -76,6 +76,8 @@ def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) ->
                     f"the target GPU — run it there, use --dry-run --arch sm90|sm100 to see the plan, or --arch cpu "
                     f"for CPU backends")
         return None
+    if requested.lower() == "cpu":  # every machine has one
+        return None
     if arch_family(requested.lower()) != arch_family(detected):
         return (f"{prog}: requested --arch {requested} but this machine is {detected}; tuning must run on a "
                 f"{requested} device — use --dry-run to see what would be searched")

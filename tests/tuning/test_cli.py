@@ -41,6 +41,7 @@ def test_arch_gate_rule():
     assert "sm100" in command.arch_gate("t", "sm100", "sm90", False)
     assert command.arch_gate("t", "sm100", "sm90", True) is None  # dry run never gated
     assert command.arch_gate("t", None, "sm90", False) is None  # default: the detected arch
+    assert command.arch_gate("t", "cpu", "sm90", False) is None  # the CPU is always there
 
 
 @needs_cpu_only
@@ -92,6 +93,6 @@ def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     assert list(data["entries"]) == ["dtype=fp32,k=64,m=16"]
     assert data["metadata"]["model_shape"]["hidden_size"] == 7168 and data["metadata"]["versions"]["torch"]
     assert (isolated / "out" / "tuning.csv").exists() and (isolated / "out" / "plots" / "toy_matmul" / "speedup.png").exists()
-    assert main(["show"]) == 0
+    assert main(["show", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "toy_matmul.json" in out and "used" in out and "blocked*" in out

@@ -1,5 +1,6 @@
 """resolve_config: explicit > tuned (nearest bucket, user folder over shipped) > default; metadata rule."""
 
+import functools
 import json
 import logging
 import math
@@ -8,6 +9,8 @@ import pytest
 
 from pdlab.kernels import tuned
 from pdlab.tuning import store
+
+resolve = functools.partial(tuned.resolve_config, device="cpu")  # files here are written for the CPU
 
 
 def _write(root, buckets_cfgs, device="cpu", versions=None, op="toy_matmul", backend="blocked"):
@@ -35,11 +38,11 @@ def test_space_declared_in_registry(toy):
 
 def test_explicit_wins_and_unknown_keys_rejected(toy, isolated):
     _write(isolated / "configs", [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 128, "skip_last": False})])
-    cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": 16, "k": 256, "dtype": "fp32"},
+    cfg, src = resolve("toy_matmul", "blocked", {"m": 16, "k": 256, "dtype": "fp32"},
                                     explicit={"BLOCK_K": 32})
     assert (cfg, src) == ({"BLOCK_K": 32, "skip_last": False}, "explicit")
     with pytest.raises(ValueError, match="unknown config keys"):
-        tuned.resolve_config("toy_matmul", "blocked", {"m": 16}, explicit={"BLOCK_Q": 1})
+        resolve("toy_matmul", "blocked", {"m": 16}, explicit={"BLOCK_Q": 1})
 
 
 def test_nearest_bucket_and_out_of_range(toy, isolated):
@@ -49,7 +52,7 @@ def test_nearest_bucket_and_out_of_range(toy, isolated):
                   ({"m": 16, "k": 256, "dtype": "bf16"}, {"BLOCK_K": 128, "skip_last": False})])
 
     def look(m, dtype="fp32", k=256):
-        cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": m, "k": k, "dtype": dtype})
+        cfg, src = resolve("toy_matmul", "blocked", {"m": m, "k": k, "dtype": dtype})
         return cfg["BLOCK_K"], src
 
     assert look(16) == (8, "tuned:" + str(root / "cpu" / "toy_matmul.json"))
@@ -60,11 +63,11 @@ def test_nearest_bucket_and_out_of_range(toy, isolated):
     assert look(1 << 20)[0] == 32  # above the range: nearest edge
     assert look(4096, dtype="bf16")[0] == 128  # non-numeric keys must match exactly
     assert look(16, dtype="fp8") == (4, "default")  # no comparable bucket: backend default
-    cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": 16, "k": 256})  # other key set
+    cfg, src = resolve("toy_matmul", "blocked", {"m": 16, "k": 256})  # other key set
     assert src == "default"
     assert tuned.bucket_distance({"a": 4, "b": "x"}, {"a": 16, "b": "x"}) == 2
     assert math.isinf(tuned.bucket_distance({"a": 4, "b": "x"}, {"a": 4, "b": "y"}))
-    assert tuned.resolve_backend("toy_matmul", {"m": 20, "k": 256, "dtype": "fp32"}) == "blocked"
+    assert tuned.resolve_backend("toy_matmul", {"m": 20, "k": 256, "dtype": "fp32"}, device="cpu") == "blocked"
 
 
 def test_user_folder_overrides_shipped(toy, isolated, monkeypatch):
@@ -72,18 +75,18 @@ def test_user_folder_overrides_shipped(toy, isolated, monkeypatch):
     _write(shipped, [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 32, "skip_last": False})])
     monkeypatch.setattr(tuned, "SHIPPED_DIR", shipped)
     bucket = {"m": 16, "k": 256, "dtype": "fp32"}
-    assert tuned.resolve_config("toy_matmul", "blocked", bucket) == (
+    assert resolve("toy_matmul", "blocked", bucket) == (
         {"BLOCK_K": 32, "skip_last": False}, "tuned:cpu/toy_matmul.json")
     _write(isolated / "configs", [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 128, "skip_last": False})])
     tuned.clear_cache()
-    cfg, src = tuned.resolve_config("toy_matmul", "blocked", bucket)
+    cfg, src = resolve("toy_matmul", "blocked", bucket)
     assert cfg["BLOCK_K"] == 128 and src.startswith("tuned:" + str(isolated / "configs"))
 
 
 def test_no_entry_default_logged_once(toy, isolated, caplog):
     caplog.set_level(logging.INFO, logger="pdlab.tuned")
     for m in (1, 2, 3):
-        cfg, src = tuned.resolve_config("toy_matmul", "blocked", {"m": m, "k": 256, "dtype": "fp32"})
+        cfg, src = resolve("toy_matmul", "blocked", {"m": m, "k": 256, "dtype": "fp32"})
         assert (cfg, src) == ({"BLOCK_K": 4, "skip_last": False}, "default")
     msgs = [r for r in caplog.records if "no tuned config for toy_matmul[blocked]" in r.getMessage()]
     assert len(msgs) == 1
@@ -93,8 +96,8 @@ def test_metadata_other_device_skipped(toy, isolated, caplog):
     bucket = {"m": 16, "k": 256, "dtype": "fp32"}
     _write(isolated / "configs", [(bucket, {"BLOCK_K": 128, "skip_last": False})], device="NVIDIA H200")
     caplog.set_level(logging.WARNING, logger="pdlab.tuned")
-    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
-    assert tuned.resolve_config("toy_matmul", "blocked", {**bucket, "m": 17})[1] == "default"
+    assert resolve("toy_matmul", "blocked", bucket)[1] == "default"
+    assert resolve("toy_matmul", "blocked", {**bucket, "m": 17})[1] == "default"
     skips = [r for r in caplog.records if "tuned on 'NVIDIA H200'" in r.getMessage()]
     assert len(skips) == 1  # warned once per file
 
@@ -105,7 +108,7 @@ def test_metadata_other_versions_used_with_one_warning(toy, isolated, caplog):
            versions={"torch": "0.0.1", "triton": "0.0.2"})
     caplog.set_level(logging.WARNING, logger="pdlab.tuned")
     for m in (16, 17, 18):
-        cfg, src = tuned.resolve_config("toy_matmul", "blocked", {**bucket, "m": m})
+        cfg, src = resolve("toy_matmul", "blocked", {**bucket, "m": m})
         assert cfg["BLOCK_K"] == 128 and src.startswith("tuned:")
     warns = [r.getMessage() for r in caplog.records if "other versions" in r.getMessage()]
     assert len(warns) == 1 and "torch 0.0.1 (tuned)" in warns[0] and "triton 0.0.2" in warns[0]
@@ -118,13 +121,13 @@ def test_stale_or_broken_files_fall_back(toy, isolated, caplog):
     data["entries"][tuned.bucket_label(bucket)]["backends"]["blocked"]["config"]["GONE"] = 1
     path.write_text(json.dumps(data))
     caplog.set_level(logging.WARNING, logger="pdlab.tuned")
-    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    assert resolve("toy_matmul", "blocked", bucket)[1] == "default"
     assert any("unknown config keys" in r.getMessage() for r in caplog.records)
     path.write_text("{not json")
     tuned.clear_cache()
-    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    assert resolve("toy_matmul", "blocked", bucket)[1] == "default"
     data["format"] = 99
     path.write_text(json.dumps(data))
     tuned.clear_cache()
-    assert tuned.resolve_config("toy_matmul", "blocked", bucket)[1] == "default"
+    assert resolve("toy_matmul", "blocked", bucket)[1] == "default"
     assert any("format 99" in r.getMessage() for r in caplog.records)

@@ -47,7 +47,7 @@ def test_small_study_writes_store_that_lookup_returns(toy, isolated):
         assert e["backends"]["wide"]["config"]["flip"] is False  # flip=True is a wrong result
         r = e["backends"]["blocked"]
         assert r["speedup"] == r["default_time_ms"] / r["time_ms"]
-        cfg, src = tuned.resolve_config("toy_matmul", "blocked", b)
+        cfg, src = tuned.resolve_config("toy_matmul", "blocked", b, device="cpu")
         assert cfg == r["config"] and src == f"tuned:{rep.store_file}"
     assert data["metadata"]["device"] == "cpu" and data["format"] == tuned.FORMAT_VERSION
     assert rep.geomean_speedup() > 0

@@ -77,7 +77,7 @@ def _call(backend, cfg, inputs):
     if cfg is None:
         a = inputs[0]
         full = {"m": a.shape[0], "k": a.shape[1], "dtype": "fp32"}
-        cfg, _ = tuned.resolve_config(OP, backend, {k: full[k] for k in LOOKUP["keys"]})
+        cfg, _ = tuned.resolve_config(OP, backend, {k: full[k] for k in LOOKUP["keys"]}, device=a.device)
     return registry.get_backend(OP, backend).impl(*inputs, config=cfg)
 
 
