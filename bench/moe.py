@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdlab.bench import report
     from pdlab.kernels import arch
-    from pdlab.moe.config import MoEConfig, resolve_model
+    from pdlab.moe.config import PRESETS, MoEConfig, resolve_model
     from pdlab.moe.dispatch.spawn import run_ranks
 
     cuda = torch.cuda.is_available()
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = resolve_model(args.model)
     note = ""
-    if not cuda:
+    if not cuda and args.model in PRESETS:  # a config file given on purpose is used as it is
         cfg = MoEConfig(**CPU_CFG)
         note = (f"CPU machine: small shape (E={cfg.num_experts}, top-{cfg.top_k}, H={cfg.hidden_size}, "
                 f"I={cfg.intermediate_size}) with the reference backends (torch runner, gloo ranks); "

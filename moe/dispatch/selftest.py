@@ -40,21 +40,22 @@ def global_tokens(seed: int, world: int, tokens_per_rank: int, hidden: int, num_
 def dispatch_roundtrip(rank: int, world: int, *, seed: int, mode: str, payload: str, tokens_per_rank: int,
                        hidden: int, num_experts: int, top_k: int, dispatcher: str = "nccl",
                        slow_rank: int | None = None, skew: bool = False, config: dict | None = None,
-                       max_tokens: int | None = None) -> dict[str, Any]:
+                       max_tokens: int | None = None, rank_tokens: list[int] | None = None) -> dict[str, Any]:
     """combine(dispatch(x)) with identity experts (the dequantised payload) on this rank's tokens.
 
     Returns this rank's output [T, H] (CPU), its dispatched layout's row/expert counts, the bytes
-    it sent and the de-duplicated (token, remote rank) pair count it should have sent."""
+    it sent and the de-duplicated (token, remote rank) pair count it should have sent.
+    rank_tokens: uneven tokens per rank (e.g. [0, 7]: rank 0 has none); default tokens_per_rank each."""
     from pdlab.moe.dispatch import create_dispatcher
     from pdlab.moe.layouts import dequantize_hidden, with_hidden
 
     dev = rank_device(rank)
-    x, ids, w = global_tokens(seed, world, tokens_per_rank, hidden, num_experts, top_k, dtype=torch.bfloat16,
-                              skew=skew)
-    sl = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)
+    counts = rank_tokens or [tokens_per_rank] * world
+    x, ids, w = global_tokens(seed, 1, sum(counts), hidden, num_experts, top_k, dtype=torch.bfloat16, skew=skew)
+    sl = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
     x, ids, w = x[sl].to(dev), ids[sl].to(dev), w[sl].to(dev)
     d = create_dispatcher(dispatcher, num_experts, hidden, mode=mode, config=config,
-                          num_max_dispatch_tokens_per_rank=max_tokens or tokens_per_rank)
+                          num_max_dispatch_tokens_per_rank=max_tokens or max(counts))
     if slow_rank == rank:
         time.sleep(1.5)
     gs = torch.tensor(448 * 6 / 5.0)  # |x| of randn stays well below 5

@@ -154,13 +154,17 @@ def test_nccl_on_gloo_ranks_matches_local_and_dedups_per_rank():
         assert rows.sum() == ids.numel()
 
 
-def test_nccl_two_ranks_with_a_slow_rank():
+def test_nccl_two_ranks_with_a_slow_rank_and_an_idle_rank():
     world, T = 2, 5
     cases = [dict(seed=11, mode=m, payload="bf16", tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
                   slow_rank=0, config=None) for m in ("normal", "low_latency")]
+    # rank 0 has no tokens at all (an idle decode rank) but still serves its experts
+    cases += [dict(seed=12, mode=m, payload="nvfp4", tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
+                   rank_tokens=[0, 2 * T]) for m in ("normal", "low_latency")]
     results = run_ranks(dispatch_cases, world, kwargs={"cases": cases}, backend="gloo", timeout_s=120)
+    assert results[0][2]["out"].shape == (0, H) and results[1][2]["out"].shape == (2 * T, H)
     for i, case in enumerate(cases):
-        ref, ids = _reference(11, world, T, case["mode"], "bf16")
+        ref, ids = _reference(case["seed"], world, T, case["mode"], case["payload"])
         out = torch.cat([results[r][i]["out"] for r in range(world)])
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
         counts = torch.cat([results[r][i]["per_expert_rows"] for r in range(world)])

@@ -38,3 +38,18 @@ def test_bench_moe_ep2_on_gloo_writes_rows_ratios_and_errors(tmp_path, capsys):
 def test_bench_moe_rejects_local_dispatch_across_ranks(tmp_path, capsys):
     assert bench_moe.run(_args(tmp_path, "--ep", "2", "--dispatcher", "local")) == 2
     assert "nccl or deepep" in capsys.readouterr().out
+
+
+def test_bench_moe_takes_an_hf_config_file(tmp_path):
+    cfg = {"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 2, "hidden_size": 64,
+           "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5,
+           "norm_topk_prob": True, "n_shared_experts": 1}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert bench_moe.run(_args(tmp_path, "--model", str(path), "--tokens", "3", "--mode", "normal",
+                               "--dispatch", "bf16")) == 0
+    meta = json.loads((tmp_path / "moe_ep1.json").read_text())["meta"]
+    assert meta["plan"]["cfg"]["num_experts"] == 8 and meta["plan"]["cfg"]["hidden_size"] == 64
+    with pytest.raises(ValueError, match="not a DeepseekV3-style MoE config"):
+        (tmp_path / "bad.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+        bench_moe.run(_args(tmp_path, "--model", str(tmp_path / "bad.json")))
