@@ -6,7 +6,7 @@ sent as a token-id list, which /v1/completions accepts). Requests arrive as a Po
 --request-rate (inf = all at once), at most --max-concurrency in flight, always streamed.
 
 Definitions (as `vllm bench serve` / `sglang.bench_serving`): TTFT = POST → first chunk carrying
-choices; ITL = gaps between consecutive content chunks; TPOT = (latency − TTFT)/(output_tokens − 1);
+choices; ITL = gaps between consecutive chunks carrying choices; TPOT = (latency − TTFT)/(output_tokens − 1);
 E2E = POST → last chunk; goodput = requests meeting every SLO of --goodput (ms) per second.
 Writes <out>/serving.json (summary + per request), serving.csv (per request), serving_summary.csv and
 serving_latency.png (distributions).
@@ -154,17 +154,18 @@ async def _one(session, url: str, payload: dict, res: RequestResult, headers: di
                     ch = obj.get("choices") or []
                     if not ch:
                         continue
-                    c = ch[0]
-                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if not text and c.get("finish_reason") is None:
+                    # every chunk with choices is a token event (as `vllm bench serve` counts), also
+                    # when its text is empty (token ids without text, held-back stop prefixes); only a
+                    # chat role-only opening chunk is skipped
+                    delta = ch[0].get("delta")
+                    if delta is not None and "content" not in delta and ch[0].get("finish_reason") is None:
                         continue
                     if last is None:
                         res.ttft = now - t0
-                    elif text:
+                    else:
                         res.itl.append(now - last)
-                    if text:
-                        chunks += 1
-                        last = now
+                    chunks += 1
+                    last = now
         res.latency = time.perf_counter() - t0
         if not res.usage_reported:
             res.output_tokens = chunks  # one chunk per token on servers that stream token by token

@@ -340,16 +340,18 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name}
 
             async def events():
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
                 final = None
+                first = True
                 async for out in _outputs(req, q):
                     final = out
                     if out.error:
                         yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
                         continue  # an error output is the request's last one
                     if out.text or out.finished or out.token_ids:
-                        yield _sse({**head, "choices": [{"index": 0, "delta": {"content": out.text} if out.text else {},
+                        # the role rides on the first token's chunk, so chunk times are token times
+                        delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
+                        first = False
+                        yield _sse({**head, "choices": [{"index": 0, "delta": delta,
                                                          "logprobs": lp_obj([out]),
                                                          "finish_reason": out.finish_reason.value if out.finished and out.finish_reason else None}]})
                 if include_usage and final is not None:

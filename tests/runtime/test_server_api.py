@@ -107,7 +107,8 @@ def test_chat_stream_and_non_stream(client):
         r.read()
     chunks = _sse(r)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == j["choices"][0]["message"]["content"]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == j["choices"][0]["message"]["content"]
+    assert len(chunks) == 6  # one chunk per token
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
