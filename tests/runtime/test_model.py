@@ -281,3 +281,20 @@ def test_tiny_on_gpu_matches_cpu(tiny):
     assert float(err.median()) < 5e-2, err
     ctx, pos = kv.step({0: 1}, is_decode=True)
     assert torch.isfinite(gpu(torch.tensor([ids[-1]], device="cuda"), pos, ctx)).all()
+
+
+def test_profile_stages(tmp_path):
+    """The stage profiler covers every stage of a forward and writes its CSVs."""
+    import pandas as pd
+
+    from pdlab.runtime.model import profile
+
+    assert profile.main(["--device", "cpu", "--batch", "2", "--prefill", "8", "--context", "20",
+                         "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    stages = pd.read_csv(tmp_path / "stages.csv")
+    for phase in ("decode", "prefill"):
+        rows = stages[stages.phase == phase]
+        assert set(rows.stage) == {"embed", "attention", "dense_mlp", "moe", "head"}
+        assert abs(rows.share.sum() - 1) < 1e-3
+    fwd = pd.read_csv(tmp_path / "forward.csv")
+    assert list(fwd.tokens) == [2, 8] and (fwd.ms > 0).all()
