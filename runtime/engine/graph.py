@@ -24,9 +24,12 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 
 
 class GraphRunner:
-    def __init__(self, engine, batch_sizes: list[int] | None = None):
-        if engine.device.type != "cuda":
+    def __init__(self, engine, batch_sizes: list[int] | None = None, capture: bool = True):
+        """capture=False keeps the static buffers and padding but runs the forward eagerly at replay
+        (for checking the buffer plumbing on CPU)."""
+        if capture and engine.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device; run decode eagerly on CPU (--disable-cuda-graph)")
+        self.capture = capture
         self.engine = engine
         self.batch_sizes = sorted(set(batch_sizes or default_batch_sizes(engine.max_running_requests)))
         max_bs = self.batch_sizes[-1]
@@ -36,7 +39,8 @@ class GraphRunner:
         self.rows = torch.full((max_bs,), engine.page_table.dummy_row, dtype=torch.int64, device=d)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture()
+        if capture:
+            self._capture()
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.batch_sizes[-1]
@@ -67,7 +71,7 @@ class GraphRunner:
         """Run the decode step of `reqs` in a captured graph; returns logits [len(reqs), V] (a view)."""
         n = len(reqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        host = torch.empty((3, bs), dtype=torch.int64, pin_memory=True)
+        host = torch.empty((3, bs), dtype=torch.int64, pin_memory=self.capture)
         host[0, :n] = torch.tensor([r.token_at(r.cached_len) for r in reqs])
         host[1, :n] = torch.tensor([r.cached_len for r in reqs])
         host[2, :n] = torch.tensor([r.table_row for r in reqs])
@@ -78,5 +82,8 @@ class GraphRunner:
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.rows[:bs].copy_(dev[2])
+        if not self.capture:
+            args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
+            return self.engine.model.forward(*args)[:n]
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -124,3 +124,23 @@ def test_synthetic_spec_is_validated():
         pytest.skip("model package missing")
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_hidden_layers) == (7168, 128, 256, 4)
     assert cfg.latent_dim == 576 and cfg.first_k_dense_replace == 1
+
+
+def test_graph_runner_buffers_and_padding_on_cpu(monkeypatch):
+    """The graph runner's static buffers, padding rows (dummy page-table row → page 0) and slicing,
+    replayed eagerly: greedy tokens equal plain eager decode, and padded rows never touch real pages."""
+    from pdlab.runtime.engine.graph import GraphRunner
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    prompts = ["alpha", "beta gamma", "delta epsilon zeta", "eta"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    res = []
+    for use_graph in (False, True):
+        m, tok, cfg = load_toy(max_position_embeddings=128)
+        llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=4, max_total_tokens=512,
+                  max_context_len=128, max_running_requests=8)
+        if use_graph:
+            llm.engine.graphs = GraphRunner(llm.engine, [2, 8], capture=False)  # 3 and 4 requests pad to 8
+        res.append(llm.generate(prompts, sp))
+        if use_graph:
+            assert llm.engine.graphs.rows.tolist()[4:] == [llm.engine.page_table.dummy_row] * 4
+    assert [r["token_ids"] for r in res[0]] == [r["token_ids"] for r in res[1]]
