@@ -1,7 +1,7 @@
 """The timing harness every pdlab benchmark and tuner uses.
 
 GPU: CUDA events around each call, warm-up first, L2 flushed before each timed call (or input sets
-rotated), optional CUDA-graph mode (N calls captured once, replayed; time per call) for small
+rotated), a short GPU sleep before the start event so host launch overhead stays outside the timing, optional CUDA-graph mode (N calls captured once, replayed; time per call) for small
 kernels, median and p10/p90 over the repeats, a barrier first when torch.distributed is initialised.
 CPU: `time.perf_counter` with the same interface; results carry `kind="cpu"` so reports label them.
 """
@@ -45,6 +45,15 @@ def _flush_l2(device: torch.device) -> None:
         size = 256 << 20  # beyond any L2 (H200: 60 MB, B200: 126 MB)
         buf = _L2_FLUSH[device] = torch.empty(size, dtype=torch.uint8, device=device)
     buf.zero_()
+
+
+def _host_lead(cycles: int = 200_000) -> None:
+    """Keep the GPU busy (~100 us) before the start event, so the host has enqueued the timed call
+    by the time the GPU reaches it: otherwise a slow host (Python launch overhead, a busy CPU) shows
+    up as GPU idle time inside the measurement."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(cycles)
 
 
 def _quantiles(times: Sequence[float], kind: str) -> Timing:
@@ -94,6 +103,7 @@ def bench(fn: Callable[[], object], *, device: torch.device | str | None = None,
             setup(i)
         if flush_l2:
             _flush_l2(dev)
+        _host_lead()
         starts[i].record()
         fn()
         ends[i].record()
@@ -124,6 +134,7 @@ def _bench_graph(fn, dev, repeats, graph_calls, flush_l2, max_seconds) -> Timing
     for _ in range(repeats):
         if flush_l2:
             _flush_l2(dev)
+        _host_lead()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         graph.replay()

@@ -94,8 +94,8 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 def _expand_global_scale(global_scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    if gs.dim() == 0:
-        return gs
+    if gs.numel() == 1:
+        return gs.reshape(())
     if gs.dim() == 1 and x.dim() >= 2 and gs.shape[0] == x.shape[0]:
         return gs.view(-1, *([1] * (x.dim() - 1)))  # one global scale per expert / group
     raise ValueError(f"global_scale must be a scalar or one value per leading index ([{x.shape[0]}]), "
@@ -108,7 +108,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
 
     Args:
         x: [..., K] bf16 | fp16 | fp32, K a multiple of 16; 1-D, 2-D [M, K] or grouped [E, M, K].
-        global_scale: fp32 scalar, or [E] (one per leading index) for grouped input.
+        global_scale: fp32 scalar (a number, 0-d or 1-element tensor), or [E] (one per leading
+            index) for grouped input.
         masked_m: optional [E] int32 for grouped [E, M, K] input: rows m >= masked_m[e] are not
             quantized and come back as zero bytes / zero scales.
     Returns:

@@ -213,6 +213,16 @@ def test_torch_fp4_dtype_interop():
     assert torch.equal(scales.float().to(torch.float8_e4m3fn).view(torch.uint8), scales.view(torch.uint8))
 
 
+def test_one_element_global_scale_is_a_scalar():
+    x = torch.randn(4, 32)
+    want = nvfp4.quantize_nvfp4(x, torch.tensor(7.0))
+    for gs in (7.0, torch.tensor([7.0]), torch.tensor([[7.0]])):
+        got = nvfp4.quantize_nvfp4(x, gs)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"one value per leading index \(\[4\]\), got shape \[2\]"):
+        nvfp4.quantize_nvfp4(x, torch.ones(2))
+
+
 def test_global_scale_from_amax():
     assert nvfp4.global_scale_from_amax(torch.tensor([2688.0, 0.0])).tolist() == [1.0, 1.0]
     assert nvfp4.global_scale_from_amax(1.0).item() == 2688.0
