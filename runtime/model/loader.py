@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from pdlab.runtime.model.config import ConfigError, ModelConfig
+from pdlab.runtime.model.config import ModelConfig
 from pdlab.runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, MoEBlock
 from pdlab.runtime.model.tokenizer import Tokenizer
 

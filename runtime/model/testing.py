@@ -22,7 +22,8 @@ def hf_config(*, yarn: bool = False, q_lora: bool = True, layers: int = 3, vocab
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
               n_routed_experts=8, kv_lora_rank=512, q_lora_rank=32 if q_lora else None, qk_rope_head_dim=64,
-              v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=4 if all_experts else 2, num_experts_per_tok=8 if all_experts else 3,
+              v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=4 if all_experts else 2,
+              num_experts_per_tok=8 if all_experts else 3,
               first_k_dense_replace=1, max_position_embeddings=2048, rms_norm_eps=1e-6, routed_scaling_factor=2.5,
               bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
     if yarn:
@@ -68,7 +69,8 @@ class PagedKV:
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, new: dict[int, int], is_decode: bool, logits_all: bool = False) -> tuple[ForwardContext, torch.Tensor]:
+    def step(self, new: dict[int, int], is_decode: bool,
+             logits_all: bool = False) -> tuple[ForwardContext, torch.Tensor]:
         """new: seq id → number of new tokens (in this order). Returns (ctx, positions [T])."""
         slots, positions, seqlens, indptr, logits_idx = [], [], [], [0], []
         for sid, n in new.items():

@@ -67,7 +67,8 @@ def test_nvfp4_modelopt_checkpoint(ckpt, tmp_path):
     weights, i.e. it matches the bf16 checkpoint whose quantized tensors are replaced by their
     dequantized values."""
     _, root = ckpt
-    dequant = write_modelopt_checkpoint(root / "single", tmp_path / "fp4", quantize_dense=("layers.1.self_attn.o_proj",))
+    dequant = write_modelopt_checkpoint(root / "single", tmp_path / "fp4",
+                                        quantize_dense=("layers.1.self_attn.o_proj",))
     model, _, cfg = load_model(tmp_path / "fp4", "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
     assert cfg.quant is not None and cfg.quant.algo == "NVFP4" and cfg.quant.exclude_modules == ("lm_head",)
     w = model.model.layers[1].mlp.moe.weights
@@ -156,7 +157,8 @@ def test_wrong_shape_names_tensor_expected_and_got(ckpt, tmp_path):
     # a config that disagrees with the weights (more heads) is caught the same way
     d2 = _copy(root / "single", tmp_path / "heads", config_edit=lambda c: c.update(num_attention_heads=8,
                                                                                   num_key_value_heads=8))
-    with pytest.raises(CheckpointError, match=r"self_attn\.\w+\.weight' in .* has shape \[\d+, \d+\] but the config expects"):
+    with pytest.raises(CheckpointError,
+                       match=r"self_attn\.\w+\.weight' in .* has shape \[\d+, \d+\] but the config expects"):
         load_model(d2, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
 
 
@@ -165,7 +167,8 @@ def test_missing_and_unexpected_tensors(ckpt, tmp_path):
     d = _copy(root / "single", tmp_path / "missing", edit=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.0\.mlp\.up_proj\.weight"):
         load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
-    d = _copy(root / "single", tmp_path / "expert", edit=lambda t: t.pop("model.layers.2.mlp.experts.7.gate_proj.weight"))
+    d = _copy(root / "single", tmp_path / "expert",
+              edit=lambda t: t.pop("model.layers.2.mlp.experts.7.gate_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing.*experts\.7\.gate_proj\.weight"):
         load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
     d = _copy(root / "single", tmp_path / "extra",

@@ -53,8 +53,10 @@ def test_config_matches_transformers_scaling():
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    for rs in ({"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-               {"type": "yarn", "factor": 8, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 512},
+    for rs in ({"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096},
+               {"type": "yarn", "factor": 8, "mscale": 0.707, "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 512},
                {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}, None):
         d = dict(DEEPSEEK_V3, num_hidden_layers=1, rope_scaling=rs)
         if rs is None:
