@@ -5,7 +5,9 @@ Both layouts; activations bf16 (fp16/fp32), fp8 (+ per-128 scales) or nvfp4 (deq
 Weights: the NVFP4 tensors as stored (uint8 bytes, e4m3 scales viewed as bytes), no repack.
 
 Config (0 = chosen from the expected tokens per expert): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-num_warps, num_stages for both GEMMs; SPLIT_K for the down GEMM (atomic fp32 accumulation).
+num_warps, num_stages for both GEMMs; SPLIT_K for the down GEMM (atomic fp32 accumulation);
+SPLIT_NIBBLES=1 permutes K (even elements, then odd) so that the unpacked nibbles feed two dots
+directly instead of being interleaved.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import torch
 from pdlab.kernels import registry
 from pdlab.moe.layouts import Masked
 
-_DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1}
+_DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
+            "SPLIT_NIBBLES": 0}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
-          "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4]}
+          "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
+          "SPLIT_NIBBLES": [0, 1]}
 
 
 def _probe() -> str | None:
@@ -87,8 +91,7 @@ def run_triton(layout, weights, *, config):
     out = (torch.zeros if split else torch.empty)(lead + (H,), dtype=torch.float32 if split else out_dtype,
                                                   device=x.device)
     moe_nvfp4_gemm(h, A_FLOAT, None, None, w["w2"], w["w2_sf"], w["w2_s2"], out, counts, offsets, masked=masked,
-                   n=H, k=I, fuse_silu=False, mma_dtype=inter if inter != torch.float32 or interpret else mma,
-                   cfg=cfg)
+                   n=H, k=I, fuse_silu=False, mma_dtype=torch.float32 if interpret else inter, cfg=cfg)
     return out.to(out_dtype) if split else out
 
 

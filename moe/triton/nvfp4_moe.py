@@ -46,6 +46,29 @@ def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
+def _dequant_nvfp4_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr):
+    """b uint8 [R, C/2], sf uint8 [R, C/16] → (even, odd) OUT [R, C/2] each = value·2^-14, no interleave."""
+    x = b.to(tl.int32)
+    lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    s = _e4m3_to_f32(sf).to(tl.float16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
+    return (lo * s).to(OUT), (hi * s).to(OUT)
+
+
+@triton.jit
+def _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, kk, A_KIND: tl.constexpr, MMA: tl.constexpr):
+    """Activations at columns kk ([BLOCK_K/2] even or odd indices) → MMA [BLOCK_M, BLOCK_K/2]."""
+    if A_KIND == 0:
+        a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0.0).to(MMA)
+    else:
+        ab = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0)
+        asf = tl.load(sf_rows + (kk // 128)[None, :], mask=m_mask[:, None], other=0.0)
+        a = (_e4m3_to_f32(ab) * asf).to(MMA)
+    return a
+
+
+@triton.jit
 def _moe_nvfp4_gemm(
     a_ptr, a_sf_ptr, a_gs_ptr, w_ptr, w_sf_ptr, w_s2_ptr, out_ptr, cnt_ptr, off_ptr,
     N, K, up_offset, M_MAX, num_m_tiles, num_n_tiles,
@@ -55,7 +78,7 @@ def _moe_nvfp4_gemm(
     E: tl.constexpr, E_POW2: tl.constexpr, A_KIND: tl.constexpr, A_GS_PER_EXPERT: tl.constexpr,
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -103,28 +126,53 @@ def _moe_nvfp4_gemm(
         for k in range(k_begin, k_begin + k_len, BLOCK_K):
             kh = k // 2 + tl.arange(0, BLOCK_K // 2)
             ks = k // 16 + tl.arange(0, BLOCK_K // 16)
-            # activations [BLOCK_M, BLOCK_K]
-            if A_KIND == 0:
-                a = tl.load(a_rows + (k + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0).to(MMA)
-            elif A_KIND == 1:
-                kk = k + tl.arange(0, BLOCK_K)
-                ab = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0)
-                asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + (kk // 128)[None, :],
-                              mask=m_mask[:, None], other=0.0)
-                a = (_e4m3_to_f32(ab) * asf).to(MMA)
+            if SPLIT_NIBBLES:
+                # K permuted: even columns (low nibbles) then odd ones, two dots, no interleave
+                if A_KIND == 2:
+                    ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
+                    asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
+                                  mask=m_mask[:, None], other=0)
+                    a_even, a_odd = _dequant_nvfp4_split(ab, asf, BLOCK_M, BLOCK_K, MMA)
+                else:
+                    sf_rows = a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m
+                    a_even = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh, A_KIND, MMA)
+                    a_odd = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh + 1, A_KIND, MMA)
+                at_even = tl.trans(a_even)
+                at_odd = tl.trans(a_odd)
+                wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
+                wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                w_even, w_odd = _dequant_nvfp4_split(wb, wsf, BLOCK_N, BLOCK_K, MMA)
+                acc = tl.dot(w_even, at_even, acc)
+                acc = tl.dot(w_odd, at_odd, acc)
+                if FUSE_SILU:
+                    wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
+                    wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                    wu_even, wu_odd = _dequant_nvfp4_split(wub, wusf, BLOCK_N, BLOCK_K, MMA)
+                    acc_u = tl.dot(wu_even, at_even, acc_u)
+                    acc_u = tl.dot(wu_odd, at_odd, acc_u)
             else:
-                ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
-                asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
-                              mask=m_mask[:, None], other=0)
-                a = _dequant_nvfp4(ab, asf, BLOCK_M, BLOCK_K, MMA)
-            at = tl.trans(a)
-            wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
-            wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-            acc = tl.dot(_dequant_nvfp4(wb, wsf, BLOCK_N, BLOCK_K, MMA), at, acc)
-            if FUSE_SILU:
-                wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
-                wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA), at, acc_u)
+                # activations [BLOCK_M, BLOCK_K]
+                if A_KIND == 0:
+                    a = tl.load(a_rows + (k + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0).to(MMA)
+                elif A_KIND == 1:
+                    kk = k + tl.arange(0, BLOCK_K)
+                    ab = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0)
+                    asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + (kk // 128)[None, :],
+                                  mask=m_mask[:, None], other=0.0)
+                    a = (_e4m3_to_f32(ab) * asf).to(MMA)
+                else:
+                    ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
+                    asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
+                                  mask=m_mask[:, None], other=0)
+                    a = _dequant_nvfp4(ab, asf, BLOCK_M, BLOCK_K, MMA)
+                at = tl.trans(a)
+                wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
+                wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                acc = tl.dot(_dequant_nvfp4(wb, wsf, BLOCK_N, BLOCK_K, MMA), at, acc)
+                if FUSE_SILU:
+                    wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
+                    wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                    acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA), at, acc_u)
 
         alpha = tl.load(w_s2_ptr + e) * 16384.0
         if A_KIND == 2:
@@ -192,6 +240,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         A_GS_PER_EXPERT=a_gs is not None and a_gs.numel() > 1,
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
+        SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

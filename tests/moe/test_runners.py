@@ -70,12 +70,14 @@ def _as(kind, layout, fill=float("nan")):
 TRITON_TOL = 1e-5 if not CUDA else 2e-4
 
 
+@pytest.mark.parametrize("split", [0, 1])
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
 @pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
-def test_triton_matches_reference(kind, payload):
+def test_triton_matches_reference(kind, payload, split):
     H = 128 if payload == "fp8" else 64
     layout, weights = _problem(4, H, 32, 9, 2, payload, x_dtype=torch.float32 if not CUDA else torch.bfloat16)
-    _check(_as(kind, layout), weights, "triton", TRITON_TOL if payload == "bf16" else 1e-4)
+    _check(_as(kind, layout), weights, "triton", TRITON_TOL if payload == "bf16" else 1e-4,
+           config={"SPLIT_NIBBLES": split})
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
@@ -244,6 +246,13 @@ def test_gpu_triton_bf16_numerics(kind, payload, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("payload", ["fp8", "nvfp4"])
+def test_gpu_triton_split_nibbles_quantized_payloads(payload):
+    layout, weights = _problem(8, 512, 256, 40, 4, payload, x_dtype=torch.bfloat16)
+    _check(_as("masked", layout), weights, "triton", 2e-4, config={"SPLIT_NIBBLES": 1})
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=512, num_warps=8, num_stages=3),
@@ -251,6 +260,8 @@ def test_gpu_triton_bf16_numerics(kind, payload, tokens):
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=16),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_NIBBLES=1),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_NIBBLES=1),
 ], ids=lambda c: "-".join(f"{k[0]}{k[-1]}{v}" for k, v in c.items()))
 def test_gpu_triton_configs(cfg):
     layout, weights = _problem(8, 512, 256, 200, 4, "bf16", x_dtype=torch.bfloat16)
