@@ -47,7 +47,9 @@ class LoadOptions:
     attn_backend / attn_config: for every mla_prefill / mla_decode call (None = registry choice).
     moe_runner / dispatcher: passed to each MoELayer. moe_decode_mode: the dispatch mode of decode
         steps ("normal" or "low_latency"); prefill/extend steps use "normal".
-    quantize_experts: quantize bf16 experts to NVFP4 at load (ExpertWeights.from_bf16(quantize=True))."""
+    quantize_experts: quantize bf16 experts to NVFP4 at load (ExpertWeights.from_bf16(quantize=True)).
+    ep_size / ep_rank / ep_group: expert parallelism of the MoE layers; explicit so that a process
+        group initialised for something else (KV transfer) is never mistaken for an EP group."""
 
     attn_backend: str | None = None
     attn_config: dict | None = None
@@ -55,6 +57,9 @@ class LoadOptions:
     dispatcher: str = "local"
     moe_decode_mode: str = "normal"
     quantize_experts: bool = False
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: object = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +326,8 @@ class _Loader:
         for layer, block in enumerate(self.model.model.layers):
             if isinstance(block.mlp, MoEBlock):
                 block.mlp.set_experts(self._experts(layer, experts.get(layer, {})), runner=self.opt.moe_runner,
-                                      dispatcher=self.opt.dispatcher, decode_mode=self.opt.moe_decode_mode)
+                                      dispatcher=self.opt.dispatcher, decode_mode=self.opt.moe_decode_mode,
+                                      ep_size=self.opt.ep_size, ep_rank=self.opt.ep_rank, group=self.opt.ep_group)
                 seen.update(n for n in self.expected if n.startswith(f"model.layers.{layer}.mlp.experts."))
         missing = [n for n in self.expected if n not in seen]
         if missing:
