@@ -36,7 +36,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              H, num_splits,
              Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
              BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
-             PREC: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+             PREC: tl.constexpr, FP8_FP16: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
     hb = tl.program_id(0)
     pid1 = tl.program_id(1)
     b = tl.program_id(2)
@@ -75,6 +75,9 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
     q_nope = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(Q + q_off[:, None] + D_NOPE + dp[None, :], mask=row_ok[:, None], other=0.0)
+    if FP8_FP16:  # fp8 pools: compute in fp16 (e4m3 -> fp16 is one conversion)
+        q_nope = q_nope.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -254,6 +257,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         out3.stride(0), out3.stride(1), *lse_strides, *sp, H, splits,
         Q_PER_SEQ=q_per_seq, PAGE=kv_cache.shape[1], BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_N=int(config["BLOCK_N"]), FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
+        FP8_FP16=fp8 and config.get("fp8_compute", "bf16") == "fp16" and q3.dtype != torch.float32,
         D_NOPE=512, D_PE=64, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
     if not final:
         sq = max(q_per_seq, 1)
