@@ -175,6 +175,8 @@ class MoELayer:
 
     def dispatch(self, tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  mode: str | None = None) -> tuple[Layout, DispatchHandle]:
+        """tokens (from `quantize`, [T, ..]) + topk_ids [T, k] int32 + topk_weights [T, k] fp32 →
+        (Contiguous [N, K(/2)] in normal mode | Masked [E_local, M_max, K(/2)] in low-latency, handle)."""
         mode = mode or self.mode
         return self.dispatchers[mode].dispatch(tokens, topk_ids, topk_weights, self.payload, mode=mode)
 
@@ -195,6 +197,8 @@ class MoELayer:
         return run_experts(layout, self.weights, runner=self.runners[mode], config=self.runner_config or None)
 
     def combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
+        """The experts' output (same layout as dispatched, bf16 hidden) → [T, H] weighted sum per token
+        (fp32 accumulation, x's dtype)."""
         return self.dispatchers[handle.mode].combine(y, handle)
 
     # --- forward ------------------------------------------------------------------------------

@@ -77,24 +77,31 @@ class NcclDispatcher(BaseDispatcher):
         row_bytes += pad
         num_chunks = max(1, min(int(self.config["num_chunks"]), max(T, 1)))
         bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
+        packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [T, row_bytes] uint8
         chunks, received, sent_rows, back_rows = [], [], 0, 0
         back_index = torch.full((T, R), -1, dtype=torch.long, device=dev)
         sent_before = 0
         for t0, t1 in zip(bounds[:-1], bounds[1:]):
-            pairs = in_rank[t0:t1].t().nonzero()  # (rank, token) sorted rank-major
-            send_token = pairs[:, 1] + t0
-            back_index[send_token, pairs[:, 0]] = torch.arange(sent_before, sent_before + pairs.shape[0], device=dev)
-            sent_before += pairs.shape[0]
-            send_counts = in_rank[t0:t1].sum(0)
+            m = in_rank[t0:t1]
+            send_counts = m.sum(0)
             recv_counts = torch.empty_like(send_counts)
             self._dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-            splits = torch.stack([send_counts, recv_counts]).cpu().tolist()
-            rows = torch.cat([p.index_select(0, send_token) for p in parts], dim=1)
+            splits = torch.stack([send_counts, recv_counts]).cpu().tolist()  # the one host sync per chunk
+            n_send = sum(splits[0])
+            # rank-major send order: (token t, rank r) goes to row start[r] + #(earlier tokens bound for r)
+            start = torch.cumsum(send_counts, 0) - send_counts
+            row = torch.where(m, torch.cumsum(m, 0) - 1 + start, n_send)  # n_send = a dummy slot
+            send_token = torch.empty(n_send + 1, dtype=torch.long, device=dev)
+            send_token[row.flatten()] = torch.arange(t0, t1, device=dev)[:, None].expand(t1 - t0, R).flatten()
+            send_token = send_token[:n_send]
+            back_index[t0:t1] = torch.where(m, row + sent_before, -1)
+            sent_before += n_send
+            rows = packed.index_select(0, send_token)
             recv = torch.empty((sum(splits[1]), row_bytes), dtype=torch.uint8, device=dev)
             self._dist.all_to_all_single(recv, rows, splits[1], splits[0], group=self.group)
             chunks.append(_Chunk(send_token, splits[0], splits[1]))
             received.append(recv)
-            sent_rows += sum(splits[0]) - splits[0][self.rank]
+            sent_rows += n_send - splits[0][self.rank]
             back_rows += sum(splits[1]) - splits[1][self.rank]
         recv = received[0] if len(received) == 1 else torch.cat(received)
         recv_tokens, recv_ids, recv_w = self._unpack(recv, tokens, k)
