@@ -157,7 +157,7 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
     from pdlab.bench import report
     from pdlab.kernels import tuned
     from pdlab.kernels.arch import device_facts
-    from pdlab.tuning.search import tune_op
+    from pdlab.tuning.search import DeviceBroken, tune_op
 
     device = _device(args, arch)
     facts = device_facts(device)
@@ -176,6 +176,9 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
         try:
             rep = tune_op(target, buckets, model, settings, device=device, store_root=store_root, metadata=meta,
                           plot_dir=out_dir / "plots", lockstep=lockstep)
+        except DeviceBroken as exc:
+            print(f"{prog}: {target.op}: {exc}", file=sys.stderr)
+            return 3
         except (RuntimeError, ValueError) as exc:
             print(f"{prog}: {target.op}: {exc}", file=sys.stderr)
             status = 1

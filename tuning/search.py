@@ -245,6 +245,8 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
             study.enqueue_trial(enc, skip_if_exists=True)
     grid = isinstance(sampler, optuna.samplers.GridSampler)
     seen: dict[str, float] = {_key(t.params): t.value for t in study.trials if t.state == TrialState.COMPLETE}
+    failed_before = {_key(t.params): t.user_attrs.get(FAIL_REASON, "") for t in study.trials
+                     if t.state == TrialState.FAIL and t.params}
     limit = min(settings.max_trials, space_size(space)) if grid or not space else settings.max_trials
     tol = target.tolerance(bucket)
     first = True  # a started study runs at least one trial, even past its deadline
@@ -261,10 +263,20 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
             trial.set_user_attr("repeat_of_config", True)
             study.tell(trial, seen[k])
             continue
-        time_ms, reason = measure(target, backend.name, cfg, inputs, ref, tol, settings, device, lockstep)
+        if k in failed_before:  # never rerun a config that failed (it may have broken the context)
+            trial.set_user_attr(FAIL_REASON, f"repeat of a failed config: {failed_before[k]}"[:400])
+            study.tell(trial, state=TrialState.FAIL)
+            continue
+        try:
+            time_ms, reason = measure(target, backend.name, cfg, inputs, ref, tol, settings, device, lockstep)
+        except DeviceBroken as exc:
+            trial.set_user_attr(FAIL_REASON, str(exc))
+            study.tell(trial, state=TrialState.FAIL)
+            raise
         if time_ms is None:
             trial.set_user_attr(FAIL_REASON, reason)
             study.tell(trial, state=TrialState.FAIL)
+            failed_before[k] = reason
         else:
             seen[k] = time_ms
             study.tell(trial, time_ms)
@@ -305,6 +317,22 @@ def measure(target: TuneTarget, backend: str, cfg: dict, inputs: Any, ref: Any, 
     return _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
 
 
+class DeviceBroken(RuntimeError):
+    """A config left the CUDA context unusable (illegal address, launch failure, device assert): the
+    process must end; rerunning the same command resumes with that trial recorded as failed."""
+
+
+_BROKEN = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address",
+           "illegal instruction", "an illegal", "uncorrectable ecc")
+
+
+def _check_broken(exc: BaseException, device: torch.device, backend: str, cfg: dict) -> None:
+    text = str(exc).lower()
+    if device.type == "cuda" and any(k in text for k in _BROKEN):
+        raise DeviceBroken(f"{backend} config {cfg} broke the CUDA context ({_describe(exc)}); rerun the same "
+                           "command to resume (this trial is recorded as failed)") from exc
+
+
 def _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep) -> tuple[float | None, str]:
     reason = ""
     try:
@@ -313,6 +341,7 @@ def _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
         err = float(target.error(out, ref))
         del out
     except Exception as exc:  # compile errors, out of resources, shape rejections, OOM
+        _check_broken(exc, device, backend, cfg)
         _free(device)
         err, reason = math.inf, _describe(exc)
     if not math.isfinite(err):
@@ -333,6 +362,7 @@ def _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
                            cuda_graph=use_graph)
             return timing.median_ms, ""
         except Exception as exc:  # not capturable (host sync in the backend): time it eagerly instead
+            _check_broken(exc, device, backend, cfg)
             _free(device)
             reason = _describe(exc)
     return None, reason

@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", default=None, help="only this op (e.g. mla_decode)")
     parser.add_argument("--device", default=None, help="device whose files to show (default: this machine's)")
     parser.add_argument("--all-devices", action="store_true", help="also list files of other devices")
+    parser.add_argument("--geomean", action="store_true", help="one line per file: buckets and the geometric-mean "
+                        "speedup of the stored configs over the backend defaults")
 
 
 def file_status(path, device_name: str) -> str:
@@ -59,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"[red]{path}: {status}[/red]")
                     continue
                 meta = data["metadata"]
+                if args.geomean:
+                    console.print(geomean_line(path, data, status), soft_wrap=True, highlight=False, markup=False)
+                    continue
                 table = Table(title=f"{path} — {status}\n{meta.get('date', '?')}, model {meta.get('model', '?')}, "
                               f"{meta.get('command', '')}", title_justify="left")
                 for col in ("bucket", "backend", "config", "tuned ms", "default ms", "speedup"):
@@ -78,9 +83,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def geomean_line(path, data: dict, status: str) -> str:
+    """`<file>: N buckets, geometric-mean speedup X (min a, max b) [status]` over the winners."""
+    import math
+
+    xs = [e["speedup"] for e in data["entries"].values() if e.get("speedup")]
+    if not xs:
+        return f"{path}: no timed entries [{status}]"
+    g = math.exp(sum(math.log(x) for x in xs) / len(xs))
+    return (f"{path}: {len(xs)} buckets, geometric-mean speedup over default {g:.3f}x "
+            f"(min {min(xs):.3f}x, max {max(xs):.3f}x) [{status}]")
+
+
 def _f(v, suffix: str = "") -> str:
     return "-" if v is None else f"{v:.4g}{suffix}"
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(argparse.Namespace(op=None, device=None, all_devices=True)))
+    sys.exit(run(argparse.Namespace(op=None, device=None, all_devices=True, geomean=False)))

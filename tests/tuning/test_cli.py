@@ -96,3 +96,7 @@ def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     assert main(["show", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "toy_matmul.json" in out and "used" in out and "blocked*" in out
+    assert main(["show", "--device", "cpu", "--geomean"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if "toy_matmul.json" in x][0]
+    speedup = data["entries"]["dtype=fp32,k=64,m=16"]["speedup"]
+    assert f"1 buckets, geometric-mean speedup over default {speedup:.3f}x" in line and "[used]" in line

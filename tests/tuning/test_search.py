@@ -180,3 +180,15 @@ def test_op_asking_other_bucket_keys_is_reported(toy, isolated, monkeypatch):
     rep = toy.run(None, str(isolated / "configs"), 8)
     assert len(rep.notes) == 1
     assert "looks up buckets with keys ['k', 'm']" in rep.notes[0] and "'dtype'" in rep.notes[0]
+
+
+def test_broken_cuda_context_stops_the_run():
+    import pytest
+
+    from pdlab.tuning.search import DeviceBroken, _check_broken
+
+    err = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(DeviceBroken, match="rerun the same command to resume"):
+        _check_broken(err, torch.device("cuda", 0), "triton", {"BLOCK_N": 64})
+    _check_broken(err, torch.device("cpu"), "triton", {})  # only a CUDA context can break
+    _check_broken(RuntimeError("triton.CompilationError: out of resources"), torch.device("cuda", 0), "triton", {})
