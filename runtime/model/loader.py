@@ -34,6 +34,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale")
 
 
 EXPERT_CHUNK = 8
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
 class CheckpointError(ValueError):
@@ -361,6 +362,9 @@ class _Loader:
             w = dequantize_nvfp4(t, self.src.get(scale_name), 1.0 / scale_2, dtype=torch.float32)
             return w, True
         self._check(name, t.shape, want)
+        if t.dtype in _FP8_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {self.src.where(name)} is {t.dtype}: FP8 weights are not "
+                                  "supported (load a bf16 checkpoint, or a modelopt NVFP4 one)")
         if not t.is_floating_point():
             raise CheckpointError(f"tensor {name!r} in {self.src.where(name)} is {t.dtype}, expected a float "
                                   "tensor (a quantized weight without its weight_scale?)")
@@ -411,6 +415,9 @@ class _Loader:
                 name = found[(e, proj)]["weight"]
                 t = self.src.get(name)
                 self._check(name, t.shape, self.expected[name])
+                if t.dtype in _FP8_DTYPES or not t.is_floating_point():
+                    raise CheckpointError(f"expert tensor {name!r} in {self.src.where(name)} is {t.dtype}: experts "
+                                          "load from bf16/fp32 or modelopt NVFP4 (uint8 + scales) tensors")
                 dst.copy_(t.to(device=self.device, dtype=self.dtype))
         return w13, w2
 

@@ -162,6 +162,15 @@ def test_wrong_shape_names_tensor_expected_and_got(ckpt, tmp_path):
         load_model(d2, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
 
 
+def test_fp8_weights_are_refused(ckpt, tmp_path):
+    _, root = ckpt
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.2.down_proj.weight"):
+        d = _copy(root / "single", tmp_path / name.split(".")[4],
+                  edit=lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
+        with pytest.raises(CheckpointError, match=rf"{name}.*float8_e4m3fn"):
+            load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+
+
 def test_missing_and_unexpected_tensors(ckpt, tmp_path):
     _, root = ckpt
     d = _copy(root / "single", tmp_path / "missing", edit=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
