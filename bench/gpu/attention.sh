@@ -3,7 +3,8 @@
 # the goal shapes (B=128, seqlen 8192, page 64, S_q=1), then `bench attention` at the goal shapes
 # (seqlen 1024..16384, 16/128 heads, bf16/fp8) with the default config AND the sweep's best config,
 # then a prefill picture. Every step has its own timeout; benches save partial CSVs as they go.
-# Results go to $OUT (default /tmp/pdlab_attention). Run from the repository root.
+# Results go to $OUT (default /tmp/pdlab_attention) as one archive attention_results.tgz (the device
+# machine returns only a handful of files). Run from the repository root.
 set -u
 OUT=${OUT:-/tmp/pdlab_attention}
 mkdir -p "$OUT"
@@ -24,6 +25,7 @@ for cfg in '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":2,"num_warps":4}' \
            '{"BLOCK_H":16,"BLOCK_N":64,"num_stages":2,"num_warps":4}' \
            '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4}' \
            '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"num_splits":8}' \
+           '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"num_splits":8,"fp8_compute":"fp16"}' \
            '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"waves":4}'; do C16+=(--config "$cfg"); done
 timeout 45 "${BENCH[@]}" "${B[@]}" --backend triton --seqlen 8192 --heads 16 --kv-dtype bf16,fp8 --repeats 10 \
   --max-seconds 0.5 --no-reference --name sweep_h16 "${C16[@]}" > "$OUT/sweep_h16.txt" 2>&1
@@ -59,4 +61,6 @@ done
 timeout 20 "${BENCH[@]}" --op prefill --backend triton,flashinfer,torch --batch 2 --seqlen 4096 --heads 16,128 \
   --kv-dtype bf16 --page-size 64 --repeats 5 --max-seconds 0.5 --name mla_prefill > "$OUT/prefill.txt" 2>&1
 tail -8 "$OUT/prefill.txt"
+# the device returns only a few files: pack everything into one archive
+tar czf /tmp/attention_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/attention_results.tgz "$OUT/"
 ls "$OUT"
