@@ -196,6 +196,22 @@ def test_tiny_kv_paths_agree(tiny):
     torch.testing.assert_close(both[0], alone[0], rtol=1e-4, atol=1e-4)
 
 
+def test_tiny_multi_token_decode(tiny):
+    """Decode steps adding q_len = 2 tokens per sequence (speculative decoding's shape) give the same
+    logits as prefilling those tokens."""
+    model, tok, cfg = tiny
+    a = tok.encode("The router scores every expert and keeps the best groups.")
+    b = tok.encode("Once upon a time there was a robot.")
+    ref_a = _prefill(model, cfg, {0: a}, PagedKV(cfg.num_hidden_layers, 8, torch.float32), logits_all=True)
+    ref_b = _prefill(model, cfg, {0: b}, PagedKV(cfg.num_hidden_layers, 8, torch.float32), logits_all=True)
+    kv = PagedKV(cfg.num_hidden_layers, 16, torch.float32, seed=3)
+    _prefill(model, cfg, {0: a[:-2], 1: b[:-2]}, kv)
+    ctx, pos = kv.step({0: 2, 1: 2}, is_decode=True, logits_all=True)
+    ctx.q_len = 2
+    got = model(torch.tensor(a[-2:] + b[-2:]), pos, ctx)
+    torch.testing.assert_close(got, torch.cat([ref_a[-2:], ref_b[-2:]]), rtol=1e-4, atol=1e-4)
+
+
 def test_tiny_fp8_kv(tiny, monkeypatch):
     """An fp8 pool (uint8 e4m3 bytes + kv_scale): the model writes and reads the latent through it.
     The result equals a float pool fed with the e4m3 round trip of each latent row (so the model
