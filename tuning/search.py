@@ -151,7 +151,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     skipped = [({}, b.name, b.unavailable_reason(arch) or "") for b in backends if b not in usable]
     if not usable:
         raise RuntimeError(f"no backend of {target.op} can run on this {arch} device: "
-                           + "; ".join(f"{b}: {r}" for _, b, r in skipped) or "none registered")
+                           + ("; ".join(f"{b}: {r}" for _, b, r in skipped) or "none registered"))
     ref_backend = target.reference_backend() if target.reference_output is None else None
     t_start = time.perf_counter()
     deadline = t_start + settings.budget_s if settings.budget_s else math.inf
@@ -163,6 +163,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     total = sum(len(bs) for _, bs in plan)
     winners: dict[str, list[dict]] = {}
     notes: list[str] = []
+    checked = False
     with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
         for i, (bucket, bs) in enumerate(plan):
             now = time.perf_counter()
@@ -203,7 +204,8 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 store_file = store.write_results(store_root, key, target.op, metadata,
                                                  store.merge_bucket(bucket, per_backend))
                 tunable = [b for b in per_backend if any(x.name == b and x.config_space for x in bs)]
-                if lockstep is None and tunable and not notes:  # once per op: does the op read the store?
+                if lockstep is None and tunable and not checked:  # once per op: does the op read the store?
+                    checked = True
                     notes += _check_lookup(target, tunable[0], bucket, inputs, device)
             del inputs, ref
             _free(device)
