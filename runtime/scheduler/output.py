@@ -34,8 +34,9 @@ class TextCodec:
         if hasattr(self.tok, "encode_chat"):
             try:
                 return list(self.tok.encode_chat(messages, add_generation_prompt=True))
-            except ValueError:  # no chat template
-                pass
+            except ValueError as exc:
+                if "no chat_template" not in str(exc):
+                    raise  # the template rejected these messages: the caller's error
         apply = getattr(self.tok, "apply_chat_template", None)
         if apply is not None:
             try:

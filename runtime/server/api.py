@@ -317,7 +317,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
         msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
                 for m in body.messages]
-        ids = codec.chat_prompt(msgs)
+        try:
+            ids = codec.chat_prompt(msgs)
+        except Exception as exc:  # template errors (unknown role, ...) are the request's fault
+            raise ApiError(400, f"cannot apply the chat template to these messages: {exc}", "messages") from None
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         nlp = (body.top_logprobs or 0) if body.logprobs else None

@@ -197,3 +197,41 @@ def test_kept_alive_connections_are_not_delayed(client):
         assert client.get("/health").status_code == 200
         times.append(time.perf_counter() - t0)
     assert sorted(times)[7] < 0.03, times
+
+
+def test_embedded_default_model_over_http():
+    """`runtime serve`'s default: the embedded tiny model and its tokenizer + chat template."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=64, max_total_tokens=4096,
+                              max_context_len=1024))
+    srv.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as c:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "x"}]})
+            assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+            a = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 6, "temperature": 0}).json()
+            b = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 6, "temperature": 0, "stream": True})
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in b.text.splitlines()
+                           if line.startswith("data: {"))
+            assert text == a["choices"][0]["text"]
+    finally:
+        srv.stop()
+        torch.set_num_threads(n)
+
+
+def test_queue_limit_gives_503():
+    srv = _server(SlowToy, max_queue=1)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            body = {"prompt": "hold the slot", "max_tokens": 100, "stream": True, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()  # keep the iterator: dropping it closes the stream (a disconnect)
+                next(lines)
+                busy = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_busy"
+    finally:
+        srv.stop()
