@@ -7,7 +7,7 @@
 #
 # TOTAL_BUDGET (seconds of tuning, default 180, so that install + weight building + tuning fit a
 # 5-minute call) is split 45 % attention / 55 % experts; a run may overrun it by one trial and the
-# re-measurement per study. RUN_TESTS=1 also runs tests/tuning first. Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json
+# re-measurement per study. ATT_BATCH / MOE_TPE pick the buckets; RUN_TESTS=1 also runs tests/tuning. Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json
 # (copy them into tuning/configs/), tuning.db (the optuna studies; rerun with the same file to
 # resume), per-op summary CSV/JSON and PNG plots, summary.txt (geometric-mean speedup per op and the
 # time each op's tuning took), device/commit/date.
@@ -15,6 +15,8 @@ set -u
 OUT=${OUT:-/tmp/pdlab_tuning}
 TOTAL_BUDGET=${TOTAL_BUDGET:-180}
 RUN_TESTS=${RUN_TESTS:-0}
+ATT_BATCH=${ATT_BATCH:-1,32,128}        # mla_decode batch buckets (seqlen 4096, heads 16/128, bf16/fp8)
+MOE_TPE=${MOE_TPE:-4,64,256,1024}       # tokens-per-expert buckets (EP1 and EP4, nvfp4, contiguous)
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PDLAB_CONFIG_DIR="$OUT/configs" PDLAB_CACHE_DIR="$OUT/cache" PDLAB_RESULTS_DIR="$OUT"
@@ -46,13 +48,13 @@ tune_resuming() {  # LOG BUDGET_S ARGS...
 }
 
 START=$(date +%s)
-# mla_decode: 3 batch buckets x {16, 128} heads x {bf16, fp8} at seqlen 4096 = 12 buckets
+# mla_decode: ATT_BATCH x {16, 128} heads x {bf16, fp8} at seqlen 4096 (12 buckets by default)
 tune_resuming "$OUT/attention.log" $ATT attention --op mla_decode --backends triton \
-  --only batch=1,32,128 --only seqlen=4096 --only heads=16,128 --only kv_dtype=bf16,fp8 --out "$OUT/attention"
+  --only batch=$ATT_BATCH --only seqlen=4096 --only heads=16,128 --only kv_dtype=bf16,fp8 --out "$OUT/attention"
 MID=$(date +%s)
-# Triton NVFP4 experts: EP1 (256 local experts) and EP4 (64), 4 tokens-per-expert buckets = 8 buckets
+# Triton NVFP4 experts: EP1 (256 local experts) and EP4 (64) x MOE_TPE (8 buckets by default)
 tune_resuming "$OUT/moe.log" $MOE moe --backends triton \
-  --only experts=256,64 --only tokens_per_expert=4,64,256,1024 --only layout=contiguous --only payload=nvfp4 \
+  --only experts=256,64 --only tokens_per_expert=$MOE_TPE --only layout=contiguous --only payload=nvfp4 \
   --out "$OUT/moe"
 END=$(date +%s)
 
