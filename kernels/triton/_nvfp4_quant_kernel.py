@@ -16,31 +16,36 @@ import triton.language as tl
 
 @triton.jit
 def _e4m3_rne(v):
-    """fp32 v in [0, 448] (no NaN) -> (value of e4m3(v) as fp32, its e4m3 byte as int32), RNE.
+    """fp32 v in [0, 448] (no NaN) -> (value of e4m3(v) as fp32, its e4m3 byte in the low 8 bits
+    of an int32), RNE.
 
-    One fp32 addition of C = 2^(e + 20) rounds v to a multiple of C's ulp 2^(e - 3), the e4m3
-    step at v's exponent e (e >= -6; below, the subnormal step 2^-9); the sum's low bits count the
-    steps q, and the byte is (e + 6) * 8 + q, continuous across binades and into the subnormals."""
+    One fp32 addition of C rounds v to a multiple of C's ulp 2^(e - 3), the e4m3 step at v's
+    exponent e (e >= -6; below, the subnormal step 2^-9): C = 2^(e + 20) plus (e + 6) * 8 ulps, so
+    the sum's low bits are (e + 6) * 8 + (steps of v), which is the e4m3 byte (continuous across
+    binades and into the subnormals), and s - C is the rounded value, exactly."""
     e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    c_bits = (e + 147) << 23
-    c = c_bits.to(tl.float32, bitcast=True)
+    c = (e * ((1 << 23) + 8) + ((147 << 23) + 48)).to(tl.float32, bitcast=True)
     s = v + c
-    q = s.to(tl.int32, bitcast=True) - c_bits
-    return s - c, (e + 6) * 8 + q
+    return s - c, s.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_magic(y):
+    """fp32 y -> fp32 bits whose low 3 bits are the E2M1 code of |y| (RNE, saturating at 6).
+
+    |y| is rounded by one fp32 addition of C, whose ulp is the E2M1 step of |y|'s range (0.5
+    below 2, 1 below 4, 2 up to 6): C = 2^(22 + j) plus 2j ulps for range j, so the sum's low bits
+    are 2j + (steps of |y|), which is the code."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    k = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)  # exponent field: 127, 128 or 129 (a <= 6)
+    s = a + (k * ((1 << 23) + 2) + ((22 << 23) - 254)).to(tl.float32, bitcast=True)
+    return s.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def _e2m1_rne(y):
-    """fp32 y (no NaN) -> E2M1 code (int32 in [0, 15]): RNE, saturating at 6, sign bit kept.
-
-    |y| is rounded by one fp32 addition of a power of two whose ulp is the E2M1 step of |y|'s
-    range (0.5 below 2, 1 below 4, 2 up to 6); the sum's low bits then count steps."""
-    a = tl.minimum(tl.abs(y), 6.0)
-    k = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)  # exponent field: 127, 128 or 129 (a <= 6)
-    c_bits = (k + 22) << 23  # 2^22, 2^23, 2^24
-    s = a + c_bits.to(tl.float32, bitcast=True)
-    code = s.to(tl.int32, bitcast=True) - c_bits + 2 * (k - 127)
-    return code | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+    """fp32 y (no NaN) -> E2M1 code (int32 in [0, 15]): RNE, saturating at 6, sign bit kept."""
+    return (_e2m1_magic(y) & 7).to(tl.int32) | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
@@ -65,29 +70,23 @@ def _block_amax(e, o):
 
 
 @triton.jit
-def _e2m1_steps(y):
-    """The unsigned part of `_e2m1_rne` without its constant: E2M1 code of |y| minus E2M1_K0,
-    as uint32 (wrapping); one instruction fewer per element than finishing each code."""
-    a = tl.minimum(tl.abs(y), 6.0)
-    k = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)
-    s = a + ((k + 22) << 23).to(tl.float32, bitcast=True)
-    return s.to(tl.uint32, bitcast=True) + (k * (2 - (1 << 23))).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _quant_pairs(even, odd, mult):
-    """Two E2M1 codes per byte, the even element in the low nibble: the constant of both codes is
-    added once (17 * E2M1_K0 mod 2^32), then the two sign bits are set."""
+def _quant_pairs(w, even, odd, mult, IN_KIND: tl.constexpr):
+    """Two E2M1 codes per byte, the even element in the low nibble. The sign bits are the input's
+    (mult >= 0): for 16-bit pairs one high multiply moves bits 15 and 31 of the word to 3 and 7."""
     ye = even * mult
     yo = odd * mult
-    byte = _e2m1_steps(ye) + (_e2m1_steps(yo) << 4) + 1157623586
-    byte = byte | ((ye.to(tl.uint32, bitcast=True) >> 28) & 8) | ((yo.to(tl.uint32, bitcast=True) >> 24) & 0x80)
-    return byte.to(tl.uint8)
+    byte = _e2m1_magic(ye) + (_e2m1_magic(yo) << 4)  # codes in the low 3 bits of each: lo + 16 * hi
+    if IN_KIND == 2:
+        signs = ((ye.to(tl.uint32, bitcast=True) >> 28) & 8) | ((yo.to(tl.uint32, bitcast=True) >> 24) & 0x80)
+    else:
+        signs = tl.umulhi(w.to(tl.uint32, bitcast=True) & 0x80008000, 0x00100100) & 0x88
+    return (byte | signs).to(tl.uint8)  # the high bits of the sums fall away here
 
 
 @triton.jit
-def e4m3_e2m1_probe_kernel(v_ptr, sf_val_ptr, sf_byte_ptr, code_ptr, N, BLOCK: tl.constexpr):
-    """Test hook: the kernel's own e4m3 and e2m1 roundings applied to N fp32 values."""
+def e4m3_e2m1_probe_kernel(v_ptr, sf_val_ptr, sf_byte_ptr, code_ptr, pair_ptr, N, BLOCK: tl.constexpr):
+    """Test hook: the kernel's own roundings applied to N fp32 values (N even): e4m3 of |v|, the
+    E2M1 code of v, and the packed byte of each (even, odd) pair as the quantize kernel packs it."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -95,6 +94,15 @@ def e4m3_e2m1_probe_kernel(v_ptr, sf_val_ptr, sf_byte_ptr, code_ptr, N, BLOCK: t
     tl.store(sf_val_ptr + offs, val, mask=mask)
     tl.store(sf_byte_ptr + offs, byte.to(tl.uint8), mask=mask)
     tl.store(code_ptr + offs, _e2m1_rne(v).to(tl.uint8), mask=mask)
+    half = tl.program_id(0) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    pmask = half < N // 2
+    even = tl.load(v_ptr + 2 * half, mask=pmask, other=0.0)
+    odd = tl.load(v_ptr + 2 * half + 1, mask=pmask, other=0.0)
+    w16 = (even.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
+        odd.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16)  # signs only (16-bit path)
+    one = tl.full((BLOCK // 2,), 1.0, tl.float32)
+    tl.store(pair_ptr + half, _quant_pairs(w16, even, odd, one, 0), mask=pmask)
+    tl.store(pair_ptr + N // 2 + half, _quant_pairs(w16, even, odd, one, 2), mask=pmask)
 
 
 @triton.jit
@@ -102,12 +110,14 @@ def nvfp4_quant_kernel(
     x_ptr, gs_ptr, mm_ptr, q_ptr, sf_ptr,
     M, K, stride_xw, sw_k_tiles,
     IN_KIND: tl.constexpr, GS_MODE: tl.constexpr, HAS_MASK: tl.constexpr, SWIZZLE: tl.constexpr,
+    OFFS_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """x: rows g*M + m of a [G*M, K] view, read as words of two elements (row stride stride_xw
     words; IN_KIND 0 bf16 / 1 fp16 in int32 words, 2 fp32 in int64 words). GS_MODE: 0 one global scale,
     1 one per group, 2 one per row. HAS_MASK: rows m >= masked_m[g] are not read (zero output).
-    SWIZZLE: scales go to the 128x4 layout [G, ceil(M/128), sw_k_tiles, 32, 4, 4]."""
+    SWIZZLE: scales go to the 128x4 layout [G, ceil(M/128), sw_k_tiles, 32, 4, 4]. OFFS_64: offsets
+    need 64 bits (inputs or outputs of 2^31 elements or more)."""
     NB: tl.constexpr = BLOCK_K // 16
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -127,12 +137,17 @@ def nvfp4_quant_kernel(
     else:
         gs = zero + tl.load(gs_ptr)
 
-    row = g.to(tl.int64) * M + m
+    if OFFS_64:
+        row = g.to(tl.int64) * M + m
+    else:
+        row = g * M + m
     # a block of 16 elements = 8 words of two elements; each half-block (4 words) is one vector load
     offs = row[:, None, None] * stride_xw + blk[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
     mask = live[:, None, None] & in_blk[None, :, None]
-    e_lo, o_lo = _unpack_pairs(tl.load(x_ptr + offs, mask=mask, other=0), IN_KIND)
-    e_hi, o_hi = _unpack_pairs(tl.load(x_ptr + offs + 4, mask=mask, other=0), IN_KIND)
+    w_lo = tl.load(x_ptr + offs, mask=mask, other=0)
+    w_hi = tl.load(x_ptr + offs + 4, mask=mask, other=0)
+    e_lo, o_lo = _unpack_pairs(w_lo, IN_KIND)
+    e_hi, o_hi = _unpack_pairs(w_hi, IN_KIND)
 
     amax = tl.maximum(_block_amax(e_lo, o_lo), _block_amax(e_hi, o_hi))  # [BLOCK_M, NB]
     v = tl.minimum(tl.math.div_rn(amax, zero + 6.0) * gs, 448.0)
@@ -142,15 +157,15 @@ def nvfp4_quant_kernel(
 
     q_offs = row[:, None, None] * (K // 2) + blk[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
     st_mask = in_rows[:, None, None] & in_blk[None, :, None]
-    tl.store(q_ptr + q_offs, _quant_pairs(e_lo, o_lo, mult), mask=st_mask)
-    tl.store(q_ptr + q_offs + 4, _quant_pairs(e_hi, o_hi, mult), mask=st_mask)
+    tl.store(q_ptr + q_offs, _quant_pairs(w_lo, e_lo, o_lo, mult, IN_KIND), mask=st_mask)
+    tl.store(q_ptr + q_offs + 4, _quant_pairs(w_hi, e_hi, o_hi, mult, IN_KIND), mask=st_mask)
 
     sf_mask = in_rows[:, None] & in_blk[None, :]
     if SWIZZLE:
         mm = m[:, None]
         kk = blk[None, :]
         m_tiles = (M + 127) // 128
-        sf_offs = (g.to(tl.int64) * (m_tiles * sw_k_tiles * 512) + (mm // 128) * (sw_k_tiles * 512)
+        sf_offs = (g.to(row.dtype) * (m_tiles * sw_k_tiles * 512) + (mm // 128) * (sw_k_tiles * 512)
                    + (kk // 4) * 512 + (mm % 32) * 16 + ((mm % 128) // 32) * 4 + (kk % 4))
     else:
         sf_offs = row[:, None] * (K // 16) + blk[None, :]

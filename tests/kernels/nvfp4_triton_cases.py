@@ -41,17 +41,25 @@ def rounding_values(device) -> torch.Tensor:
 
 
 def check_roundings(device) -> None:
-    """The kernel's own e4m3 and e2m1 roundings equal torch's fp8 cast and the reference encoder."""
+    """The kernel's own e4m3 and e2m1 roundings and its pair packing equal torch's fp8 cast and the
+    reference encoder."""
     import triton
 
     from pdlab.kernels.triton._nvfp4_quant_kernel import e4m3_e2m1_probe_kernel
 
     v = rounding_values(device)
+    g = torch.Generator().manual_seed(2)
+    v = torch.cat([v, v[torch.randperm(v.numel(), generator=g).to(device)]])  # every value next to others
     n = v.numel()
     val = torch.empty(n, dtype=torch.float32, device=device)
     byte = torch.empty(n, dtype=torch.uint8, device=device)
     code = torch.empty(n, dtype=torch.uint8, device=device)
-    e4m3_e2m1_probe_kernel[(triton.cdiv(n, 1024),)](v, val, byte, code, n, BLOCK=1024)
+    pairs = torch.empty(n, dtype=torch.uint8, device=device)
+    e4m3_e2m1_probe_kernel[(triton.cdiv(n, 1024),)](v, val, byte, code, pairs, n, BLOCK=1024)
+    want_pairs = nvfp4.pack_e2m1(nvfp4.e2m1_encode(v))
+    for path, got in (("16-bit words", pairs[: n // 2]), ("fp32 words", pairs[n // 2:])):
+        bad = (got != want_pairs).nonzero().flatten()
+        assert bad.numel() == 0, f"packed pair ({path}) differs at {v.view(-1, 2)[bad[:4]].tolist()}"
     ref = torch.clamp(v.abs(), max=448.0).to(torch.float8_e4m3fn)
     bad = (byte != ref.view(torch.uint8)).nonzero().flatten()
     assert bad.numel() == 0, f"e4m3 differs at {v[bad[:8]].tolist()}: {byte[bad[:8]].tolist()} vs {ref.view(torch.uint8)[bad[:8]].tolist()}"
