@@ -7,8 +7,8 @@
 #
 # TOTAL_BUDGET (seconds of tuning, default 180, so that install + weight building + tuning fit a
 # 5-minute call) is split 45 % attention / 55 % experts; a run may overrun it by one trial and the
-# re-measurement per study. ATT_BATCH / MOE_TPE pick the buckets; RUN_TESTS=1 also runs tests/tuning. Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json
-# (copy them into tuning/configs/), tuning.db (the optuna studies; rerun with the same file to
+# re-measurement per study. ATT_BATCH / MOE_TPE pick the buckets; RUN_TESTS=1 also runs tests/tuning.
+# Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json (copy them into tuning/configs/), tuning.db (the optuna studies; rerun with the same file to
 # resume), per-op summary CSV/JSON and PNG plots, summary.txt (geometric-mean speedup per op and the
 # time each op's tuning took), device/commit/date.
 set -u
