@@ -22,18 +22,19 @@ def _next_pow2(n: int) -> int:
 
 
 def default_config(rows: int, k: int) -> dict:
-    """The launch config used when none is given: 8 x 512 tiles (32 elements per thread), fewer
-    rows and warps for few-row (decode) inputs."""
-    block_m = min(8, _next_pow2(rows))
+    """The launch config used when none is given: 4 x 512 tiles on 2 warps (32 elements per thread;
+    the best of the sweep on H200, bench/results/NVIDIA_H200/quantize), fewer rows and warps for
+    few-row (decode) inputs."""
+    block_m = min(4, _next_pow2(rows))
     block_k = max(16, min(512, _next_pow2(k)))
-    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_warps": max(1, min(4, block_m * block_k // 1024))}
+    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_warps": max(1, min(2, block_m * block_k // 1024))}
 
 
 @register_backend(
     "nvfp4_quantize", "triton", archs=("cpu", "cuda"), packages=("triton",), probe=_probe, priority=50,
     config_space={"BLOCK_M": [1, 2, 4, 8, 16, 32], "BLOCK_K": [16, 32, 64, 128, 256, 512, 1024, 2048],
                   "num_warps": [1, 2, 4, 8]},
-    default_config={"BLOCK_M": 8, "BLOCK_K": 512, "num_warps": 4},
+    default_config={"BLOCK_M": 4, "BLOCK_K": 512, "num_warps": 2},
     options={"swizzle": True, "masked": True, "input_dtypes": ("bf16", "fp16", "fp32")},
 )
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch.Tensor | None = None, *,
