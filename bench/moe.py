@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatcher", default=None,
                    help="local | nccl | deepep (default: local for --ep 1, nccl otherwise)")
     p.add_argument("--tokens", default=None, help="tokens per rank (default 1,16,128,4096 on GPU; 1,16,64 on CPU)")
-    p.add_argument("--ll-tokens", default=None, help="tokens per rank in low-latency mode (default: --tokens)")
+    p.add_argument("--ll-tokens", default=None,
+                   help="tokens per rank in low-latency mode (default: the --tokens values up to 256)")
     p.add_argument("--mode", default="both", choices=["normal", "low_latency", "both"])
     p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 config.json")
     p.add_argument("--num-max-dispatch-tokens", type=int, default=None,
@@ -81,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
                 "times are CPU times, not GPU figures")
         print(note)
     tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
-    ll_tokens = _ints(args.ll_tokens) or tokens
+    # low-latency buffers hold few tokens per rank (DeepEP allows <= 1024, recommends < 256): by default
+    # the low-latency rows take the token counts up to 256
+    ll_tokens = _ints(args.ll_tokens) or [t for t in tokens if t <= 256] or tokens[:1]
     modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
     payloads = [p.strip() for p in args.dispatch.split(",") if p.strip()]
     runners = [r.strip() for r in args.runner.split(",") if r.strip()]

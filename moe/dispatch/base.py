@@ -164,7 +164,8 @@ def expand(recv: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         topk_ids: [M, k] int32|int64 global expert ids of each row; topk_weights: [M, k] fp32.
         expert_start / num_local_experts: this rank's experts are [expert_start, expert_start + E_l).
         mode: "normal" → Contiguous (one host sync: the row count); "low_latency" → Masked
-            [E_l, max_m, ..] without any host sync (rows past masked_m are left uninitialised).
+            [E_l, max_m, ..] without any host sync (rows past masked_m are left uninitialised), so the
+            local low-latency path can be captured in a CUDA graph.
     Returns: (layout, Expansion for `reduce_rows`)."""
     M, k = topk_ids.shape
     local = topk_ids.long() - expert_start
@@ -182,7 +183,8 @@ def expand(recv: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     key = torch.where(valid, local, torch.full_like(local, E)).flatten()  # E = "not local"
     order = torch.sort(key, stable=True).indices
     sorted_key = key[order]
-    counts_all = torch.bincount(key, minlength=E + 1)
+    # scatter_add, not bincount: bincount on CUDA reads max(key) back to the host (a sync)
+    counts_all = torch.zeros(E + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
     starts = torch.cumsum(counts_all, 0) - counts_all
     pos_sorted = torch.arange(M * k, device=key.device) - starts[sorted_key]
     pos = torch.empty_like(pos_sorted)

@@ -175,3 +175,23 @@ def test_a_failing_rank_surfaces_its_own_traceback():
     with pytest.raises(RankFailed, match="deliberate failure on rank 1") as info:
         run_ranks(fail_on_rank, 2, kwargs={"bad_rank": 1}, backend="gloo", timeout_s=60)
     assert info.value.rank == 1 and "Traceback" in info.value.remote_traceback
+
+
+@pytest.mark.gpu
+def test_local_low_latency_dispatch_and_combine_never_sync_the_host():
+    """Decode steps are captured in CUDA graphs: the local low-latency path must not read back."""
+    x, ids, w = (t.cuda() for t in global_tokens(4, 1, 64, 7168, 256, 8, dtype=torch.bfloat16))
+    gs = torch.tensor(448 * 6 / 5.0, device="cuda")
+    for payload in ("bf16", "nvfp4"):
+        d = create_dispatcher("local", 256, 7168, mode="low_latency", num_max_dispatch_tokens_per_rank=64)
+        tokens = d.quantize(x, payload, gs)
+        layout, handle = d.dispatch(tokens, ids, w, payload)  # warm-up (kernel compilation)
+        y = with_hidden(layout, torch.zeros(layout.hidden.shape[:-1] + (7168,), dtype=torch.bfloat16, device="cuda"))
+        d.combine(y, handle)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layout, handle = d.dispatch(tokens, ids, w, payload)
+            d.combine(y, handle)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
