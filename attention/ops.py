@@ -149,8 +149,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                             seqlens=seqlens)
     _check_pool(MLA_DECODE, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
     kv_cache = _as_bytes(kv_cache)
-    b = _select(MLA_DECODE, backend, q, kv_cache, q_len=dims["Sq"])
-    bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"], "q_len": dims["Sq"]}
+    bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"],
+              "kv_dtype": kv_dtype_name(kv_cache), "q_len": dims["Sq"]}
+    b = _select(MLA_DECODE, backend, q, kv_cache, q_len=dims["Sq"], bucket=bucket)
     cfg, _ = resolve_config(MLA_DECODE.name, b, bucket, q.device, config)
     return b.impl(q, kv_cache, block_table, seqlens, float(softmax_scale), kv_scale=kv_scale, config=cfg)
 
@@ -196,9 +197,9 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
                                 "seqlens counts the cached prefix plus the new tokens.")
     _check_pool(MLA_PREFILL, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
     kv_cache = _as_bytes(kv_cache)
-    b = _select(MLA_PREFILL, backend, q, kv_cache, q_len=None)
     bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"],
-              "q_len": int(max_q_len) if max_q_len is not None else dims["T"]}
+              "kv_dtype": kv_dtype_name(kv_cache), "q_len": int(max_q_len) if max_q_len is not None else dims["T"]}
+    b = _select(MLA_PREFILL, backend, q, kv_cache, q_len=None, bucket=bucket)
     cfg, _ = resolve_config(MLA_PREFILL.name, b, bucket, q.device, config)
     return b.impl(q, kv_cache, block_table, seqlens, qo_indptr, float(softmax_scale), kv_scale=kv_scale,
                   max_q_len=max_q_len, config=cfg)
@@ -253,7 +254,7 @@ def kv_dtype_name(kv_cache: torch.Tensor) -> str:
 
 
 def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: torch.Tensor,
-            q_len: int | None) -> Backend:
+            q_len: int | None, bucket: Mapping[str, Any] | None = None) -> Backend:
     feats = dict(page_size=kv_cache.shape[1], kv_dtype=kv_dtype_name(kv_cache), q_dtype=dtype_name(q.dtype),
                  q_len=q_len)
     if isinstance(backend, Backend):  # explicit object: the caller vouches that it runs here
@@ -261,7 +262,16 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
     elif backend is not None:
         chosen = registry.select(op.name, backend, device=q.device)
     else:
-        return registry.select(op.name, None, device=q.device, accept=lambda b: supports(b, **feats) is None)
+        accept = lambda b: supports(b, **feats) is None  # noqa: E731
+        tuned = _tuned_backend(op.name, bucket, q.device) if bucket else None
+        if tuned is not None:
+            try:
+                b = registry.select(op.name, tuned, device=q.device)
+                if accept(b):
+                    return b
+            except (KeyError, RuntimeError):  # the tuned winner is not usable here: fall back
+                pass
+        return registry.select(op.name, None, device=q.device, accept=accept)
     why = supports(chosen, **feats)
     if why:
         raise ShapeError(op.name, chosen.name, "q" if why.startswith(("q ", "S_q")) else "kv_cache",
@@ -272,6 +282,25 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
 
 
 _CONFIG_CACHE: dict[tuple, tuple[dict, str]] = {}
+_BACKEND_CACHE: dict[tuple, str | None] = {}
+
+
+def _tuned_backend(op: str, bucket: Mapping[str, Any], device: torch.device) -> str | None:
+    """The backend that won the nearest tuned bucket on this device (None if untuned); cached."""
+    key = (op, tuple(sorted(bucket.items())), str(device))
+    if key not in _BACKEND_CACHE:
+        name = None
+        try:
+            from pdlab.kernels.tuned import resolve_backend
+        except ImportError:
+            resolve_backend = None
+        if resolve_backend is not None:
+            try:
+                name = resolve_backend(op, dict(bucket), device=device)
+            except (OSError, ValueError, KeyError):
+                name = None
+        _BACKEND_CACHE[key] = name
+    return _BACKEND_CACHE[key]
 
 
 def resolve_config(op: str, b: Backend, bucket: Mapping[str, int], device: torch.device | None,
@@ -291,7 +320,8 @@ def resolve_config(op: str, b: Backend, bucket: Mapping[str, int], device: torch
         if tuned_resolve is not None and b.config_space:
             try:
                 cfg, source = tuned_resolve(op, b.name, dict(bucket), device=device)
-                hit = (b.config(cfg), source)
+                hit = (b.config({k: v for k, v in cfg.items() if k in b.config_space or k in b.default_config}),
+                       source)
             except (OSError, ValueError, KeyError) as exc:  # a bad tuned file must not break the op
                 hit = (b.config(), f"default (tuned lookup failed: {exc})")
         _CONFIG_CACHE[key] = hit
@@ -299,8 +329,9 @@ def resolve_config(op: str, b: Backend, bucket: Mapping[str, int], device: torch
 
 
 def clear_config_cache() -> None:
-    """Forget resolved configs (after writing new tuned files)."""
+    """Forget resolved configs and tuned backend choices (after writing new tuned files)."""
     _CONFIG_CACHE.clear()
+    _BACKEND_CACHE.clear()
 
 
 def _as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:

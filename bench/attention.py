@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 ref = call("torch", None)
             base = {"op": args.op, "batch": B, "seqlen": L, "heads": H, "kv_dtype": kv_dtype, "page": page,
                     "s_q": sq, "shape": f"B{B} L{L} H{H} {kv_dtype} p{page}" + (f" q{sq}" if args.op == "decode" else "")}
-            bucket = {"batch": B, "seqlen": p.block_table.shape[1] * page, "heads": H,
+            bucket = {"batch": B, "seqlen": p.block_table.shape[1] * page, "heads": H, "kv_dtype": kv_dtype,
                       "q_len": sq if args.op == "decode" else p.max_q_len}
             for name in usable:
                 b = registry.get_backend(op.name, name)

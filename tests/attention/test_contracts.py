@@ -111,3 +111,34 @@ def test_selection_and_config(prob):
     with pytest.raises(ShapeError, match=r"S_q=16 not in"):
         q = torch.zeros(2, 16, 4, 576)
         mla_decode(q, prob.kv_cache, prob.block_table, torch.tensor([20, 30], dtype=torch.int32), 0.1, backend=tri)
+
+
+def test_tuned_file_drives_config_and_backend(tmp_path, monkeypatch):
+    # a tuned store for this machine (device "cpu") naming the triton config and the winning backend
+    import json
+
+    from pdlab.attention import ops
+    from pdlab.kernels import tuned
+
+    bucket = {"batch": 2, "heads": 4, "kv_dtype": "fp32", "q_len": 1, "seqlen": 32}
+    entry = {"bucket": bucket, "backend": "torch",
+             "backends": {"triton": {"config": {"BLOCK_N": 16, "num_stages": 1}, "time_ms": 1.0}}}
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "mla_decode.json").write_text(json.dumps(
+        {"format": tuned.FORMAT_VERSION, "metadata": {"device": "cpu", "versions": {}},
+         "entries": {tuned.bucket_label(bucket): entry}}))
+    monkeypatch.setenv(tuned.CONFIG_DIR_ENV, str(tmp_path))
+    tuned.clear_cache()
+    ops.clear_config_cache()
+    try:
+        tri = registry.get_backend("mla_decode", "triton")
+        cfg, src = resolve_config("mla_decode", tri, bucket, torch.device("cpu"))
+        assert src.startswith("tuned:") and cfg["BLOCK_N"] == 16 and cfg["num_stages"] == 1
+        assert cfg["BLOCK_H"] == tri.default_config["BLOCK_H"]
+        assert ops._tuned_backend("mla_decode", bucket, torch.device("cpu")) == "torch"
+        p = decode_problem([10, 30], heads=4, page=16, dtype=torch.float32, poison=False, seed=4)
+        out, _ = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, 0.1)  # tuned winner, usable here
+        assert out.shape == (2, 1, 4, 512)
+    finally:
+        tuned.clear_cache()
+        ops.clear_config_cache()
