@@ -130,8 +130,10 @@ class Engine:
         if len(sampled) != len(reqs):
             logits = logits[torch.tensor(sampled, device=logits.device)]
         sreqs = [reqs[i] for i in sampled]
-        st = SamplingTensors.from_reqs(sreqs, self.vocab_size, logits.device)
-        out = sample(logits, st)
+        if all(r.params.temperature == 0.0 and r.params.logprobs is None for r in sreqs):
+            out = SampleOutput(next_ids=logits.argmax(dim=-1))  # greedy fast path: no per-row settings
+        else:
+            out = sample(logits, SamplingTensors.from_reqs(sreqs, self.vocab_size, logits.device))
         if self.profile:
             ev1.record()
         next_ids, lps = _to_host(out, sreqs)
