@@ -162,6 +162,20 @@ def test_wrong_shape_names_tensor_expected_and_got(ckpt, tmp_path):
         load_model(d2, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
 
 
+def test_tied_embeddings(tmp_path):
+    """tie_word_embeddings: no lm_head tensor in the checkpoint; the head reuses embed_tokens."""
+    config = hf_config(layers=2)
+    config.tie_word_embeddings = True
+    hf = hf_model(config, seed=9)
+    hf.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    model, _, cfg = load_model(tmp_path, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+    assert cfg.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        ref = hf(torch.tensor(IDS)[None]).logits[0]
+    torch.testing.assert_close(_logits(model, cfg, IDS), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
 def test_fp8_weights_are_refused(ckpt, tmp_path):
     _, root = ckpt
     for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.2.down_proj.weight"):
