@@ -52,12 +52,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="result file stem (default moe_ep<N>)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are stopped")
+    p.add_argument("--scaling", nargs="+", default=None, metavar="CSV",
+                   help="instead of running: plot dispatch/combine time and GB/s against the EP size from result "
+                        "CSVs of earlier runs (e.g. moe_ep2_*.csv moe_ep4_*.csv moe_ep8_*.csv)")
     p.add_argument("--profile", action="store_true",
                    help="also write a torch.profiler table (CPU + CUDA) of dispatch and combine per configuration")
 
 
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
+
+    if args.scaling:
+        return plot_scaling(args.scaling, args.out or ".", args.name or "moe_ep_scaling")
 
     from pdlab.bench import report
     from pdlab.kernels import arch
@@ -312,6 +318,51 @@ def _weight_bytes_per_param(runner: str) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # reporting helpers
+
+
+# DeepEP's published EP8 figures (ANCHORS.md): normal mode on H800 NVLink, GB/s per rank;
+# low-latency over NVLink P2P on H20 (fp8 dispatch, bf16 combine), microseconds.
+DEEPEP_EP8 = {"normal": {"dispatch_GBps": 153.0, "combine_GBps": 158.0},
+              "low_latency": {"dispatch_us": 37.0, "combine_us": 59.0}}
+
+
+def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
+    """Dispatch + combine against the EP size, one line per (mode, payload), from result CSVs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    from pathlib import Path
+
+    df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    if "status" in df:
+        df = df[df.status == "ok"]
+    if df.empty:
+        print("bench moe --scaling: no successful rows in", ", ".join(paths))
+        return 1
+    df = df.assign(comm_ms=df.dispatch_ms + df.combine_ms)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (mode, payload, tokens), grp in df.groupby(["mode", "payload", "tokens"]):
+        grp = grp.groupby("ep", as_index=False)[["comm_ms", "dispatch_GBps", "combine_GBps"]].min()
+        label = f"{mode} {tokens} tok/rank {payload}"
+        axes[0].plot(grp.ep, grp.comm_ms, marker="o", label=label)
+        axes[1].plot(grp.ep, grp.dispatch_GBps, marker="o", label=f"{label} dispatch")
+    axes[1].axhline(DEEPEP_EP8["normal"]["dispatch_GBps"], color="gray", linestyle="--",
+                    label="DeepEP EP8 normal dispatch (H800, published)")
+    axes[0].set(xlabel="EP ranks", ylabel="dispatch + combine ms (median, slowest rank)", title="time")
+    axes[1].set(xlabel="EP ranks", ylabel="dispatch GB/s per rank", title="bandwidth")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / f"{name}.png", dpi=120)
+    cols = ["ep", "mode", "tokens", "payload", "dispatch_ms", "combine_ms", "dispatch_GBps", "combine_GBps"]
+    df[cols].sort_values(["mode", "payload", "ep"]).to_csv(out / f"{name}.csv", index=False)
+    print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} ({len(df)} rows, EP sizes "
+          f"{sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}")
+    return 0
 
 
 def _ints(text: str | None) -> list[int]:

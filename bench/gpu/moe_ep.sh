@@ -7,6 +7,8 @@
 #   EP defaults to the number of GPUs (2, 4 or 8 run unchanged). DISPATCHER=deepep to use DeepEP.
 # Writes few files (the device transfer returns a limited number): $OUT/tests_ep.txt, bench_{normal,ll}.txt,
 # device.txt, and moe_ep<N>_results.tgz holding every CSV/JSON/PNG/profile under res/.
+# Scaling 2 -> 4 -> 8 GPUs (issue: EP8): run this script on each machine size, unpack the tarballs, then
+#   python3 -m pdlab.bench.moe --scaling ep2/res/*.csv ep4/res/*.csv ep8/res/*.csv --out DIR
 set -u
 OUT=${OUT:-/tmp/pdlab_moe_ep}
 RES="$OUT/res"

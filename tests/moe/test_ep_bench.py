@@ -53,3 +53,17 @@ def test_bench_moe_takes_an_hf_config_file(tmp_path):
     with pytest.raises(ValueError, match="not a DeepseekV3-style MoE config"):
         (tmp_path / "bad.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
         bench_moe.run(_args(tmp_path, "--model", str(tmp_path / "bad.json")))
+
+
+def test_scaling_plot_from_result_csvs(tmp_path):
+    rows = [dict(mode=m, tokens=t, payload=p, runner="triton", ep=ep, status="ok", dispatch_ms=1.0 * ep,
+                 combine_ms=0.5, dispatch_GBps=10.0 * ep, combine_GBps=5.0)
+            for ep in (2, 4) for m, t in (("normal", 4096), ("low_latency", 128)) for p in ("bf16", "nvfp4")]
+    paths = []
+    for ep in (2, 4):
+        path = tmp_path / f"moe_ep{ep}.csv"
+        pd.DataFrame([r for r in rows if r["ep"] == ep]).to_csv(path, index=False)
+        paths.append(str(path))
+    assert bench_moe.run(_args(tmp_path, "--scaling", *paths)) == 0
+    out = pd.read_csv(tmp_path / "moe_ep_scaling.csv")
+    assert sorted(out.ep.unique()) == [2, 4] and (tmp_path / "moe_ep_scaling.png").stat().st_size > 0
