@@ -42,12 +42,21 @@ class EngineLoop:
     def abort(self, rid: str, reason: str = "aborted") -> None:
         self._inbox.put(("abort", rid, reason))
 
+    def add_sink(self, rid: str, sink: Sink) -> None:
+        """Route the outputs of `rid` to `sink` for a request added another way (role hooks,
+        `call(lambda s: s.preallocate(req))`). A finished output removes the sink."""
+        self._sinks[rid] = sink
+
+    def drop_sink(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+
     def call(self, fn: Callable[[Scheduler], Any]) -> None:
         """Run fn(scheduler) in the loop thread (role hooks: kv_ready, preallocate, release...)."""
         self._inbox.put(("call", fn, None))
 
     # ---- running ---------------------------------------------------------------------------------
     def start(self) -> None:
+        self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="pdlab-engine-loop", daemon=True)
         self._thread.start()
 

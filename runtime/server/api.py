@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -118,8 +118,10 @@ def error_body(status: int, message: str, param: str | None = None, type_: str =
 
 # ---- the app -------------------------------------------------------------------------------------
 def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetrics, *, model_name: str = "pdlab",
-               api_key: str | None = None, max_queue: int = 4096, max_context_len: int | None = None) -> FastAPI:
-    """The FastAPI app over a started (or to-be-started) `EngineLoop`."""
+               api_key: str | None = None, max_queue: int = 4096, max_context_len: int | None = None,
+               extra_metrics: Callable[[], str] | None = None) -> FastAPI:
+    """The FastAPI app over a started (or to-be-started) `EngineLoop` (or an object with its
+    submit/abort/scheduler). extra_metrics: returns more Prometheus text to append to /metrics."""
     app = FastAPI(title="pdlab runtime", version="0.1.0")
     ctx_len = max_context_len or loop.scheduler.max_context_len
     inflight: dict[str, Any] = {}
@@ -171,7 +173,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
 
     @app.get("/metrics")
     async def metrics_text():
-        return PlainTextResponse(metrics.render(loop.scheduler.stats()), media_type="text/plain; version=0.0.4")
+        text = metrics.render(loop.scheduler.stats()) + (extra_metrics() if extra_metrics is not None else "")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

@@ -235,3 +235,27 @@ def test_queue_limit_gives_503():
                 assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_busy"
     finally:
         srv.stop()
+
+
+def test_role_extension_points():
+    """What the disaggregation roles use: extra /metrics text, and sinks for requests the loop did not add."""
+    from pdlab.runtime.core import Req, SamplingParams
+    from pdlab.runtime.server.api import create_app
+    m, tok, cfg = load_toy(max_position_embeddings=CTX)
+    srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048,
+                              max_context_len=CTX), model=m, tokenizer=tok, model_config=cfg)
+    srv.app = create_app(srv.loop, srv.codec, srv.metrics, extra_metrics=lambda: "pdlab_role_state 1\n")
+    srv.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            assert "pdlab_role_state 1" in c.get("/metrics").text
+        got = []
+        req = Req(list(b"abc"), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        srv.loop.add_sink(req.rid, got.append)
+        srv.loop.call(lambda s: s.add_request(req))
+        deadline = time.time() + 10
+        while not (got and got[-1].finished) and time.time() < deadline:
+            time.sleep(0.02)
+        assert [o.token_ids for o in got][-1] and got[-1].completion_tokens == 3
+    finally:
+        srv.stop()
