@@ -171,8 +171,6 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 skipped += [(bucket, b.name, "op budget used up") for b in bs]
                 bar.advance(len(bs))
                 continue
-            share = (deadline - now) / (len(plan) - i) if math.isfinite(deadline) else math.inf
-            bucket_deadline = now + min(share, settings.bucket_budget_s or math.inf)
             if not bs:
                 continue
             if lockstep is not None:
@@ -186,6 +184,11 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 bar.advance(len(bs))
                 _free(device)
                 continue
+            # the bucket's share is taken after building its inputs (weights, reference), so a slow
+            # build is paid by all remaining buckets, not by this one alone
+            now = time.perf_counter()
+            share = (deadline - now) / (len(plan) - i) if math.isfinite(deadline) else math.inf
+            bucket_deadline = now + min(share, settings.bucket_budget_s or math.inf)
             per_backend = {}
             for j, backend in enumerate(bs):
                 now = time.perf_counter()
