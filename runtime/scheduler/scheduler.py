@@ -111,6 +111,8 @@ class Scheduler:
         need = -(-(req.prompt_len + 1) // self.pool.page_size)
         if need > self.pool.num_free_pages - self.decode.reserve_pages():
             return None
+        if len(self.decode.running) + len(self.prefill.prefilling) + len(self.parked) >= self.cfg.max_running_requests:
+            return None  # kv_ready would push the running set past max_running_requests
         req.pages = self.pool.allocate(need)
         req.status = ReqStatus.WAITING_FOR_KV
         req.seed = req.params.seed if req.params.seed is not None else (hash(req.rid) & ((1 << 62) - 1)) or 1
@@ -239,6 +241,7 @@ class Scheduler:
                 if self.hooks.on_prefill_done(self, r):
                     r.status = ReqStatus.HANDED_OFF
                     self.parked[r.rid] = r
+                    self.engine.page_table.release(r)  # it never runs here again; its pages stay
                 elif self.cfg.role == "prefill":
                     self._finish(r, FinishReason.LENGTH)
                 else:
