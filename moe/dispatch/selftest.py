@@ -129,3 +129,14 @@ def ep_layer_forward(rank: int, world: int, *, seed: int, cfg, tokens_per_rank: 
                          dispatcher_kwargs=case.get("dispatcher_kwargs"))
         outs.append(layer(x).cpu())
     return outs
+
+
+def sleep_on_rank(rank: int, world: int, *, seconds: float, pid_dir: str | None = None) -> int:
+    """Writes its pid to `pid_dir/rank<r>` and sleeps: tests that stopping the parent stops the ranks."""
+    import os
+
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return rank

@@ -56,6 +56,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, kwargs: dict[
              for rank in range(world_size)]
     for p in procs:
         p.start()
+    # a SIGTERM to this process (e.g. `timeout`) must still stop the ranks: turn it into an exception
+    # so the `finally` below terminates them instead of leaving them holding the GPUs
+    previous = _install_sigterm()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
@@ -92,7 +95,29 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, kwargs: dict[
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        _restore_sigterm(previous)
     return [results[r] for r in range(world_size)]
+
+
+def _install_sigterm():
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}: stopping the spawned ranks")
+
+    return signal.signal(signal.SIGTERM, on_term)
+
+
+def _restore_sigterm(previous) -> None:
+    import signal
+    import threading
+
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _worker(fn, rank, world_size, port, backend, timeout_s, args, kwargs, results_q, env) -> None:

@@ -195,3 +195,36 @@ def test_local_low_latency_dispatch_and_combine_never_sync_the_host():
             d.combine(y, handle)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_stopping_the_parent_stops_the_ranks(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from pdlab.moe.dispatch.spawn import run_ranks\n"
+            "from pdlab.moe.dispatch.selftest import sleep_on_rank\n"
+            "if __name__ == '__main__':\n"
+            f"    run_ranks(sleep_on_rank, 2, kwargs={{'seconds': 120, 'pid_dir': {str(tmp_path)!r}}}, backend='gloo')\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while len(list(tmp_path.glob("rank*"))) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*")]
+    assert len(pids) == 2, "ranks did not start"
+    parent.send_signal(signal.SIGTERM)  # what `timeout` sends
+    parent.wait(timeout=30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.time() + 15
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), "ranks outlived their parent"
