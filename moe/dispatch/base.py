@@ -57,6 +57,8 @@ class TokenPayload:
     global_scale: nvfp4 only: fp32 scalar (448·6/amax, the layer's static activation scale).
     source: the bf16 tokens [T, H] it was made from (backends that quantize inside their own
         kernels, e.g. DeepEP low-latency fp8, read this instead of `data`).
+    deferred: the backend quantizes inside its dispatch kernel; `data` is then the bf16 source and
+        `scales` is None (DeepEP low-latency `quantize`).
     """
 
     kind: str
@@ -64,6 +66,7 @@ class TokenPayload:
     scales: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
     source: torch.Tensor | None = None
+    deferred: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -71,10 +74,12 @@ class TokenPayload:
 
     @property
     def hidden_size(self) -> int:
-        return self.data.shape[1] * (2 if self.kind == "nvfp4" else 1)
+        return self.data.shape[1] * (2 if self.kind == "nvfp4" and not self.deferred else 1)
 
     def row_bytes(self) -> int:
         """Bytes one token row occupies on the wire (data + scales)."""
+        if self.deferred:
+            return payload_row_bytes(self.kind, self.hidden_size)
         n = self.data.shape[1] * self.data.element_size()
         if self.scales is not None:
             n += self.scales.shape[1] * self.scales.element_size()
@@ -246,6 +251,7 @@ class BaseDispatcher(ABC):
     low-latency buffer's rows per rank), config (backend knobs from the registry's config_space)."""
 
     name = "base"
+    accepts_deferred = False  # True for backends that quantize inside their dispatch kernels
 
     def __init__(self, num_experts: int, hidden_size: int, *, mode: str = "normal", group: Any = None,
                  rank: int | None = None, world_size: int | None = None,
@@ -321,6 +327,9 @@ class BaseDispatcher(ABC):
             DISPATCH.check(self.name, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
             H = x.shape[1]
         else:
+            if tokens.deferred and not self.accepts_deferred:
+                raise ValueError(f"{self.name} dispatch got a payload left for another backend to quantize "
+                                 "(deferred): make it with this dispatcher's quantize()")
             T = tokens.num_tokens
             DISPATCH.check(self.name, bound={"T": T}, topk_ids=topk_ids, topk_weights=topk_weights)
             H = tokens.hidden_size

@@ -55,6 +55,7 @@ class DeepEPDispatcher(BaseDispatcher):
     One buffer serves one mode: build one dispatcher per mode (prefill: normal, decode: low_latency)."""
 
     name = "deepep"
+    accepts_deferred = True
 
     def __init__(self, num_experts: int, hidden_size: int, *, buffer: Any = None,
                  num_nvl_bytes: int | None = None, num_rdma_bytes: int | None = None, **kwargs):
@@ -94,6 +95,18 @@ class DeepEPDispatcher(BaseDispatcher):
             return ("the installed deep_ep has no nvfp4 low-latency dispatch (no use_nvfp4 argument): use "
                     "payload fp8 or bf16 with deepep, or the nccl dispatcher for nvfp4")
         return None
+
+    def quantize(self, x: torch.Tensor, payload: str, global_scale: torch.Tensor | float | None = None
+                 ) -> TokenPayload:
+        """Low-latency fp8 / nvfp4: DeepEP quantizes inside its dispatch kernel, so this stage only
+        records the payload kind (deferred); normal mode quantizes here as every backend does."""
+        if self.mode == "low_latency" and payload in ("fp8", "nvfp4"):
+            if payload == "nvfp4" and global_scale is None:
+                return super().quantize(x, payload, global_scale)  # the same error as everywhere
+            gs = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32,
+                                                                    device=x.device).reshape(())
+            return TokenPayload(payload, x, None, gs, source=x, deferred=True)
+        return super().quantize(x, payload, global_scale)
 
     def _deep_config(self) -> Any:
         keys = ("nvl_chunk_size", "nvl_buffer_size", "rdma_chunk_size", "rdma_buffer_size")

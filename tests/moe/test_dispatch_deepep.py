@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdlab.kernels import nvfp4
+from pdlab.moe.dispatch.base import payload_row_bytes
 from pdlab.moe.dispatch.deepep import DeepEPDispatcher
 from pdlab.moe.dispatch.selftest import global_tokens
 from pdlab.moe.layouts import dequantize_hidden, quantize_fp8_blockwise, with_hidden
@@ -152,7 +153,13 @@ def test_low_latency_translation(fake_deep_ep, payload):
     buf_call = FakeBuffer.calls[0][1]
     assert buf_call["low_latency_mode"] is True and buf_call["num_qps_per_rank"] == E_L
     assert buf_call["num_rdma_bytes"] == N_MAX * H * R * 1000  # sized from DeepEP's own hint
-    layout, handle = d.dispatch(x, ids, w, payload)
+    tokens = d.quantize(x, payload)
+    assert tokens.deferred is (payload == "fp8") and tokens.row_bytes() == payload_row_bytes(payload, H)
+    if payload == "fp8":  # DeepEP quantizes inside its kernel; other backends refuse such a payload
+        from pdlab.moe.dispatch import create_dispatcher
+        with pytest.raises(ValueError, match="deferred"):
+            create_dispatcher("local", E, H).dispatch(tokens, ids, w, payload)
+    layout, handle = d.dispatch(tokens, ids, w, payload)
     call = FakeBuffer.calls[-1][1]
     assert call["x"].dtype == torch.bfloat16 and call["topk_idx"].dtype == torch.int64
     assert call["n_max"] == N_MAX and call["num_experts"] == E and call["use_fp8"] is (payload == "fp8")
