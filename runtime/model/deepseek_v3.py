@@ -135,9 +135,11 @@ class MoEBlock(nn.Module):
         object.__setattr__(self, "moe", None)
 
     def set_experts(self, weights, *, runner: str | None = None, dispatcher: str = "local",
-                    decode_mode: str = "normal", ep_size: int = 1, ep_rank: int = 0, group=None) -> None:
+                    decode_mode: str = "normal", ep_size: int = 1, ep_rank: int = 0, group=None,
+                    **moe_kwargs) -> None:
         """Build the MoELayer over `weights` (pdlab.moe.weights.ExpertWeights, [E, 2I, H] / [E, H, I]).
-        Prefill/extend steps dispatch in "normal" mode, decode steps in `decode_mode`."""
+        Prefill/extend steps dispatch in "normal" mode, decode steps in `decode_mode`; `moe_kwargs`
+        go to MoELayer as they are."""
         from pdlab.moe.layer import MoELayer
 
         self.decode_mode = decode_mode
@@ -145,7 +147,7 @@ class MoEBlock(nn.Module):
         object.__setattr__(self, "moe", MoELayer(
             self.moe_config, weights, self.gate.weight, self.gate.e_score_correction_bias, self.shared_experts,
             dispatcher=dispatcher, runner=runner, mode="normal", modes=modes, ep_rank=ep_rank, ep_size=ep_size,
-            group=group))
+            group=group, **moe_kwargs))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.moe is None:

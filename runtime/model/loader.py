@@ -14,7 +14,7 @@ import logging
 import re
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -50,7 +50,9 @@ class LoadOptions:
         steps ("normal" or "low_latency"); prefill/extend steps use "normal".
     quantize_experts: quantize bf16 experts to NVFP4 at load (ExpertWeights.from_bf16(quantize=True)).
     ep_size / ep_rank / ep_group: expert parallelism of the MoE layers; explicit so that a process
-        group initialised for something else (KV transfer) is never mistaken for an EP group."""
+        group initialised for something else (KV transfer) is never mistaken for an EP group.
+    moe_kwargs: further MoELayer arguments (payload, num_max_dispatch_tokens_per_rank,
+        max_num_tokens, runner_config, route_backend, ...)."""
 
     attn_backend: str | None = None
     attn_config: dict | None = None
@@ -61,6 +63,7 @@ class LoadOptions:
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: object = None
+    moe_kwargs: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +331,8 @@ class _Loader:
             if isinstance(block.mlp, MoEBlock):
                 block.mlp.set_experts(self._experts(layer, experts.get(layer, {})), runner=self.opt.moe_runner,
                                       dispatcher=self.opt.dispatcher, decode_mode=self.opt.moe_decode_mode,
-                                      ep_size=self.opt.ep_size, ep_rank=self.opt.ep_rank, group=self.opt.ep_group)
+                                      ep_size=self.opt.ep_size, ep_rank=self.opt.ep_rank, group=self.opt.ep_group,
+                                      **self.opt.moe_kwargs)
                 seen.update(n for n in self.expected if n.startswith(f"model.layers.{layer}.mlp.experts."))
         missing = [n for n in self.expected if n not in seen]
         if missing:
