@@ -172,12 +172,12 @@ class Supervisor:
                 c.proc.terminate()
         deadline = time.monotonic() + self.stop_timeout
         for c in self._children:
-            c.proc.join(max(0.0, deadline - time.monotonic()))
+            _join(c.proc, max(0.0, deadline - time.monotonic()))
             if c.proc.is_alive():
                 log.warning("%s did not exit within %.0f s of SIGTERM; killing it", c.spec.name,
                             self.stop_timeout)
                 c.proc.kill()
-                c.proc.join(2.0)
+                _join(c.proc, 2.0)
             if not c.closed:
                 c.conn.close()
                 c.closed = True
@@ -210,7 +210,7 @@ class Supervisor:
 
     def _drain(self, c: _Child) -> None:
         """After a child died, read what it sent before dying (bounded: the pipe is finite)."""
-        c.proc.join(1.0)
+        _join(c.proc, 1.0)
         for _ in range(64):
             if c.closed or not c.conn.poll(0):
                 break
@@ -298,6 +298,14 @@ def _send_error(conn, text: str) -> None:
         conn.send(("error", text))
     except (OSError, EOFError, BrokenPipeError):
         sys.stderr.write(text)
+
+
+def _join(proc, timeout: float) -> None:
+    """Wait for a process by its pid (waitpid), not by its sentinel pipe: a helper process it forked
+    (e.g. torch_shm_manager for shared KV pools) may hold that pipe open long after it exited."""
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _in_main_thread() -> bool:

@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +48,11 @@ def _decode_side(args: dict, q_meta, q_done) -> None:
     sums = [float(p.index_select(0, idx).float().sum()) for p in pool]
     q_done.put(sums)
     t.close()
+    q_done.close()
+    q_done.join_thread()
+    # NOTE: a process whose file_system-shared tensors are still mapped by another process hangs in
+    # interpreter exit (torch's shm refcounting); leave without the exit handlers
+    os._exit(0)
 
 
 def run(tokens: int, layers: int, page_size: int, kv_dtype: str, src: str, dst: str, backend: str,
@@ -69,7 +75,7 @@ def run(tokens: int, layers: int, page_size: int, kv_dtype: str, src: str, dst: 
     pool = _pools(layers, pool_pages, page_size, dtype, src, fill=True)
     t = create_transfer(backend, f"bench-prefill-{tag}", layer_group_size=group)
     t.register(pool, 1.0 if dtype == torch.uint8 else None)
-    meta = q_meta.get(timeout=300)
+    meta = _get(q_meta, child, 300)
     peer = t.add_peer(meta)
     nbytes = n_pages * page_size * 576 * pool[0].element_size() * layers
     times = []
@@ -82,8 +88,8 @@ def run(tokens: int, layers: int, page_size: int, kv_dtype: str, src: str, dst: 
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         t.release(h)
-    sums = q_done.get(timeout=300)
-    child.join(30)
+    sums = _get(q_done, child, 300)
+    _join(child, 30)
     idx = torch.tensor(src_pages, device=src)
     want = [float(p.index_select(0, idx).float().sum()) for p in pool]
     ok = all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(sums, want))
@@ -104,6 +110,28 @@ def run(tokens: int, layers: int, page_size: int, kv_dtype: str, src: str, dst: 
     rows.append(_row("contiguous copy (ceiling)", nbytes, ctimes, src, dst, True))
     t.close()
     return rows
+
+
+def _join(proc, timeout: float) -> None:
+    """Wait for a process by its pid, not its sentinel pipe: a helper it forked (torch_shm_manager)
+    can hold that pipe open long after the process itself exited."""
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _get(q, child, timeout: float):
+    """q.get that fails at once (instead of after `timeout`) when the child process died."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the decode-side process died (exit code {child.exitcode}); see its stderr")
+    raise TimeoutError(f"no answer from the decode-side process within {timeout} s")
 
 
 def _row(method, nbytes, times, src, dst, ok) -> dict:

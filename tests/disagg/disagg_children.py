@@ -4,8 +4,6 @@ import os
 import socket
 import time
 
-import torch
-
 
 def ok(ack, value=1):
     ack({"value": value, "pid": os.getpid()})
@@ -49,6 +47,8 @@ def exits_cleanly_after_ack(ack):
 
 
 def prefill_child(meta, name, q):
+    import torch
+
     try:
         src_pool = [torch.full((4, 8, 576), float(l + 1)) for l in range(3)]
         src = _ct("local", name)
@@ -61,6 +61,8 @@ def prefill_child(meta, name, q):
 
 
 def cuda_prefill_child(meta, name, q):
+    import torch
+
     try:
         src_pool = [torch.full((8, 64, 576), float(l + 1), dtype=torch.bfloat16, device="cuda:0") for l in range(3)]
         src = _ct("local", name)
@@ -82,6 +84,8 @@ def load_sensitive_toy(**kw):
     """(model, tokenizer, config) of the toy model with attention over every stored row, so a single
     missing, misplaced or corrupted KV row changes the logits (the toy's own attention is dominated by
     each token's own row)."""
+    import torch
+
     from pdlab.runtime.engine.testing import LATENT, ToyModel, _load, _store, load_toy
 
     class KVSensitiveToy(ToyModel):
