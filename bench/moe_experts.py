@@ -235,16 +235,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep_grid() -> dict[str, list[dict]]:
+    # first H200 sweep (16 tokens/expert): BLOCK_K 128 > 256 > 512, 4 warps > 8, SPLIT_NIBBLES slower
     decode = [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s)
-              for bn, bk, s in ((32, 256, 4), (64, 128, 4), (64, 512, 3), (128, 256, 3), (128, 128, 4), (32, 512, 3))]
-    decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s, SPLIT_NIBBLES=1)
-               for bn, bk, s in ((64, 256, 4), (128, 256, 3), (64, 512, 3))]
-    decode += [dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=4),
-               dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2)]
+              for bn, bk, s in ((64, 128, 4), (64, 64, 5), (32, 128, 4), (32, 64, 6), (128, 64, 4), (64, 256, 4))]
+    decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s, MMA_FP16=1)
+               for bn, bk, s in ((64, 128, 4), (64, 64, 5), (32, 128, 4))]
+    decode += [dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4),
+               dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=2)]
     prefill = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, GROUP_M=8)
                for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
                                         (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (256, 128, 64, 8, 3))]
-    prefill += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3, GROUP_M=8, SPLIT_NIBBLES=1)
+    prefill += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3, GROUP_M=8, MMA_FP16=1)
                 for bk in (64, 128)]
     return {"decode": decode, "prefill": prefill}
 

@@ -7,7 +7,9 @@ Weights: the NVFP4 tensors as stored (uint8 bytes, e4m3 scales viewed as bytes),
 Config (0 = chosen from the expected tokens per expert): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
 num_warps, num_stages for both GEMMs; SPLIT_K for the down GEMM (atomic fp32 accumulation);
 SPLIT_NIBBLES=1 permutes K (even elements, then odd) so that the unpacked nibbles feed two dots
-directly instead of being interleaved.
+directly instead of being interleaved; MMA_FP16=1 runs the MMA in fp16 for bf16/fp8 activations
+(scaled by 2^-8 on load; the dequantised weights are exact in fp16, which saves their bf16
+conversion in the main loop).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pdlab.kernels import registry
 from pdlab.moe.layouts import Masked
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
-            "SPLIT_NIBBLES": 0}
+            "SPLIT_NIBBLES": 0, "MMA_FP16": 0}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
-          "SPLIT_NIBBLES": [0, 1]}
+          "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1]}
 
 
 def _probe() -> str | None:
@@ -37,10 +39,11 @@ def heuristic_config(expected_m: int, interpret: bool = False) -> dict:
     is a compute-bound tiled GEMM."""
     if interpret:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+    # measured on H200 (bench/results/NVIDIA_H200/moe_experts): BLOCK_K 128 beat 256/512 at 16 tokens
     if expected_m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if expected_m <= 64:
-        return {"BLOCK_M": 32 if expected_m <= 32 else 64, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
+        return {"BLOCK_M": 32 if expected_m <= 32 else 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
                 "num_stages": 4}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 
@@ -71,7 +74,9 @@ def run_triton(layout, weights, *, config):
         kind = A_FP8 if layout.payload == "fp8" else A_NVFP4
         mma = torch.float32 if interpret else (torch.float16 if kind == A_NVFP4 else torch.bfloat16)
         inter = torch.float32 if interpret else torch.bfloat16
-    if interpret and mma == torch.bfloat16:
+    if cfg.get("MMA_FP16") and kind != A_NVFP4:
+        mma = torch.float16
+    elif interpret and mma == torch.bfloat16:
         mma = torch.float32  # the interpreter's bf16 dot is not exact
     a_sf = layout.scales
     if a_sf is not None and kind == A_NVFP4:
@@ -91,7 +96,8 @@ def run_triton(layout, weights, *, config):
     out = (torch.zeros if split else torch.empty)(lead + (H,), dtype=torch.float32 if split else out_dtype,
                                                   device=x.device)
     moe_nvfp4_gemm(h, A_FLOAT, None, None, w["w2"], w["w2_sf"], w["w2_s2"], out, counts, offsets, masked=masked,
-                   n=H, k=I, fuse_silu=False, mma_dtype=torch.float32 if interpret else inter, cfg=cfg)
+                   n=H, k=I, fuse_silu=False, cfg=cfg,
+                   mma_dtype=torch.float16 if cfg.get("MMA_FP16") else (torch.float32 if interpret else inter))
     return out.to(out_dtype) if split else out
 
 

@@ -57,13 +57,20 @@ def _dequant_nvfp4_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.conste
 
 
 @triton.jit
-def _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, kk, A_KIND: tl.constexpr, MMA: tl.constexpr):
+def _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, kk, A_KIND: tl.constexpr, MMA: tl.constexpr,
+                 A_DOWN: tl.constexpr):
     """Activations at columns kk ([BLOCK_K/2] even or odd indices) → MMA [BLOCK_M, BLOCK_K/2]."""
     if A_KIND == 0:
-        a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0.0).to(MMA)
+        a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        if A_DOWN:
+            a = (a.to(tl.float32) * 0.00390625).to(MMA)
+        else:
+            a = a.to(MMA)
     else:
         ab = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0)
         asf = tl.load(sf_rows + (kk // 128)[None, :], mask=m_mask[:, None], other=0.0)
+        if A_DOWN:
+            asf = asf * 0.00390625
         a = (_e4m3_to_f32(ab) * asf).to(MMA)
     return a
 
@@ -78,7 +85,7 @@ def _moe_nvfp4_gemm(
     E: tl.constexpr, E_POW2: tl.constexpr, A_KIND: tl.constexpr, A_GS_PER_EXPERT: tl.constexpr,
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -135,8 +142,8 @@ def _moe_nvfp4_gemm(
                     a_even, a_odd = _dequant_nvfp4_split(ab, asf, BLOCK_M, BLOCK_K, MMA)
                 else:
                     sf_rows = a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m
-                    a_even = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh, A_KIND, MMA)
-                    a_odd = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh + 1, A_KIND, MMA)
+                    a_even = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh, A_KIND, MMA, A_DOWN)
+                    a_odd = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh + 1, A_KIND, MMA, A_DOWN)
                 at_even = tl.trans(a_even)
                 at_odd = tl.trans(a_odd)
                 wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
@@ -153,12 +160,18 @@ def _moe_nvfp4_gemm(
             else:
                 # activations [BLOCK_M, BLOCK_K]
                 if A_KIND == 0:
-                    a = tl.load(a_rows + (k + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0).to(MMA)
+                    a = tl.load(a_rows + (k + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
+                    if A_DOWN:
+                        a = (a.to(tl.float32) * 0.00390625).to(MMA)
+                    else:
+                        a = a.to(MMA)
                 elif A_KIND == 1:
                     kk = k + tl.arange(0, BLOCK_K)
                     ab = tl.load(a_rows + kk[None, :], mask=m_mask[:, None], other=0)
                     asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + (kk // 128)[None, :],
                                   mask=m_mask[:, None], other=0.0)
+                    if A_DOWN:
+                        asf = asf * 0.00390625
                     a = (_e4m3_to_f32(ab) * asf).to(MMA)
                 else:
                     ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
@@ -175,6 +188,8 @@ def _moe_nvfp4_gemm(
                     acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA), at, acc_u)
 
         alpha = tl.load(w_s2_ptr + e) * 16384.0
+        if A_DOWN:
+            alpha = alpha * 256.0
         if A_KIND == 2:
             if A_GS_PER_EXPERT:
                 alpha = alpha * (16384.0 / tl.load(a_gs_ptr + e))
@@ -205,6 +220,9 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     [E, N_total, K/16], w_s2 fp32 [E]. out: [E, M, n] or [R, n] (zeroed fp32 when SPLIT_K > 1).
     counts: [E] int32 (masked_m or counts); offsets: [E+1] int32 (contiguous only)."""
     E = w.shape[0]
+    # fp16 MMA for non-fp16 float / fp8 activations: scale them by 2^-8 on load (alpha ·256) so that
+    # values up to 1.6e7 fit fp16; the weights are exact in fp16 either way.
+    a_down = bool(mma_dtype == torch.float16 and a_kind != A_NVFP4 and a.dtype != torch.float16)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     split_k = cfg.get("SPLIT_K", 1) if not fuse_silu else 1
     while bk > 32 and k % (bk * split_k):
@@ -240,7 +258,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         A_GS_PER_EXPERT=a_gs is not None and a_gs.numel() > 1,
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
-        SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)),
+        SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

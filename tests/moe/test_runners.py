@@ -89,6 +89,19 @@ def test_triton_zero_token_experts_and_all_to_one(kind, skew):
     _check(_as(kind, layout), weights, "triton", 1e-4)
 
 
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
+def test_triton_fp16_mma_scales_activations(payload):
+    # bf16 activations are not exact in the interpreter's bf16 dot: use fp32 inputs, large values
+    # (beyond fp16's 65504) to prove the 2^-8 scaling keeps them in range
+    layout, weights = _problem(3, 128, 32, 6, 2, payload, x_dtype=torch.float32)
+    if payload == "bf16":  # |x| up to ~1e5 (> fp16 max), gate_up weights small so the intermediate stays sane
+        layout = Contiguous(layout.hidden * 3e4, layout.counts, layout.offsets)
+        assert layout.hidden.abs().max() > 65504
+        w13, w2 = weights.dequantized()
+        weights = ExpertWeights.from_bf16(w13 * 1e-3, w2)
+    _check(layout, weights, "triton", 1e-4, config={"MMA_FP16": 1})
+
+
 def test_triton_fp16_activations_and_split_k():
     layout, weights = _problem(3, 64, 64, 6, 2, "bf16", x_dtype=torch.float16)
     out = _check(layout, weights, "triton", 1e-4, config={"SPLIT_K": 2, "BLOCK_K": 32})
@@ -262,6 +275,8 @@ def test_gpu_triton_split_nibbles_quantized_payloads(payload):
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=16),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_NIBBLES=1),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_NIBBLES=1),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=5, MMA_FP16=1),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MMA_FP16=1),
 ], ids=lambda c: "-".join(f"{k[0]}{k[-1]}{v}" for k, v in c.items()))
 def test_gpu_triton_configs(cfg):
     layout, weights = _problem(8, 512, 256, 200, 4, "bf16", x_dtype=torch.bfloat16)
