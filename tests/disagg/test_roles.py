@@ -189,3 +189,20 @@ def test_layout_mismatch_rejected_unless_converted(disagg):
     assert "KV layouts differ" in out[0]["error"] and "page_size 16" in out[0]["error"]
     d2 = disagg(prefill=_settings(page=16), decode=_settings(page=32), convert=True)
     assert [o["token_ids"] for o in d2.generate(prompts, GREEDY)] == _colocated(prompts)
+
+
+def test_real_tiny_model_greedy_equals_colocated(disagg):
+    """The embedded tiny DeepSeek-V3 (MLA through mla_prefill / mla_decode, MoE): disaggregated
+    greedy outputs equal colocated ones, for a page-boundary prompt and one longer than a chunk."""
+    import torch
+
+    from pdlab.runtime.model import load_model
+
+    model, tok, cfg = load_model(None, torch.device("cpu"), torch.float32)
+    s = dict(model=model, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=1024,
+             chunked_prefill_size=32, max_prefill_tokens=64, max_context_len=256)
+    prompts = [[(11 * i + 5) % 200 for i in range(n)] for n in (16, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    ref = [r["token_ids"] for r in LLM(**s).generate(prompts, params)]
+    out = disagg(prefill=dict(s), decode=dict(s)).generate(prompts, params)
+    assert [o["token_ids"] for o in out] == ref and all(len(r) == 5 for r in ref)
