@@ -9,4 +9,17 @@ from pdlab.moe.layouts import (LAYOUTS, PAYLOADS, Contiguous, GroupInfo, Masked,
                                with_hidden)
 
 __all__ = ["LAYOUTS", "PAYLOADS", "Contiguous", "GroupInfo", "Masked", "dequantize_hidden", "group_tokens",
-           "layout_op", "quantize_payload", "to_contiguous", "to_masked", "with_hidden"]
+           "layout_op", "quantize_payload", "to_contiguous", "to_masked", "with_hidden",
+           "route", "ExpertWeights", "run_experts", "check_pairing"]
+
+_LAZY = {"route": "pdlab.moe.routing", "ExpertWeights": "pdlab.moe.weights", "run_experts": "pdlab.moe.experts",
+         "check_pairing": "pdlab.moe.experts"}
+
+
+def __getattr__(name: str):
+    # the ops load on first use, so that importing the layouts stays light
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pdlab.moe' has no attribute {name!r}")
