@@ -159,7 +159,13 @@ class Scheduler:
         if batch is None:
             return False
         t1 = time.perf_counter()
-        out = self.engine.forward(batch)
+        try:
+            out = self.engine.forward(batch)
+        except Exception as exc:  # fail this batch's requests, keep serving the others
+            log.exception("forward step failed for %d request(s)", batch.size)
+            for r in batch.reqs:
+                self._finish(r, FinishReason.ERROR, error=f"internal error: {type(exc).__name__}: {exc}")
+            return True
         t2 = time.perf_counter()
         self._process(batch, out)
         t3 = time.perf_counter()

@@ -160,3 +160,23 @@ def test_decode_role_kv_failed_and_preallocate_limits():
     big = Req(list(range(1, 120)), SamplingParams(max_tokens=5), rid="big")
     assert dec.scheduler.preallocate(big) is not None
     assert dec.scheduler.preallocate(Req(list(range(1, 100)), SamplingParams(max_tokens=5), rid="x")) is None  # no pages
+
+
+def test_a_failing_step_fails_only_its_batch():
+    llm = _llm(max_total_tokens=1024)
+    model = llm.engine.model
+    real = model.forward
+    state = {"fail": True}
+
+    def flaky(ids, pos, ctx):
+        if state["fail"] and not ctx.is_decode:
+            state["fail"] = False
+            raise RuntimeError("injected")
+        return real(ids, pos, ctx)
+
+    model.forward = flaky
+    out = llm.generate([list(range(1, 20)), list(range(5, 30))], SamplingParams(temperature=0, max_tokens=4))
+    assert out[0]["finish_reason"] == "error" and "injected" in out[0]["error"]
+    assert out[0]["finish_reason"] == out[1]["finish_reason"]  # both were in the failed prefill batch
+    again = llm.generate([list(range(1, 20))], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert again["finish_reason"] == "length" and len(again["token_ids"]) == 4 and _all_free(llm)
