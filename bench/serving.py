@@ -134,7 +134,7 @@ async def _one(session, url: str, payload: dict, res: RequestResult, headers: di
                 return
             buf = b""
             async for data in resp.content.iter_any():
-                buf += data
+                buf += data.replace(b"\r\n", b"\n")  # SSE allows CRLF line ends
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
                     line = event.strip()

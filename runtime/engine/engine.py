@@ -91,7 +91,11 @@ class Engine:
             except Exception as exc:  # e.g. an op that syncs with the host: serve eagerly, and say so
                 self.graph_error = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed (%s); decode runs eagerly", self.graph_error)
-                torch.cuda.synchronize(self.device)
+                try:
+                    torch.cuda.synchronize(self.device)
+                except RuntimeError as sync_exc:  # a sticky error: nothing will run, say it at start
+                    raise RuntimeError(f"CUDA graph capture failed ({self.graph_error}) and left the device "
+                                       f"unusable ({sync_exc}); start with --disable-cuda-graph") from exc
 
     # ---- sizes -------------------------------------------------------------------------------
     def _num_pages(self) -> int:
