@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = Server(cfg)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, ValueError) as exc:  # bad path, checkpoint, or settings
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2
     for line in server.describe():
