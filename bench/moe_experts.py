@@ -240,6 +240,8 @@ def _sweep_grid() -> dict[str, list[dict]]:
               for bn, bk, s in ((64, 128, 4), (64, 64, 5), (32, 128, 4), (32, 64, 6), (128, 64, 4), (64, 256, 4))]
     decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s, MMA_FP16=1)
                for bn, bk, s in ((64, 128, 4), (64, 64, 5), (32, 128, 4))]
+    decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s, UNPACK16=1, MMA_FP16=f)
+               for bn, bk, s, f in ((64, 128, 4, 1), (64, 64, 5, 1), (64, 128, 4, 0))]
     decode += [dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4),
                dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=2)]
     prefill = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, GROUP_M=8)
@@ -247,6 +249,8 @@ def _sweep_grid() -> dict[str, list[dict]]:
                                         (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (256, 128, 64, 8, 3))]
     prefill += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3, GROUP_M=8, MMA_FP16=1)
                 for bk in (64, 128)]
+    prefill += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8, MMA_FP16=1,
+                     UNPACK16=1)]
     return {"decode": decode, "prefill": prefill}
 
 

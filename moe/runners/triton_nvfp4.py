@@ -9,7 +9,8 @@ num_warps, num_stages for both GEMMs; SPLIT_K for the down GEMM (atomic fp32 acc
 SPLIT_NIBBLES=1 permutes K (even elements, then odd) so that the unpacked nibbles feed two dots
 directly instead of being interleaved; MMA_FP16=1 runs the MMA in fp16 for bf16/fp8 activations
 (scaled by 2^-8 on load; the dequantised weights are exact in fp16, which saves their bf16
-conversion in the main loop).
+conversion in the main loop); UNPACK16=1 unpacks the nibbles with 16-bit integer ops (no per-element
+int32 → int16 truncation).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from pdlab.kernels import registry
 from pdlab.moe.layouts import Masked
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
-            "SPLIT_NIBBLES": 0, "MMA_FP16": 0}
+            "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
-          "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1]}
+          "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
+          "UNPACK16": [0, 1]}
 
 
 def _probe() -> str | None:

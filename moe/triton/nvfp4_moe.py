@@ -34,11 +34,23 @@ def _e4m3_to_f32(s):
 
 
 @triton.jit
-def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr):
-    """b uint8 [R, C/2] (low nibble = even element), sf uint8 e4m3 bits [R, C/16] → OUT [R, C] = value·2^-14."""
-    x = b.to(tl.int32)
-    lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: tl.constexpr = False):
+    """b uint8 [R, C/2] (low nibble = even element), sf uint8 e4m3 bits [R, C/16] → OUT [R, C] = value·2^-14.
+
+    I16: unpack in 16-bit integers (no int32 → int16 truncation per element)."""
+    if I16:
+        x = b.to(tl.int16)
+        s3 = tl.full([], 3, tl.int16)
+        m = tl.full([], -29184, tl.int16)  # 0x8E00: sign bit + the 3 code bits at 9..11
+        lo = (((x << tl.full([], 12, tl.int16)) >> s3) & m)
+        hi = (((x << tl.full([], 8, tl.int16)) >> s3) & m)
+        tl.static_assert(lo.dtype == tl.int16)
+        lo = lo.to(tl.float16, bitcast=True)
+        hi = hi.to(tl.float16, bitcast=True)
+    else:
+        x = b.to(tl.int32)
+        lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
     v = tl.reshape(tl.join(lo, hi), (R, C))
     s = _e4m3_to_f32(sf).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 16)), (R, C))
@@ -85,7 +97,7 @@ def _moe_nvfp4_gemm(
     E: tl.constexpr, E_POW2: tl.constexpr, A_KIND: tl.constexpr, A_GS_PER_EXPERT: tl.constexpr,
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr, UNPACK16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -177,15 +189,15 @@ def _moe_nvfp4_gemm(
                     ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
                     asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
                                   mask=m_mask[:, None], other=0)
-                    a = _dequant_nvfp4(ab, asf, BLOCK_M, BLOCK_K, MMA)
+                    a = _dequant_nvfp4(ab, asf, BLOCK_M, BLOCK_K, MMA, UNPACK16)
                 at = tl.trans(a)
                 wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
                 wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                acc = tl.dot(_dequant_nvfp4(wb, wsf, BLOCK_N, BLOCK_K, MMA), at, acc)
+                acc = tl.dot(_dequant_nvfp4(wb, wsf, BLOCK_N, BLOCK_K, MMA, UNPACK16), at, acc)
                 if FUSE_SILU:
                     wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
                     wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                    acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA), at, acc_u)
+                    acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA, UNPACK16), at, acc_u)
 
         alpha = tl.load(w_s2_ptr + e) * 16384.0
         if A_DOWN:
@@ -259,6 +271,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
         SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
+        UNPACK16=bool(cfg.get("UNPACK16", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -70,14 +70,13 @@ def _as(kind, layout, fill=float("nan")):
 TRITON_TOL = 1e-5 if not CUDA else 2e-4
 
 
-@pytest.mark.parametrize("split", [0, 1])
+@pytest.mark.parametrize("variant", [{}, {"SPLIT_NIBBLES": 1}, {"UNPACK16": 1}], ids=["interleave", "split", "i16"])
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
 @pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
-def test_triton_matches_reference(kind, payload, split):
+def test_triton_matches_reference(kind, payload, variant):
     H = 128 if payload == "fp8" else 64
     layout, weights = _problem(4, H, 32, 9, 2, payload, x_dtype=torch.float32 if not CUDA else torch.bfloat16)
-    _check(_as(kind, layout), weights, "triton", TRITON_TOL if payload == "bf16" else 1e-4,
-           config={"SPLIT_NIBBLES": split})
+    _check(_as(kind, layout), weights, "triton", TRITON_TOL if payload == "bf16" else 1e-4, config=variant)
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
@@ -260,9 +259,10 @@ def test_gpu_triton_bf16_numerics(kind, payload, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("payload", ["fp8", "nvfp4"])
-def test_gpu_triton_split_nibbles_quantized_payloads(payload):
+@pytest.mark.parametrize("variant", [{"SPLIT_NIBBLES": 1}, {"UNPACK16": 1}, {"MMA_FP16": 1}], ids=["split", "i16", "fp16"])
+def test_gpu_triton_variants_quantized_payloads(payload, variant):
     layout, weights = _problem(8, 512, 256, 40, 4, payload, x_dtype=torch.bfloat16)
-    _check(_as("masked", layout), weights, "triton", 2e-4, config={"SPLIT_NIBBLES": 1})
+    _check(_as("masked", layout), weights, "triton", 2e-4, config=variant)
 
 
 @pytest.mark.gpu
@@ -277,6 +277,7 @@ def test_gpu_triton_split_nibbles_quantized_payloads(payload):
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT_NIBBLES=1),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=5, MMA_FP16=1),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MMA_FP16=1),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, UNPACK16=1, MMA_FP16=1),
 ], ids=lambda c: "-".join(f"{k[0]}{k[-1]}{v}" for k, v in c.items()))
 def test_gpu_triton_configs(cfg):
     layout, weights = _problem(8, 512, 256, 200, 4, "bf16", x_dtype=torch.bfloat16)
