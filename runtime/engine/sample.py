@@ -90,8 +90,8 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Te
     lo, hi = seed & _M32, (seed >> 32) & _M32
     x = _fmix32((lo ^ ((step * 0x9E3779B9) & _M32))[:, None] ^ ((tok * 0x85EBCA6B) & _M32))
     x = _fmix32(x ^ hi[:, None])
-    u = ((x >> 8).to(torch.float64) + 0.5) / float(1 << 24)
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24-bit values: exact in fp32, u in (0, 1)
+    return -torch.log(-torch.log(u))
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
