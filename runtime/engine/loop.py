@@ -68,7 +68,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.run_once(block=True)
+            if not self.run_once(block=True) and self.scheduler.has_work:
+                # work exists but none can run now (e.g. waiting for pages held by requests whose KV a
+                # peer is writing): wait for a message instead of spinning on the GIL
+                try:
+                    self._handle(self._inbox.get(timeout=0.002))
+                except queue.Empty:
+                    pass
 
     def run_once(self, block: bool = False) -> bool:
         """Drain the inbox, then run one step. Blocks briefly on an empty inbox when idle and `block`."""
