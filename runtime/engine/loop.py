@@ -68,7 +68,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.run_once(block=True) and self.scheduler.has_work:
+            if not self.run_once(block=True) and self.scheduler.busy:
                 # work exists but none can run now (e.g. waiting for pages held by requests whose KV a
                 # peer is writing): wait for a message instead of spinning on the GIL
                 try:
@@ -78,7 +78,7 @@ class EngineLoop:
 
     def run_once(self, block: bool = False) -> bool:
         """Drain the inbox, then run one step. Blocks briefly on an empty inbox when idle and `block`."""
-        if block and not self.scheduler.has_work and self._inbox.empty():
+        if block and not self.scheduler.busy and self._inbox.empty():
             try:
                 self._handle(self._inbox.get(timeout=0.05))
             except queue.Empty:

@@ -151,6 +151,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.decode.running or self.prefill.prefilling)
 
+    @property
+    def busy(self) -> bool:
+        """has_work, or requests parked for a role hook (whose poll must run often)."""
+        return self.has_work or bool(self.parked)
+
     def step(self) -> bool:
         """Run one batch if there is work; returns whether a batch ran."""
         self.hooks.poll(self)
