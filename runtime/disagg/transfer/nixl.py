@@ -59,10 +59,13 @@ class NixlTransfer(KVTransferBackend):
     name = "nixl"
     supports_convert = False
 
-    def __init__(self, agent_name: str, *, backends: tuple[str, ...] = ("UCX",), **kwargs):
+    def __init__(self, agent_name: str, *, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False,
+                 **kwargs):
         super().__init__(agent_name, **kwargs)
         self._nixl = _import_nixl()
-        cfg = self._nixl.nixl_agent_config(backends=list(backends))
+        # no progress thread: it busy-polls a core for the agent's whole life (and outlives close());
+        # our waits poll check_xfer_state / get_new_notifs, which progress the transfers themselves
+        cfg = self._nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
         self.agent = self._nixl.nixl_agent(agent_name, cfg)
         if not self.agent.backends:
             raise KVTransferError(f"NIXL agent {agent_name} has none of the backends {backends}; "
