@@ -4,10 +4,12 @@ One program quantizes BLOCK_M rows x BLOCK_K columns of one group (grid axis 2: 
 grouped [E, M, K] input, else 0). The input is read as words holding an (even, odd) element pair,
 so unpacking is a shift and packing two codes into a byte needs no shuffle; each 16-element block is
 loaded as two 16-byte halves, so one thread owns whole blocks: the block maximum and the per-block
-scale arithmetic stay in registers and are done once per block. The arithmetic is the reference's, step for step (pdlab.kernels.nvfp4):
-fp32, IEEE round-to-nearest division (`div_rn`, not the approximate `/`), and the e4m3 and e2m1
-roundings done with integer/bit arithmetic, so the kernel is exact on GPU and under the CPU
-interpreter alike (whose fp8 casts differ from torch's).
+scale arithmetic stay in registers and are done once per block.
+
+The arithmetic is the reference's, step for step (pdlab.kernels.nvfp4): fp32, IEEE round-to-nearest
+division (`div_rn`, not the approximate `/`), and the e4m3 and e2m1 roundings done by fp32 additions
+of "magic" constants plus bit arithmetic (no fp8 casts), so the kernel is exact on GPU and under the
+CPU interpreter alike (whose fp8 casts differ from torch's). Inputs must not hold NaN.
 """
 
 import triton
@@ -114,8 +116,8 @@ def nvfp4_quant_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """x: rows g*M + m of a [G*M, K] view, read as words of two elements (row stride stride_xw
-    words; IN_KIND 0 bf16 / 1 fp16 in int32 words, 2 fp32 in int64 words). GS_MODE: 0 one global scale,
-    1 one per group, 2 one per row. HAS_MASK: rows m >= masked_m[g] are not read (zero output).
+    words; IN_KIND 0 bf16 / 1 fp16 in int32 words, 2 fp32 in int64 words). GS_MODE: 0 one global
+    scale, 1 one per group, 2 one per row. HAS_MASK: rows m >= masked_m[g] are not read (zero output).
     SWIZZLE: scales go to the 128x4 layout [G, ceil(M/128), sw_k_tiles, 32, 4, 4]. OFFS_64: offsets
     need 64 bits (inputs or outputs of 2^31 elements or more)."""
     NB: tl.constexpr = BLOCK_K // 16

@@ -72,11 +72,12 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch
     words = _as_pairs(x2, torch.int64 if in_kind == 2 else torch.int32)
     if R == 0 or K == 0:
         return packed, scales.view(torch.float8_e4m3fn)
+    offs_64 = max(words.stride(0) * R, scales.numel()) >= 2**31 - 2**20  # element offsets need 64 bits
     grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"]), groups)
     nvfp4_quant_kernel[grid](
         words, global_scale, masked_m if masked_m is not None else global_scale, packed, scales,
         M, K, words.stride(0), kt,
-        IN_KIND=in_kind, GS_MODE=gs_mode, OFFS_64=max(words.stride(0) * R, scales.numel()) >= 2**31 - 2**20, HAS_MASK=masked_m is not None, SWIZZLE=swizzle,
+        IN_KIND=in_kind, GS_MODE=gs_mode, HAS_MASK=masked_m is not None, SWIZZLE=swizzle, OFFS_64=offs_64,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     return packed, scales.view(torch.float8_e4m3fn)
 
