@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,6 +112,13 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.type = status, message, param, type_
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the request body is already read, so the
+    next ASGI message is http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
@@ -122,7 +129,14 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                extra_metrics: Callable[[], str] | None = None) -> FastAPI:
     """The FastAPI app over a started (or to-be-started) `EngineLoop` (or an object with its
     submit/abort/scheduler). extra_metrics: returns more Prometheus text to append to /metrics."""
-    app = FastAPI(title="pdlab runtime", version="0.1.0")
+    async def _auth(request: Request) -> None:
+        # a dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from handlers
+        if api_key and request.url.path not in ("/health", "/metrics"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               type_="authentication_error")
+
+    app = FastAPI(title="pdlab runtime", version="0.1.0", dependencies=[Depends(_auth)])
     ctx_len = max_context_len or loop.scheduler.max_context_len
     inflight: dict[str, Any] = {}
 
@@ -157,14 +171,6 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         log.exception("unhandled error in a request handler")
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"),
                             status_code=500)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path not in ("/health", "/metrics"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                               None, "authentication_error"), status_code=401)
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -215,14 +221,14 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     async def _collect(req: Req, q: asyncio.Queue, request: Request) -> tuple[list[StepOutput], StepOutput]:
         outs: list[StepOutput] = []
         gen = _outputs(req, q)
+        watch = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
                 nxt = asyncio.ensure_future(gen.__anext__())
-                while not nxt.done():
-                    done, _ = await asyncio.wait({nxt}, timeout=0.5)
-                    if not done and await request.is_disconnected():
-                        nxt.cancel()
-                        raise ApiError(499, "client disconnected")
+                await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():  # the client went away first
+                    nxt.cancel()
+                    raise ApiError(499, "client disconnected")
                 try:
                     out = nxt.result()
                 except StopAsyncIteration:
@@ -231,6 +237,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                 if out.finished:
                     break
         finally:
+            watch.cancel()
             await gen.aclose()
         final = outs[-1]
         if final.error and not final.token_ids and final.completion_tokens == 0:

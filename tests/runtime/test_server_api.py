@@ -259,3 +259,19 @@ def test_role_extension_points():
         assert [o.token_ids for o in got][-1] and got[-1].completion_tokens == 3
     finally:
         srv.stop()
+
+
+def test_disconnect_of_a_non_stream_request_frees_pages():
+    srv = _server(SlowToy)
+    try:
+        pool = srv.engine.pool
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=0.4) as c:
+            with pytest.raises(httpx.TimeoutException):
+                c.post("/v1/completions", json={"prompt": "wait for me", "max_tokens": 200, "ignore_eos": True})
+        deadline = time.time() + 10
+        while (pool.num_free_pages != pool.allocator.capacity or srv.scheduler.by_rid) and time.time() < deadline:
+            time.sleep(0.05)
+        assert pool.num_free_pages == pool.allocator.capacity and not srv.scheduler.by_rid
+        assert srv.metrics.finished.get("abort") == 1
+    finally:
+        srv.stop()
