@@ -269,6 +269,8 @@ class PrefillRole(RoleHooks):
         if st is TransferStatus.PROC:
             if now - rec.since > self.timeout:
                 self._fail(sched, rec, f"KV transfer not done after {self.timeout} s")
+            elif self.loop is not None:
+                self.loop.call(lambda _s: None)  # keep the loop awake (polling = progress) while in flight
             return
         self.transfer.release(rec.handle)
         if st is TransferStatus.ERR:

@@ -16,6 +16,7 @@ from pdlab.runtime.config import ConfigError, build_config
 from pdlab.runtime.core import SamplingParams
 from pdlab.runtime.disagg.config import RoleConfig
 from pdlab.runtime.disagg.launch import launch_disagg, serve_role, serve_router
+from pdlab.runtime.disagg.transfer.nixl import available as nixl_available
 from pdlab.runtime.engine.loop import LLM
 from pdlab.runtime.router.router import RouterConfig
 from pdlab.runtime.supervisor import ChildSpec, Supervisor
@@ -141,6 +142,29 @@ def test_prefill_death_fails_request_marks_unhealthy_and_readmits(stack):
             assert _generate(c, url, [9, 8, 7], max_new=3)
         finally:
             sup2.stop()
+
+
+@pytest.mark.skipif(not nixl_available()[0], reason="NIXL not importable")
+def test_http_nixl_between_processes():
+    """The NIXL backend between two server processes (UCX over shared memory / TCP on one host)."""
+    cfg = {**BASE, "kv_transfer": "nixl"}
+    sup = Supervisor(start_timeout=120, stop_timeout=5)
+    try:
+        acks = sup.start([
+            ChildSpec("prefill", serve_role, args=({**cfg, "role": "prefill"},), kwargs={"model_factory": FACTORY}),
+            ChildSpec("decode", serve_role, args=({**cfg, "role": "decode"},), kwargs={"model_factory": FACTORY}),
+        ])
+        rcfg = RouterConfig(prefill=[acks["prefill"]["url"]], decode=[acks["decode"]["url"]], port=0)
+        url = sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))])["router"]["url"]
+        prompts = [[(5 * i + n) % 256 for i in range(n)] for n in (16, 45)]
+        model, tok, mcfg = load_sensitive_toy()
+        settings = {k: v for k, v in BASE.items() if k not in ("log_level", "port", "transfer_timeout")}
+        ref = [r["token_ids"] for r in LLM(model=model, tokenizer=tok, model_config=mcfg, **settings)
+               .generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))]
+        with httpx.Client(timeout=60) as c:
+            assert [_generate(c, url, p, max_new=6) for p in prompts] == ref
+    finally:
+        sup.stop()
 
 
 # ------------------------------------------------------------------------------ launch failures
