@@ -202,18 +202,22 @@ class Scheduler:
             # chunked requests hold the pages and none can continue: park the newest one
             victim = pick_victim(self.prefill.prefilling)
             if victim is None:
+                if self.parked:
+                    return None  # pages are held by parked requests; a role hook will release them
                 raise RuntimeError("a lone prefill cannot get pages: the pool is smaller than one request "
                                    "(should have been rejected at start-up)")
             self._retract(victim)
         return None
 
-    def _decode_batch(self) -> Batch:
+    def _decode_batch(self) -> Batch | None:
         while True:
             need = sum(self.decode.pages_for_step(r) for r in self.decode.running)
             if need <= self.pool.num_free_pages:
                 break
             victim = pick_victim(self.decode.running + self.prefill.prefilling)
             if victim is None:
+                if self.parked:
+                    return None  # wait for a role hook to release parked pages
                 raise RuntimeError("out of KV pages with a single running request; the pool is smaller "
                                    "than one request (should have been rejected at start-up)")
             self._retract(victim)

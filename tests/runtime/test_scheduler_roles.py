@@ -180,3 +180,24 @@ def test_a_failing_step_fails_only_its_batch():
     assert out[0]["finish_reason"] == out[1]["finish_reason"]  # both were in the failed prefill batch
     again = llm.generate([list(range(1, 20))], SamplingParams(temperature=0, max_tokens=4))[0]
     assert again["finish_reason"] == "length" and len(again["token_ids"]) == 4 and _all_free(llm)
+
+
+def test_pages_held_by_parked_requests_make_others_wait_not_fail():
+    hooks = TakeOver()
+    llm = _llm(hooks, role="prefill", max_total_tokens=160, max_running_requests=8)
+    s = llm.scheduler
+    reqs = [_req(60, seed=i) for i in range(4)]  # 4 pages each; the pool has 10
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(100):
+        s.step()
+    assert len(hooks.taken) == 2 and all(r.status == ReqStatus.HANDED_OFF for r in hooks.taken)
+    assert not any(r.finished for r in reqs)  # the others wait for pages, none failed
+    for r in list(hooks.taken):
+        s.release(r.rid)
+    for _ in range(100):
+        s.step()
+    assert len(hooks.taken) == 4
+    for r in hooks.taken[2:]:
+        s.release(r.rid)
+    assert _all_free(llm)
