@@ -82,6 +82,8 @@ class SchedulerConfig(EngineConfig):
     decode_reserve_tokens: int = Field(16, ge=0, description="tokens of headroom kept per running decode when admitting new requests")
     retract_mode: Literal["backup", "recompute"] = Field("backup", description="retracted KV: copy to CPU, or drop and recompute")
     role: Literal["colocated", "prefill", "decode"] = Field("colocated", description="which phases this server runs")
+    overlap_schedule: bool = Field(False, description="launch the next decode step before post-processing the "
+                                   "current one (hides host time; a finished request costs one discarded token)")
 
     @model_validator(mode="after")
     def _check_sched(self):

@@ -7,7 +7,7 @@
 #     prompt tokens; the same decode sweep eagerly at batch 1 and 64 for comparison;
 #  3. `runtime serve` with that model + `bench serving` (2k in / 512 out, concurrency 32, ~3 minutes).
 # Results go to $OUT (default /tmp/pdlab_runtime). Run from the repository root. Every stage has
-# its own timeout; STAGES="tests perf serve" picks stages.
+# its own timeout; STAGES="tests perf serve" picks stages; SERVE_EXTRA="--overlap-schedule" adds serve flags.
 set -u
 OUT=${OUT:-/tmp/pdlab_runtime}
 mkdir -p "$OUT"
@@ -30,7 +30,7 @@ fi
 if [[ " $STAGES " == *" perf "* ]]; then
   stamp "perf (graphs)"
   PDLAB_STEP_PROFILE=1 timeout 300 $PY -m pdlab.runtime.engine.perf --model-path "$MODEL" --device cuda \
-    --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 --steps 20 --ttft-lens 1024,8192 \
+    --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 --steps 20 --ttft-lens 1024,8192 --overlap-too \
     --out "$OUT/perf" > "$OUT/perf.txt" 2>&1
   stamp "perf rc=$?"; tail -15 "$OUT/perf.txt"
   stamp "perf (eager)"
@@ -44,7 +44,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
   stamp "serve"
   $PY -c 'import sys; from pdlab.runtime.cli import main; sys.exit(main(sys.argv[1:]))' serve \
     --model-path "$MODEL" --device cuda --port "$PORT" --max-running-requests 64 --max-context-len 4096 \
-    --chunked-prefill-size 8192 --max-prefill-tokens 16384 --cuda-graph-bs 1 2 4 8 16 24 32 40 48 64 \
+    --chunked-prefill-size 8192 --max-prefill-tokens 16384 --cuda-graph-bs 1 2 4 8 16 24 32 40 48 64 ${SERVE_EXTRA:-} \
     > "$OUT/serve.txt" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 240); do

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,21 @@ from pdlab.runtime.memory.table import PageTable
 log = logging.getLogger("pdlab.runtime")
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class PendingStep:
+    """A launched, not yet collected step (device results + the copy/event that brings them home)."""
+
+    batch: Batch
+    t0: float = 0.0
+    sampled: list = field(default_factory=list)
+    sreqs: list = field(default_factory=list)
+    out: SampleOutput | None = None
+    host_ids: torch.Tensor | None = None
+    done: object = None
+    ev0: object = None
+    ev1: object = None
 
 
 @dataclass
@@ -113,48 +128,72 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
     def forward(self, batch: Batch) -> ForwardOutput:
         """Run one step. Every request must already hold pages for cached_len + extend_len tokens."""
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> "PendingStep":
+        """Enqueue a step's forward + sampling on the device and return without waiting for it.
+        input_ids: [B] int64 device tensor of a decode step's input tokens (the previous step's
+        sampled tokens, not yet on the host); None = read them from the requests."""
         reqs = batch.reqs
         for r, n in zip(reqs, batch.extend_lens):
             if len(r.pages) * self.page_size < r.cached_len + n:
                 raise RuntimeError(f"request {r.rid}: {len(r.pages)} pages cannot hold {r.cached_len + n} tokens; "
                                    "the scheduler must allocate before the step")
         self.page_table.sync(reqs)
-        t0 = time.perf_counter()
+        p = PendingStep(batch, t0=time.perf_counter())
         if self.profile:
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
+            p.ev0, p.ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            p.ev0.record()
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
-            logits = self.graphs.replay(reqs)
+            logits = self.graphs.replay(reqs, input_ids)
         else:
-            input_ids, positions, ctx = self.prepare(batch)
-            logits = self.model.forward(input_ids, positions, ctx)
-        sampled = [i for i in range(len(reqs)) if batch.samples(i)]
-        if not sampled:
-            return ForwardOutput([], [], [])
-        if len(sampled) != len(reqs):
-            logits = logits[torch.tensor(sampled, device=logits.device)]
-        sreqs = [reqs[i] for i in sampled]
-        if all(r.params.temperature == 0.0 and r.params.logprobs is None for r in sreqs):
-            out = SampleOutput(next_ids=logits.argmax(dim=-1))  # greedy fast path: no per-row settings
+            ids, positions, ctx = self.prepare(batch, input_ids)
+            logits = self.model.forward(ids, positions, ctx)
+        # a decode step samples every request (with overlap, seq_len on the host lags by the token in flight)
+        p.sampled = list(range(len(reqs))) if batch.is_decode else [i for i in range(len(reqs)) if batch.samples(i)]
+        if not p.sampled:
+            return p
+        if len(p.sampled) != len(reqs):
+            logits = logits[torch.tensor(p.sampled, device=logits.device)]
+        p.sreqs = [reqs[i] for i in p.sampled]
+        if all(r.params.temperature == 0.0 and r.params.logprobs is None for r in p.sreqs):
+            p.out = SampleOutput(next_ids=logits.argmax(dim=-1))  # greedy fast path: no per-row settings
         else:
-            out = sample(logits, SamplingTensors.from_reqs(sreqs, self.vocab_size, logits.device))
+            p.out = sample(logits, SamplingTensors.from_reqs(p.sreqs, self.vocab_size, logits.device))
         if self.profile:
-            ev1.record()
-        next_ids, lps = _to_host(out, sreqs)
-        gpu_ms = ev0.elapsed_time(ev1) if self.profile else (time.perf_counter() - t0) * 1e3
-        self.last_gpu_ms = gpu_ms
-        return ForwardOutput(sampled, next_ids, lps, gpu_ms=gpu_ms)
+            p.ev1.record()
+        if self.device.type == "cuda" and p.out.chosen_logprobs is None:
+            p.host_ids = torch.empty(len(p.sampled), dtype=torch.int64, pin_memory=True)
+            p.host_ids.copy_(p.out.next_ids, non_blocking=True)
+            p.done = torch.cuda.Event()
+            p.done.record()
+        return p
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """Device tensors of a step: input_ids [T] int64, positions [T] int64, and its ForwardContext."""
+    def collect(self, p: "PendingStep") -> ForwardOutput:
+        """Wait for a launched step and return its host results."""
+        if p.out is None:
+            return ForwardOutput([], [], [])
+        if p.done is not None:
+            p.done.synchronize()
+            next_ids, lps = p.host_ids.tolist(), [None] * len(p.sampled)
+        else:
+            next_ids, lps = _to_host(p.out, p.sreqs)
+        gpu_ms = p.ev0.elapsed_time(p.ev1) if p.ev0 is not None else (time.perf_counter() - p.t0) * 1e3
+        self.last_gpu_ms = gpu_ms
+        return ForwardOutput(p.sampled, next_ids, lps, gpu_ms=gpu_ms)
+
+    def prepare(self, batch: Batch, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        """Device tensors of a step: input_ids [T] int64, positions [T] int64, and its ForwardContext.
+        input_ids: optional [B] int64 device tensor overriding a decode step's input tokens."""
         reqs, ext = batch.reqs, batch.extend_lens
         ps = self.page_size
         if batch.is_decode:
-            host = torch.tensor([[r.token_at(r.cached_len) for r in reqs], [r.cached_len for r in reqs],
-                                 [r.table_row for r in reqs]], dtype=torch.int64)
+            toks = [0] * len(reqs) if input_ids is not None else [r.token_at(r.cached_len) for r in reqs]
+            host = torch.tensor([toks, [r.cached_len for r in reqs], [r.table_row for r in reqs]], dtype=torch.int64)
             host = host.pin_memory() if self.device.type == "cuda" else host
             dev = host.to(self.device, non_blocking=True)
-            return self.decode_tensors(dev[0], dev[1], dev[2], len(reqs))
+            return self.decode_tensors(dev[0] if input_ids is None else input_ids, dev[1], dev[2], len(reqs))
         ids, pos, slots = [], [], []
         for r, n in zip(reqs, ext):
             ids.extend(r.tokens(r.cached_len, r.cached_len + n))

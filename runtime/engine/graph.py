@@ -67,12 +67,13 @@ class GraphRunner:
         log.info("captured %d decode graphs in %.1f s (free memory %.2f -> %.2f GiB)", len(self.graphs),
                  time.perf_counter() - t0, free0 / 2**30, free1 / 2**30)
 
-    def replay(self, reqs: list[Req]) -> torch.Tensor:
-        """Run the decode step of `reqs` in a captured graph; returns logits [len(reqs), V] (a view)."""
+    def replay(self, reqs: list[Req], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decode step of `reqs` in a captured graph; returns logits [len(reqs), V] (a view).
+        input_ids: optional [len(reqs)] int64 device tensor of input tokens (else read from reqs)."""
         n = len(reqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         host = torch.empty((3, bs), dtype=torch.int64, pin_memory=self.capture)
-        host[0, :n] = torch.tensor([r.token_at(r.cached_len) for r in reqs])
+        host[0, :n] = 0 if input_ids is not None else torch.tensor([r.token_at(r.cached_len) for r in reqs])
         host[1, :n] = torch.tensor([r.cached_len for r in reqs])
         host[2, :n] = torch.tensor([r.table_row for r in reqs])
         host[0, n:] = 0
@@ -82,6 +83,8 @@ class GraphRunner:
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.rows[:bs].copy_(dev[2])
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids)
         if not self.capture:
             args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
             return self.engine.model.forward(*args)[:n]

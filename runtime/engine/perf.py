@@ -31,9 +31,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20, warmup: int = 3) -> list[dict]:
-    """Rows: batch, context, step_ms (median), tok_per_s, gpu_ms, host_share, sched_share."""
+def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20, warmup: int = 3,
+                      overlap: bool = False) -> list[dict]:
+    """Rows: batch, context, overlap, step_ms (median), tok_per_s, gpu_ms, host_share, sched_share.
+    host_share = 1 - GPU time of forward+sampling / step wall time (the part of a step the GPU idles)."""
     sched, eng = llm.scheduler, llm.engine
+    sched.overlap = overlap
     vocab = eng.vocab_size
     rows = []
     for bs in batch_sizes:
@@ -65,9 +68,11 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
                 hosts.append(ls["schedule_ms"] + ls["process_ms"])
         for r in reqs:
             sched.abort(r.rid)
+        while sched.has_work:  # a launched step of aborted requests
+            sched.step()
         step = statistics.median(walls)
         gpu = statistics.median(gpus)
-        rows.append({"batch": bs, "context": context, "step_ms": step, "tok_per_s": bs / step * 1e3,
+        rows.append({"batch": bs, "context": context, "overlap": overlap, "step_ms": step, "tok_per_s": bs / step * 1e3,
                      "gpu_ms": gpu, "host_share": max(0.0, 1.0 - gpu / step) if eng.profile else None,
                      "sched_share": statistics.median(hosts) / step,
                      "graph": eng.graphs is not None and eng.graphs.can_run(bs)})
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--overlap-too", action="store_true", help="repeat the decode sweep with the overlap schedule")
     p.add_argument("--out", default="perf_out")
     a = p.parse_args(argv)
     os.environ.setdefault("PDLAB_STEP_PROFILE", "1")
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import pandas as pd
     dec = decode_throughput(llm, sizes, a.context, a.steps)
+    if a.overlap_too:
+        dec += decode_throughput(llm, sizes, a.context, a.steps, overlap=True)
     pd.DataFrame(dec).to_csv(out / "decode.csv", index=False)
     tt = [ttft(llm, n) for n in ttft_lens]
     for row in tt:

@@ -64,6 +64,9 @@ class Scheduler:
         self.num_retractions = 0
         self.num_admitted = 0
         self._last_was_chunk = False
+        self.overlap = cfg.overlap_schedule  # may be switched between steps (benchmarks compare both)
+        self.num_chained = 0  # overlap mode: decode steps launched before the previous one was processed
+        self._pending = None  # overlap mode: a launched decode step whose outputs are not processed yet
         self.last_step: dict = {}
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -149,7 +152,7 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.decode.running or self.prefill.prefilling)
+        return bool(self.waiting or self.decode.running or self.prefill.prefilling or self._pending is not None)
 
     @property
     def busy(self) -> bool:
@@ -159,17 +162,22 @@ class Scheduler:
     def step(self) -> bool:
         """Run one batch if there is work; returns whether a batch ran."""
         self.hooks.poll(self)
+        if self._pending is not None:
+            return self._step_overlapped()
         t0 = time.perf_counter()
         batch = self._schedule()
         if batch is None:
             return False
         t1 = time.perf_counter()
         try:
+            if self.overlap and batch.is_decode:
+                self._pending = self._launch(batch, None)
+                self.last_step = {"decode": True, "bs": batch.size, "tokens": batch.size,
+                                  "schedule_ms": (t1 - t0) * 1e3, "forward_ms": 0.0, "process_ms": 0.0}
+                return True
             out = self.engine.forward(batch)
         except Exception as exc:  # fail this batch's requests, keep serving the others
-            log.exception("forward step failed for %d request(s)", batch.size)
-            for r in batch.reqs:
-                self._finish(r, FinishReason.ERROR, error=f"internal error: {type(exc).__name__}: {exc}")
+            self._fail_batch(batch, exc)
             return True
         t2 = time.perf_counter()
         self._process(batch, out)
@@ -179,6 +187,61 @@ class Scheduler:
         if ENV.check_invariants:
             self.check_invariants()
         return True
+
+    # ---- overlap: launch decode step k+1 before processing step k --------------------------------
+    def _launch(self, batch: Batch, input_ids):
+        p = self.engine.launch(batch, input_ids)
+        for r in batch.reqs:
+            r.cached_len += 1  # its KV row is being written; the sampled token arrives at collect
+        return p
+
+    def _can_chain(self, batch: Batch) -> bool:
+        """Step k+1 may be launched blind when nothing about the batch can change at step k: same
+        running set, nobody finishing by length, no admissions pending, pages without retraction,
+        no logprobs (they need the host round trip)."""
+        if self.waiting or self.prefill.prefilling or self.decode.running != batch.reqs:
+            return False
+        need = 0
+        for r in batch.reqs:
+            p = r.params
+            if r.finished or len(r.output_ids) + 2 > p.max_tokens or r.seq_len + 2 > self.max_context_len \
+                    or p.logprobs is not None:
+                return False
+            need += self.decode.pages_for_step(r)
+        return need <= self.pool.num_free_pages
+
+    def _step_overlapped(self) -> bool:
+        t0 = time.perf_counter()
+        prev, nxt = self._pending, None
+        self._pending = None
+        try:
+            if self._can_chain(prev.batch):
+                reqs = list(prev.batch.reqs)
+                for r in reqs:
+                    n = self.decode.pages_for_step(r)
+                    if n:
+                        r.pages += self.pool.allocate(n)
+                nxt = self._launch(Batch(reqs, [1] * len(reqs), is_decode=True), prev.out.next_ids)
+                self.num_chained += 1
+            t1 = time.perf_counter()
+            out = self.engine.collect(prev)
+        except Exception as exc:
+            self._fail_batch(prev.batch, exc)
+            return True
+        t2 = time.perf_counter()
+        self._process(prev.batch, out, advanced=True)
+        self._pending = nxt
+        self.last_step = {"decode": True, "bs": prev.batch.size, "tokens": prev.batch.size,
+                          "schedule_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3,
+                          "process_ms": (time.perf_counter() - t2) * 1e3}
+        if ENV.check_invariants and nxt is None:
+            self.check_invariants()
+        return True
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> None:
+        log.exception("forward step failed for %d request(s)", batch.size)
+        for r in batch.reqs:
+            self._finish(r, FinishReason.ERROR, error=f"internal error: {type(exc).__name__}: {exc}")
 
     def _schedule(self) -> Batch | None:
         for _ in range(len(self.prefill.prefilling) + len(self.decode.running) + 2):
@@ -240,9 +303,10 @@ class Scheduler:
         log.debug("retracted %s (cached %d tokens, backup=%s)", req.rid, req.cached_len, req.backup is not None)
         self._enqueue(req)
 
-    def _process(self, batch: Batch, out) -> None:
-        for r, n in zip(batch.reqs, batch.extend_lens):
-            r.cached_len += n
+    def _process(self, batch: Batch, out, advanced: bool = False) -> None:
+        if not advanced:
+            for r, n in zip(batch.reqs, batch.extend_lens):
+                r.cached_len += n
         for i, tok, lp in zip(out.sampled, out.next_ids, out.logprobs):
             r = batch.reqs[i]
             if r.finished:

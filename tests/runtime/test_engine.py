@@ -107,7 +107,9 @@ def test_perf_helpers_run_and_leave_no_pages():
     llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=1024,
               max_context_len=128, max_running_requests=4)
     rows = perf.decode_throughput(llm, [1, 3], context=20, steps=2, warmup=1)
-    assert [r["batch"] for r in rows] == [1, 3] and all(r["tok_per_s"] > 0 for r in rows)
+    rows += perf.decode_throughput(llm, [3], context=20, steps=3, warmup=1, overlap=True)
+    assert [r["batch"] for r in rows] == [1, 3, 3] and all(r["tok_per_s"] > 0 for r in rows)
+    assert llm.scheduler.num_chained > 0
     t = perf.ttft(llm, 40, repeats=1)
     assert t["ttft_ms"] > 0
     assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity and not llm.scheduler.by_rid

@@ -94,3 +94,52 @@ def test_a_broken_restore_is_caught(monkeypatch):
     got, llm = _run(max_total_tokens=160, decode_reserve_tokens=0, **common)
     assert llm.scheduler.num_retractions > 0
     assert [g["token_ids"] for g in got] != [r["token_ids"] for r in ref]
+
+
+@pytest.mark.parametrize("kv_dtype,page", [("bf16", 16), ("fp8", 64)])
+def test_overlap_schedule_gives_identical_outputs(kv_dtype, page, monkeypatch):
+    """Overlap mode (decode step k+1 launched before step k is processed) under pressure, with stop
+    strings, stop ids and varied max_tokens: same tokens and texts as the plain loop, no page leak."""
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 7, 25, 1, 33, 12)]
+    base = dict(page_size=page, kv_dtype=kv_dtype, kv_scale=0.05, chunked_prefill_size=32, max_prefill_tokens=64)
+    m, tok, cfg = load_toy(max_position_embeddings=CTX)
+    plain = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", max_context_len=CTX, max_total_tokens=4096,
+                **base).generate(PROMPTS, params)
+    text = plain[0]["text"]
+    params[0] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[text[20:23]])
+    params[2] = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, stop_token_ids=[plain[2]["token_ids"][9]])
+    ref = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", max_context_len=CTX, max_total_tokens=4096,
+              **base).generate(PROMPTS, params)
+    for total in (4096, 3 * 64):
+        llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", max_context_len=CTX, max_total_tokens=total,
+                  decode_reserve_tokens=0, overlap_schedule=True, **base)
+        got = llm.generate(PROMPTS, params)
+        assert llm.scheduler.num_chained > (20 if total == 4096 else 0)
+        assert [g["token_ids"] for g in got] == [r["token_ids"] for r in ref]
+        assert [g["text"] for g in got] == [r["text"] for r in ref]
+        assert [g["finish_reason"] for g in got] == [r["finish_reason"] for r in ref]
+        while llm.scheduler.has_work:  # a step launched for requests that finished meanwhile
+            llm.scheduler.step()
+        assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
+    assert ref[0]["finish_reason"] == "stop" and ref[2]["finish_reason"] == "stop"
+
+
+def test_overlap_abort_while_a_step_is_in_flight():
+    m, tok, cfg = load_toy(max_position_embeddings=CTX)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", max_context_len=CTX, max_total_tokens=2048,
+              page_size=16, overlap_schedule=True)
+    s = llm.scheduler
+    from pdlab.runtime.core import Req
+    reqs = [Req(list(p.encode()), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in PROMPTS[:3]]
+    for r in reqs:
+        s.add_request(r)
+    while s.num_chained < 3:
+        s.step()
+    assert s._pending is not None
+    s.abort(reqs[1].rid)
+    while s.has_work:
+        s.step()
+    assert len(reqs[0].output_ids) == 30 and len(reqs[2].output_ids) == 30 and reqs[1].finish_reason.value == "abort"
+    s.check_invariants()
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
