@@ -24,6 +24,10 @@ def test_cuda_graph_decode_matches_eager():
     g = graph.generate(PROMPTS[:3], SP)  # 3 requests run in the size-4 graph (one padded row)
     e = eager.generate(PROMPTS[:3], SP)
     assert [x["token_ids"] for x in g] == [x["token_ids"] for x in e]
+    over = _llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8], overlap_schedule=True)
+    o = over.generate(PROMPTS[:3], SP)
+    assert over.scheduler.num_chained > 0
+    assert [x["token_ids"] for x in o] == [x["token_ids"] for x in e]
 
 
 def test_retraction_page64_fp8_on_gpu(monkeypatch):
