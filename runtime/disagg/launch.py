@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     rargs = {k: getattr(args, k) for k in ROUTER_FLAGS}
     try:
         if args.role == "router":
+            if not args.decode:
+                raise ValueError("--role router needs --decode URL [URL ...] (and --prefill URL ... for "
+                                 "disaggregated pairs)")
             rcfg = RouterConfig(host=args.host or "127.0.0.1", port=30000 if args.port is None else args.port, **rargs)
             return _run_inline(serve_router, rcfg.model_dump())
         if args.role in ("prefill", "decode"):
