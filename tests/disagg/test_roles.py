@@ -206,3 +206,21 @@ def test_real_tiny_model_greedy_equals_colocated(disagg):
     ref = [r["token_ids"] for r in LLM(**s).generate(prompts, params)]
     out = disagg(prefill=dict(s), decode=dict(s)).generate(prompts, params)
     assert [o["token_ids"] for o in out] == ref and all(len(r) == 5 for r in ref)
+
+
+def test_lost_page_handoff_times_out_on_both_sides(disagg, monkeypatch):
+    """The page ids never reach the prefill: the decode request fails after the timeout, and the
+    prefill releases the pages of its finished prompt instead of holding them forever."""
+    d = disagg(transfer_timeout=1.0)
+    monkeypatch.setattr(d.link, "send_pages", lambda prefill, msg: None)  # lost on the way
+    t0 = time.monotonic()
+    out = d.generate([[1, 2, 3, 4]], GREEDY, timeout=20)
+    assert "sent no KV within 1.0 s" in out[0]["error"] and time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    while d.prefill_role.metrics.snapshot()["current"]["failed"] == 0 and time.monotonic() < deadline:
+        d.prefill.loop.run_once()
+        time.sleep(0.01)
+    assert "no page ids from the decode server" in next(iter(d.prefill_role.records.values())).error
+    for side in (d.decode, d.prefill):
+        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
+        side.scheduler.check_invariants()

@@ -61,9 +61,6 @@ class Fake:
                 except asyncio.CancelledError:
                     self.disconnected.set()
                     raise
-                finally:
-                    if not self.hold.is_set():
-                        pass
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
