@@ -7,7 +7,9 @@
 #     prompt tokens; the same decode sweep eagerly at batch 1 and 64 for comparison;
 #  3. `runtime serve` with that model + `bench serving` (2k in / 512 out, concurrency 32, ~3 minutes).
 # Results go to $OUT (default /tmp/pdlab_runtime). Run from the repository root. Every stage has
-# its own timeout; STAGES="tests perf serve" picks stages; SERVE_EXTRA="--overlap-schedule" adds serve flags.
+# its own timeout; STAGES="tests perf serve" (default; add "eager" for the graph-less comparison) picks
+# stages; SERVE_EXTRA="--overlap-schedule" adds serve flags. Expect ~7-8 minutes for the default stages
+# (model build ~1 min per stage that loads it); split across calls with STAGES if a call is capped.
 set -u
 OUT=${OUT:-/tmp/pdlab_runtime}
 mkdir -p "$OUT"
@@ -33,6 +35,9 @@ if [[ " $STAGES " == *" perf "* ]]; then
     --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 --steps 20 --ttft-lens 1024,8192 --overlap-too \
     --out "$OUT/perf" > "$OUT/perf.txt" 2>&1
   stamp "perf rc=$?"; tail -15 "$OUT/perf.txt"
+fi
+
+if [[ " $STAGES " == *" eager "* ]]; then
   stamp "perf (eager)"
   PDLAB_STEP_PROFILE=1 timeout 150 $PY -m pdlab.runtime.engine.perf --model-path "$MODEL" --device cuda \
     --batch-sizes 1,64 --context 1024 --steps 10 --ttft-lens "" --disable-cuda-graph \

@@ -32,7 +32,7 @@ def _sync(device: torch.device) -> None:
 
 
 def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20, warmup: int = 3,
-                      overlap: bool = False) -> list[dict]:
+                      overlap: bool = False, on_row=None) -> list[dict]:
     """Rows: batch, context, overlap, step_ms (median), tok_per_s, gpu_ms, host_share, sched_share.
     host_share = 1 - GPU time of forward+sampling / step wall time (the part of a step the GPU idles)."""
     sched, eng = llm.scheduler, llm.engine
@@ -77,6 +77,8 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
                      "sched_share": statistics.median(hosts) / step,
                      "graph": eng.graphs is not None and eng.graphs.can_run(bs)})
         print(json.dumps(rows[-1]), flush=True)
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
@@ -130,10 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import pandas as pd
-    dec = decode_throughput(llm, sizes, a.context, a.steps)
+    dec: list[dict] = []
+
+    def save_row(row):  # partial results survive a timeout
+        dec.append(row)
+        pd.DataFrame(dec).to_csv(out / "decode.csv", index=False)
+
+    decode_throughput(llm, sizes, a.context, a.steps, on_row=save_row)
     if a.overlap_too:
-        dec += decode_throughput(llm, sizes, a.context, a.steps, overlap=True)
-    pd.DataFrame(dec).to_csv(out / "decode.csv", index=False)
+        decode_throughput(llm, sizes, a.context, a.steps, overlap=True, on_row=save_row)
     tt = [ttft(llm, n) for n in ttft_lens]
     for row in tt:
         print(json.dumps(row), flush=True)
