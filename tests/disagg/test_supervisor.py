@@ -2,7 +2,6 @@
 
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 

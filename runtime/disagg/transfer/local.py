@@ -123,8 +123,6 @@ class LocalTransfer(KVTransferBackend):
                 st = torch.UntypedStorage._new_shared_filename_cpu(_unb64(h["manager"]), _unb64(h["handle"]),
                                                                   h["size"])
             else:
-                from torch.multiprocessing.reductions import rebuild_cuda_tensor  # noqa: F401 (loads CUDA IPC)
-
                 torch.cuda._lazy_init()
                 with torch.cuda.device(h["device"]):
                     st = torch.UntypedStorage._new_shared_cuda(
