@@ -61,15 +61,27 @@ class DeviceFacts:
 
 
 def detect_arch(device: torch.device | str | int | None = None) -> str:
-    """`cpu` without CUDA (or for a CPU device), else `sm<major><minor>` of the given CUDA device."""
+    """`cpu` without CUDA (or for a CPU device), else `sm<major><minor>` of the given CUDA device.
+    Cheap after the first call per device (called on every op dispatch)."""
     if device is not None:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
             return "cpu"
+        index = dev.index
     elif not torch.cuda.is_available():
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device if device is not None else None)
-    return f"sm{major}{minor}"
+    else:
+        index = None
+    if index is None:
+        index = torch.cuda.current_device()
+    arch = _ARCHS.get(index)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _ARCHS[index] = f"sm{major}{minor}"
+    return arch
+
+
+_ARCHS: dict[int, str] = {}  # CUDA device index -> arch
 
 
 def arch_family(arch: str) -> str:
