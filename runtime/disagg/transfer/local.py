@@ -156,11 +156,13 @@ class LocalTransfer(KVTransferBackend):
                 src_idx = page_slots(src_pages, num_tokens, src_l.page_size).to(dev)
                 dst_idx = page_slots(dst_pages, num_tokens, dst_l.page_size).to(p.caches[0].device)
             for group in layer_groups(src_l.num_layers, self.layer_group_size):
-                if p.raw:
-                    staged = torch.stack([self._caches[i].index_select(0, src_idx) for i in group])
-                else:
-                    staged = torch.stack([self._caches[i].view(-1, src_l.row_width).index_select(0, src_idx)
-                                          for i in group])
+                # gather the group's pages (or rows) into one staging buffer, then one copy across
+                srcs = [self._caches[i] if p.raw else self._caches[i].view(-1, src_l.row_width) for i in group]
+                staged = torch.empty((len(srcs), src_idx.numel(), *srcs[0].shape[1:]), dtype=srcs[0].dtype,
+                                     device=dev)
+                for j, t in enumerate(srcs):
+                    torch.index_select(t, 0, src_idx, out=staged[j])
+                if not p.raw:
                     staged = convert_rows(staged, src_l, dst_l)
                 staged = staged.to(p.caches[0].device, non_blocking=True)  # one copy per layer group
                 nbytes += staged.numel() * staged.element_size()
