@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 
 from pdlab.runtime.disagg.roles import DecodeRole, PrefillRole
 
@@ -89,7 +89,8 @@ class RoleLoop:
 
 
 def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
-    """Add the /disagg endpoints, the header middleware and the role's metrics to a server app."""
+    """Add the /disagg endpoints and the header middleware to a server app (the role's metrics go in
+    through `create_app(extra_metrics=role.metrics.prometheus)`)."""
 
     @app.post("/disagg/pages")
     async def pages(request: Request):
@@ -122,7 +123,6 @@ def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
     async def kv_meta():
         return getattr(role, "meta", {}) or {}
 
-    _extend_metrics(app, role)
     inner = app.build_middleware_stack
 
     def build():
@@ -144,19 +144,3 @@ def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
         return tagged
 
     app.build_middleware_stack = build
-
-
-def _extend_metrics(app: FastAPI, role) -> None:
-    """Append the role's per-state counts to the server's /metrics (its handler is kept and called).
-    NOTE: a `create_app(extra_metrics=...)` hook in the server would make this unnecessary."""
-    old = next((r for r in app.router.routes if getattr(r, "path", None) == "/metrics"), None)
-    if old is not None:
-        app.router.routes.remove(old)
-
-    @app.get("/metrics")
-    async def metrics():
-        text = ""
-        if old is not None:
-            resp = await old.endpoint()
-            text = resp.body.decode()
-        return PlainTextResponse(text + role.metrics.prometheus(), media_type="text/plain; version=0.0.4")

@@ -135,7 +135,8 @@ def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwar
     role.attach(server.loop)
     # the same OpenAI handlers, over a loop that hands router-tagged requests to the role
     server.app = create_app(RoleLoop(server.loop, role), server.codec, server.metrics,
-                            model_name=cfg.served_model_name, api_key=cfg.api_key, max_queue=cfg.max_queue)
+                            model_name=cfg.served_model_name, api_key=cfg.api_key, max_queue=cfg.max_queue,
+                            extra_metrics=role.metrics.prometheus)
     install(server.app, role)
     for line in server.describe():
         log.info("%s", line)

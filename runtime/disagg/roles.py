@@ -308,7 +308,7 @@ class PrefillRole(RoleHooks):
     def _answer(self, rec: Record) -> None:
         rec.done_event.set()
         if self.loop is not None:
-            _drop_sink(self.loop, rec.transfer_id)  # the scheduler emits nothing more for it
+            self.loop.drop_sink(rec.transfer_id)  # the scheduler emits nothing more for it
         if rec.sink is None:
             return
         n = rec.req.prompt_len if rec.req is not None else 0
@@ -375,7 +375,7 @@ class DecodeRole(RoleHooks):
                             error=f"transfer id {req.rid!r} is already in flight; use a unique id"))
             return
         rec = self.records[req.rid] = Record(req.rid, req=req, peer=prefill, sink=sink)
-        _add_sink(self.loop, req.rid, self._wrap_sink(rec))
+        self.loop.add_sink(req.rid, self._wrap_sink(rec))
         self.metrics.move(rec, State.BOOTSTRAPPING, f"prefill {prefill}")
         self._try_allocate(sched, rec)
 
@@ -460,7 +460,7 @@ class DecodeRole(RoleHooks):
         if rec.req.rid in sched.by_rid:
             sched.kv_failed(rec.transfer_id, why)  # frees the pre-allocated pages, emits the error
         else:  # never admitted: no pages; answer the client directly
-            _drop_sink(self.loop, rec.transfer_id)
+            self.loop.drop_sink(rec.transfer_id)
             rec.sink(StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, error=why))
 
     def poll(self, sched) -> None:
@@ -481,22 +481,6 @@ class DecodeRole(RoleHooks):
                 self._finish_failed(sched, rec, rec.error if rec.abort_requested else
                                     f"the prefill server sent no KV within {self.timeout} s "
                                     f"(state {rec.state.value}); is {rec.peer} alive?")
-
-
-def _add_sink(loop, rid: str, sink) -> None:
-    add = getattr(loop, "add_sink", None)
-    if add is not None:
-        add(rid, sink)
-    else:  # NOTE: EngineLoop has no public way yet to route outputs of a request it did not add
-        loop._sinks[rid] = sink
-
-
-def _drop_sink(loop, rid: str) -> None:
-    drop = getattr(loop, "drop_sink", None)
-    if drop is not None:
-        drop(rid)
-    else:
-        loop._sinks.pop(rid, None)
 
 
 def _quiet(fn, *args) -> None:
