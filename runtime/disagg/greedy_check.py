@@ -21,7 +21,7 @@ import httpx
 def prompts(page_size: int, chunk: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     lens = [1, 2, 7, page_size - 1, page_size, page_size + 1, 2 * page_size, chunk - 1, chunk + 1,
-            2 * chunk + page_size + 3]
+            chunk + page_size + 3]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
 
 
