@@ -110,9 +110,25 @@ def _gauge(text, name):
     raise AssertionError(f"no metric containing {name!r} in:\n{text[:2000]}")
 
 
+def test_greedy_check_collects_and_compares(stack, tmp_path):
+    from pdlab.runtime.disagg import greedy_check
+
+    url = stack[0]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert greedy_check.main(["--base-url", url, "--out", str(a), "--page-size", "16", "--chunk", "32",
+                              "--vocab", "256", "--max-new-tokens", "3"]) == 0
+    rec = json.loads(a.read_text())
+    assert rec["prompt_lens"] == [1, 2, 7, 15, 16, 17, 32, 31, 33, 51] and all(len(o) == 3 for o in rec["outputs"])
+    rec["outputs"][4][1] += 1
+    b.write_text(json.dumps(rec))
+    assert greedy_check.main(["--compare", str(a), str(a)]) == 0
+    assert greedy_check.main(["--compare", str(a), str(b)]) == 1
+
+
 def test_prefill_death_fails_request_marks_unhealthy_and_readmits(stack):
     """Kill the prefill server mid-flight: the client gets an error in time, the router marks it
-    unhealthy; a new prefill on the same port is re-admitted once its health check passes."""
+    unhealthy; a new prefill on the same port is re-admitted once its health check passes.
+    NOTE: kills the stack's prefill, so it is the last test that uses the `stack` fixture."""
     url, acks, sup = stack
     with httpx.Client(timeout=30) as c:
         pid = sup.children["prefill"]
@@ -220,3 +236,4 @@ def test_impossible_role_configs_rejected(settings, match):
 def test_valid_role_configs():
     build_config(RoleConfig, role="decode", moe_dispatch_mode="low_latency", moe_runner="cutedsl")
     build_config(RoleConfig, role="prefill", moe_runner="triton", chunked_prefill_size=4096)
+
