@@ -80,7 +80,7 @@ def _ct(*a, **k):
     return create_transfer(*a, **k)
 
 
-def load_sensitive_toy(**kw):
+def load_sensitive_toy(slow_token=None, **kw):
     """(model, tokenizer, config) of the toy model with attention over every stored row, so a single
     missing, misplaced or corrupted KV row changes the logits (the toy's own attention is dominated by
     each token's own row)."""
@@ -90,6 +90,8 @@ def load_sensitive_toy(**kw):
 
     class KVSensitiveToy(ToyModel):
         def forward(self, input_ids, positions, ctx):
+            if slow_token is not None and not ctx.is_decode and int(input_ids[0]) == slow_token:
+                time.sleep(30)  # a prompt starting with slow_token "computes" for a long time
             ps = ctx.page_size
             for layer, cache in enumerate(ctx.kv_caches):
                 _store(cache, ctx.slots, self.latent(input_ids, positions, layer), ctx.kv_scale)

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -151,11 +152,34 @@ def test_prefill_death_fails_request_marks_unhealthy_and_readmits(stack):
         sup2 = Supervisor(start_timeout=120)
         try:
             sup2.start([ChildSpec("prefill2", serve_role, args=({**BASE, "role": "prefill", "port": port},),
-                                  kwargs={"model_factory": FACTORY})])
+                                  kwargs={"model_factory": FACTORY, "factory_kwargs": {"slow_token": 254}})])
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and not c.get(f"{url}/router/backends").json()[0]["healthy"]:
                 time.sleep(0.1)
             assert _generate(c, url, [9, 8, 7], max_new=3)
+            # now kill it while it computes a prompt whose pages the decode server holds
+            box = {}
+            th = threading.Thread(target=lambda: box.setdefault("r", c.post(f"{url}/generate", json={
+                "input_ids": [254, 1, 2], "sampling_params": {"max_new_tokens": 4}})))
+            th.start()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                st = c.get(f"{acks['decode']['url']}/disagg/state").json()
+                if st["current"]["waiting"] or st["current"]["transferring"]:
+                    break
+                time.sleep(0.05)
+            assert st["current"]["waiting"] + st["current"]["transferring"] == 1
+            assert _gauge(c.get(f"{acks['decode']['url']}/metrics").text, "kv_cache_usage_ratio") > 0
+            os.kill(sup2.children["prefill2"], 9)
+            t0 = time.monotonic()
+            th.join(BASE["transfer_timeout"] + 10)
+            assert box["r"].status_code >= 400 and time.monotonic() - t0 < BASE["transfer_timeout"] + 5
+            assert "sent no KV" in box["r"].text or "prefill" in box["r"].text
+            assert _gauge(c.get(f"{acks['decode']['url']}/metrics").text, "kv_cache_usage_ratio") == 0
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and c.get(f"{url}/router/backends").json()[0]["healthy"]:
+                time.sleep(0.1)
+            assert not c.get(f"{url}/router/backends").json()[0]["healthy"]
         finally:
             sup2.stop()
 
