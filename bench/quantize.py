@@ -58,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
     grouped = args.grouped if args.grouped is not None else ("32,256" if cuda else "4,16")
     cases = [(m, k, None) for k in ks for m in ms]
     if grouped and grouped != "none":
-        e, m_max = (int(v) for v in grouped.split(","))
+        try:
+            e, m_max = (int(v) for v in grouped.split(","))
+        except ValueError:
+            print(f"bench quantize: --grouped takes E,M_max (e.g. 32,256) or none, not {grouped!r}")
+            return 2
         cases.append((m_max, ks[0], e))
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     jobs = [(case, name, None) for case in cases for name in names]
