@@ -224,3 +224,26 @@ def test_lost_page_handoff_times_out_on_both_sides(disagg, monkeypatch):
     for side in (d.decode, d.prefill):
         assert _free_pages(side) == side.scheduler.pool.allocator.capacity
         side.scheduler.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_tiny_model_two_gpus_greedy_equals_colocated(disagg):
+    """Prefill engine on cuda:0, decode engine on cuda:1 (bf16, page 64, fp8 decode pool too)."""
+    import torch
+
+    from pdlab.runtime.model import load_model
+
+    prompts = [[(13 * i + 1) % 200 for i in range(n)] for n in (1, 63, 64, 65, 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    for kv in ("bf16", "fp8"):
+        sides = []
+        for dev in ("cuda:0", "cuda:1"):
+            model, tok, cfg = load_model(None, torch.device(dev), torch.bfloat16)
+            sides.append(dict(model=model, tokenizer=tok, model_config=cfg, device=dev, page_size=64, kv_dtype=kv,
+                              max_total_tokens=8192, chunked_prefill_size=128, max_prefill_tokens=256,
+                              max_context_len=512, disable_cuda_graph=True))
+        ref = [r["token_ids"] for r in LLM(**sides[1]).generate(prompts, params)]
+        out = disagg(prefill=sides[0], decode=sides[1]).generate(prompts, params)
+        assert [o["error"] for o in out] == [None] * len(prompts)
+        assert [o["token_ids"] for o in out] == ref, kv
