@@ -20,7 +20,9 @@ CPU_K = [2048]
 # A few launch configs tried by --sweep at M=4096, K=7168 (the tuner searches the full space).
 SWEEP = [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w}
          for bm, bk, w in [(2, 1024, 2), (4, 512, 2), (4, 1024, 4), (8, 256, 2), (8, 512, 4), (8, 512, 8),
-                           (8, 1024, 4), (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 512, 8)]]
+                           (8, 1024, 4), (16, 512, 4), (16, 512, 8), (2, 512, 1), (4, 256, 1)]]
+SWEEP += [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w, "TILES_K": t}
+          for bm, bk, w, t in [(4, 512, 2, 2), (4, 512, 2, 7), (2, 512, 1, 7), (4, 256, 1, 4)]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +144,10 @@ def _reason(registry, name: str) -> str | None:
 
 
 def _cfg_text(cfg: dict | None) -> str:
-    return "default" if not cfg else f"{cfg['BLOCK_M']}x{cfg['BLOCK_K']} w{cfg['num_warps']}"
+    if not cfg:
+        return "default"
+    text = f"{cfg['BLOCK_M']}x{cfg['BLOCK_K']} w{cfg['num_warps']}"
+    return text + (f" t{cfg['TILES_K']}" if cfg.get("TILES_K", 1) > 1 else "")
 
 
 def _inputs_and_reference(nvfp4, m, k, e, dtype, device, gen):

@@ -113,21 +113,20 @@ def nvfp4_quant_kernel(
     M, K, stride_xw, sw_k_tiles,
     IN_KIND: tl.constexpr, GS_MODE: tl.constexpr, HAS_MASK: tl.constexpr, SWIZZLE: tl.constexpr,
     OFFS_64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILES_K: tl.constexpr,
 ):
     """x: rows g*M + m of a [G*M, K] view, read as words of two elements (row stride stride_xw
     words; IN_KIND 0 bf16 / 1 fp16 in int32 words, 2 fp32 in int64 words). GS_MODE: 0 one global
     scale, 1 one per group, 2 one per row. HAS_MASK: rows m >= masked_m[g] are not read (zero output).
     SWIZZLE: scales go to the 128x4 layout [G, ceil(M/128), sw_k_tiles, 32, 4, 4]. OFFS_64: offsets
-    need 64 bits (inputs or outputs of 2^31 elements or more)."""
+    need 64 bits (inputs or outputs of 2^31 elements or more). TILES_K: K-tiles of BLOCK_K done by
+    one program, in a loop (which num_stages can software-pipeline); 1 = no loop."""
     NB: tl.constexpr = BLOCK_K // 16
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     g = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row within the group
-    blk = pid_k * NB + tl.arange(0, NB)  # 16-element block along K
     in_rows = m < M
-    in_blk = blk < K // 16
     live = in_rows
     if HAS_MASK:
         live = in_rows & (m < tl.load(mm_ptr + g))
@@ -138,16 +137,42 @@ def nvfp4_quant_kernel(
         gs = zero + tl.load(gs_ptr + g)
     else:
         gs = zero + tl.load(gs_ptr)
-
     if OFFS_64:
         row = g.to(tl.int64) * M + m
     else:
         row = g * M + m
-    # a block of 16 elements = 8 words of two elements; each half-block (4 words) is one vector load
+    if TILES_K == 1:
+        w_lo, w_hi = _load_tile(x_ptr, K, stride_xw, row, live, pid_k, True, NB)
+        _quant_tile(w_lo, w_hi, q_ptr, sf_ptr, M, K, sw_k_tiles, g, m, row, in_rows, gs, zero,
+                    pid_k, IN_KIND, SWIZZLE, NB)
+    else:
+        # the next tile's loads are issued before this tile's arithmetic (register double buffering)
+        w_lo, w_hi = _load_tile(x_ptr, K, stride_xw, row, live, pid_k * TILES_K, True, NB)
+        for t in range(TILES_K):
+            tile = pid_k * TILES_K + t
+            n_lo, n_hi = _load_tile(x_ptr, K, stride_xw, row, live, tile + 1, t + 1 < TILES_K, NB)
+            _quant_tile(w_lo, w_hi, q_ptr, sf_ptr, M, K, sw_k_tiles, g, m, row, in_rows, gs, zero,
+                        tile, IN_KIND, SWIZZLE, NB)
+            w_lo = n_lo
+            w_hi = n_hi
+
+
+@triton.jit
+def _load_tile(x_ptr, K, stride_xw, row, live, tile, valid, NB: tl.constexpr):
+    """Words of K-tile `tile` for rows `row`: a block of 16 elements = 8 words of two elements,
+    each half-block (4 words) one vector load. Returns ([BLOCK_M, NB, 4] x 2); zeros where masked."""
+    blk = tile * NB + tl.arange(0, NB)
     offs = row[:, None, None] * stride_xw + blk[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
-    mask = live[:, None, None] & in_blk[None, :, None]
-    w_lo = tl.load(x_ptr + offs, mask=mask, other=0)
-    w_hi = tl.load(x_ptr + offs + 4, mask=mask, other=0)
+    mask = (live[:, None, None] & (blk < K // 16)[None, :, None]) & valid
+    return tl.load(x_ptr + offs, mask=mask, other=0), tl.load(x_ptr + offs + 4, mask=mask, other=0)
+
+
+@triton.jit
+def _quant_tile(w_lo, w_hi, q_ptr, sf_ptr, M, K, sw_k_tiles, g, m, row, in_rows, gs, zero, tile,
+                IN_KIND: tl.constexpr, SWIZZLE: tl.constexpr, NB: tl.constexpr):
+    """Quantize the loaded words of K-tile `tile` (rows `row`, m within group g) and store them."""
+    blk = tile * NB + tl.arange(0, NB)  # 16-element block along K
+    in_blk = blk < K // 16
     e_lo, o_lo = _unpack_pairs(w_lo, IN_KIND)
     e_hi, o_hi = _unpack_pairs(w_hi, IN_KIND)
 

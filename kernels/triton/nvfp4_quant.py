@@ -33,7 +33,7 @@ def default_config(rows: int, k: int) -> dict:
 @register_backend(
     "nvfp4_quantize", "triton", archs=("cpu", "cuda"), packages=("triton",), probe=_probe, priority=50,
     config_space={"BLOCK_M": [1, 2, 4, 8, 16, 32], "BLOCK_K": [16, 32, 64, 128, 256, 512, 1024, 2048],
-                  "num_warps": [1, 2, 4, 8]},
+                  "num_warps": [1, 2, 4, 8], "TILES_K": [1, 2, 4, 7], "num_stages": [1, 2, 3, 4]},
     default_config={"BLOCK_M": 4, "BLOCK_K": 512, "num_warps": 2},
     options={"swizzle": True, "masked": True, "input_dtypes": ("bf16", "fp16", "fp32")},
 )
@@ -46,7 +46,8 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch
         global_scale: fp32 [1] (one for all rows) or [lead] (one per index of x's first dim).
         masked_m: [E] int32 or None; rows m >= masked_m[e] are written as zero bytes / zero scales.
         swizzle: write the scales in the 128x4 layout [(E,) ceil(M/128), ceil(K/64), 32, 4, 4].
-        config: BLOCK_M, BLOCK_K, num_warps (defaults from `default_config`).
+        config: BLOCK_M, BLOCK_K, num_warps (defaults from `default_config`); TILES_K (K-tiles per
+            program, looped; default 1) and num_stages (software pipelining of that loop).
     Returns: packed [..., K/2] uint8, scales [..., K/16] (or swizzled) float8_e4m3fn.
     Graph-safe: yes (no host sync; allocates its outputs)."""
     from pdlab.kernels.triton._nvfp4_quant_kernel import nvfp4_quant_kernel
@@ -73,12 +74,14 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch
     if R == 0 or K == 0:
         return packed, scales.view(torch.float8_e4m3fn)
     offs_64 = max(words.stride(0) * R, scales.numel()) >= 2**31 - 2**20  # element offsets need 64 bits
-    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"]), groups)
+    tiles_k = cfg.get("TILES_K", 1)
+    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"] * tiles_k), groups)
     nvfp4_quant_kernel[grid](
         words, global_scale, masked_m if masked_m is not None else global_scale, packed, scales,
         M, K, words.stride(0), kt,
         IN_KIND=in_kind, GS_MODE=gs_mode, HAS_MASK=masked_m is not None, SWIZZLE=swizzle, OFFS_64=offs_64,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], TILES_K=tiles_k, num_warps=cfg["num_warps"],
+        **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}))
     return packed, scales.view(torch.float8_e4m3fn)
 
 

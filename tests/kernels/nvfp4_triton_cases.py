@@ -76,7 +76,8 @@ def check_small(device) -> None:
         x = (torch.randn(5, 96, generator=g, device=device) * torch.logspace(-6, 3, 96, device=device)).to(dtype)
         amax = x.float().abs().amax().reshape(1)
         gs = nvfp4.global_scale_from_amax(amax).to(device)
-        for cfg in (None, {"BLOCK_M": 2, "BLOCK_K": 64}, {"BLOCK_M": 4, "BLOCK_K": 16, "num_warps": 1}):
+        for cfg in (None, {"BLOCK_M": 2, "BLOCK_K": 64}, {"BLOCK_M": 4, "BLOCK_K": 16, "num_warps": 1},
+                    {"BLOCK_M": 2, "BLOCK_K": 32, "TILES_K": 2}, {"BLOCK_M": 8, "BLOCK_K": 16, "TILES_K": 4}):
             compare(x, gs, config=cfg, what="row-wise")
         compare(x, gs * 1000, what="saturating")
         compare(x, gs / 1e6, what="underflowing scales")
@@ -104,6 +105,8 @@ def check_masked(device) -> None:
     compare(x, gs, masked_m, swizzle=True, what="masked swizzled")
     compare(x, gs[1:2], None, swizzle=True, what="grouped, one global scale")
     compare(x, gs, masked_m, config={"BLOCK_M": 4, "BLOCK_K": 32}, what="masked, tiles across experts")
+    compare(x, gs, masked_m, swizzle=True, config={"BLOCK_M": 4, "BLOCK_K": 16, "TILES_K": 3},
+            what="masked swizzled, looped K-tiles")
     x = x.clone()
     x[1, 3:] = float("nan")  # rows past masked_m must not be read
     compare(x, gs, masked_m, what="masked rows never read")
