@@ -62,12 +62,15 @@ class ToyModel:
             n = int(ctx.seqlens[b])
             pages = ctx.block_table[b, : -(-n // ps)].long()
             q = None
-            h = torch.zeros(LATENT)
+            h = torch.zeros(LATENT, device=self.device)
             for layer, cache in enumerate(ctx.kv_caches):
                 rows = _load(cache[pages].reshape(-1, LATENT)[:n], ctx.kv_scale)
                 q = rows[-1] if q is None else q
                 attn = torch.softmax(rows @ q / LATENT ** 0.5 / (1.0 + 0.25 * layer) ** 2, dim=0)
-                h = h + attn @ rows
+                # NOTE: attention alone is dominated by each token's own row; the position-weighted
+                # mean over every stored row makes one lost, misplaced or corrupted row change the logits.
+                w = torch.linspace(1.0, 2.0, n, device=rows.device)
+                h = h + attn @ rows + 3.0 * (w[:, None] * rows).sum(0) / w.sum()
             logits.append(h @ self.out * 4.0)
         return torch.stack(logits).float()
 

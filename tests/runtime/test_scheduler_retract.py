@@ -143,3 +143,23 @@ def test_overlap_abort_while_a_step_is_in_flight():
     assert len(reqs[0].output_ids) == 30 and len(reqs[2].output_ids) == 30 and reqs[1].finish_reason.value == "abort"
     s.check_invariants()
     assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
+
+
+def test_corrupted_restore_changes_greedy_outputs(monkeypatch):
+    """Control for the identity tests above: if a restore brought back even one wrong KV row, the
+    toy model's outputs must change, so those tests can fail."""
+    from pdlab.runtime.memory.pool import MLAKVPool as KVPool
+
+    common = dict(page_size=16, kv_dtype="bf16", allocator="paged", chunked_prefill_size=32,
+                  max_prefill_tokens=64, retract_mode="backup", kv_scale=0.05)
+    ref = _run(max_total_tokens=4096, **common)[0]
+    original = KVPool.copy_from_cpu
+
+    def corrupting(self, pages, backup):
+        backup.layers[0][0, 0].neg_()  # flip one latent row of the first restored page
+        return original(self, pages, backup)
+
+    monkeypatch.setattr(KVPool, "copy_from_cpu", corrupting)
+    got, llm = _run(max_total_tokens=CTX + 16, decode_reserve_tokens=0, **common)
+    assert llm.scheduler.num_retractions >= 1
+    assert [g["token_ids"] for g in got] != [r["token_ids"] for r in ref]
