@@ -180,8 +180,10 @@ class MoELayer:
         mode = mode or self.mode
         return self.dispatchers[mode].dispatch(tokens, topk_ids, topk_weights, self.payload, mode=mode)
 
-    def experts(self, layout: Layout, mode: str | None = None) -> Layout:
+    def experts(self, layout: Layout, mode: str | None = None, num_tokens: int | None = None) -> Layout:
         """Run this rank's experts on a dispatched layout → same layout, bf16 hidden.
+        num_tokens: tokens of this step on this rank (host int), for the expected rows per expert that
+        picks the tuned config of a masked layout without a host sync.
         A layout of the wrong kind raises ShapeError (the runner's contract)."""
         from pdlab.moe.experts import run_experts
 
@@ -194,7 +196,11 @@ class MoELayer:
                              describe_tensor(hidden),
                              "normal dispatch gives Contiguous [N, K], low-latency dispatch gives Masked [E, M, K]; "
                              "hand the runner the layout of the mode it was paired with")
-        return run_experts(layout, self.weights, runner=self.runners[mode], config=self.runner_config or None)
+        expected_m = None
+        if num_tokens is not None:  # balanced routing: T·world·k (token, expert) pairs over E experts
+            expected_m = max(1, -(-num_tokens * self.world_size * self.cfg.top_k // self.cfg.num_experts))
+        return run_experts(layout, self.weights, runner=self.runners[mode], config=self.runner_config or None,
+                           expected_m=expected_m)
 
     def combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
         """The experts' output (same layout as dispatched, bf16 hidden) → [T, H] weighted sum per token
@@ -221,7 +227,7 @@ class MoELayer:
         with self._stage("dispatch"):
             layout, handle = self.dispatch(tokens, ids, w, mode)
         with self._stage("experts"):
-            y = self.experts(layout, mode)
+            y = self.experts(layout, mode, num_tokens=x.shape[0])
         with self._stage("combine"):
             out = self.combine(y, handle)
         if self.shared_experts is not None:

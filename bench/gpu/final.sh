@@ -73,7 +73,7 @@ if [[ $PHASE == 2 ]]; then
   # cuda:0 — engine perf (decode throughput per batch size, host share, TTFT); cuda:1 — GPU tests
   mkdir -p "$OUT/runtime" "$OUT/disagg"
   ( CUDA_VISIBLE_DEVICES=1 timeout 110 $PY -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" \
-      tests/runtime tests/disagg -rA > "$OUT/runtime/pytest_gpu.txt" 2>&1; echo "rc=$?" >> "$OUT/runtime/pytest_gpu.txt" ) &
+      tests/runtime tests/disagg tests/moe/test_dispatch.py -rA > "$OUT/runtime/pytest_gpu.txt" 2>&1; echo "rc=$?" >> "$OUT/runtime/pytest_gpu.txt" ) &
   TESTS=$!
   stamp "runtime perf"
   CUDA_VISIBLE_DEVICES=0 PDLAB_STEP_PROFILE=1 timeout 120 $PY -m pdlab.runtime.engine.perf --model-path "$MODEL" \

@@ -25,7 +25,10 @@ class LocalDispatcher(BaseDispatcher):
 
     def _dispatch(self, tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   mode: str) -> tuple[Layout, DispatchHandle]:
-        layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, self.max_m())
+        # one rank: an expert gets each token at most once, so T rows per expert always suffice (T is
+        # static within a captured graph, so this stays graph-safe)
+        rows = min(self.max_m(), topk_ids.shape[0]) if mode == "low_latency" else self.max_m()
+        layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, rows)
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
         return layout, self._handle(mode, layout, topk_ids.shape[0], out_dtype, exp)
 

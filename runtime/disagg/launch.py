@@ -183,8 +183,22 @@ def _load(cfg, model_factory: str | None, factory_kwargs: dict | None):
     from pdlab.runtime.engine.engine import TORCH_DTYPES
     from pdlab.runtime.model import LoadOptions, load_model
 
-    opts = LoadOptions(moe_runner=cfg.moe_runner, dispatcher=cfg.moe_dispatcher, moe_decode_mode=cfg.moe_dispatch_mode)
-    return load_model(cfg.model_path, torch.device(cfg.resolved_device), TORCH_DTYPES[cfg.resolved_dtype], options=opts)
+    from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
+
+    device, dtype = torch.device(cfg.resolved_device), TORCH_DTYPES[cfg.resolved_dtype]
+    mode, moe_kwargs = cfg.moe_dispatch_mode, {}
+    if mode == "low_latency":
+        moe_kwargs = {"num_max_dispatch_tokens_per_rank": cfg.dispatch_max_tokens_per_rank,
+                      "max_num_tokens": cfg.max_running_requests}
+    elif cfg.role != "prefill" and device.type == "cuda" and cfg.use_cuda_graph:
+        # captured decode steps must not sync with the host: low-latency (masked) dispatch, one slot per
+        # running request
+        mode, moe_kwargs = "low_latency", {"num_max_dispatch_tokens_per_rank": cfg.max_running_requests}
+    opts = LoadOptions(moe_runner=cfg.moe_runner, dispatcher=cfg.moe_dispatcher, moe_decode_mode=mode,
+                       moe_kwargs=moe_kwargs)
+    if is_synthetic(cfg.model_path):
+        return load_synthetic(cfg.model_path, device, dtype, cfg.seed, opts)
+    return load_model(cfg.model_path, device, dtype, options=opts)
 
 
 def _split_devices(base: dict) -> tuple[dict, dict]:

@@ -65,14 +65,25 @@ class Engine:
                  max_running_requests: int = 256, graph_capture: bool | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.resolved_device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = TORCH_DTYPES[cfg.resolved_dtype]
+        use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
         if model is None:
             from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
+            from pdlab.runtime.model import LoadOptions
+            options = LoadOptions()
+            if use_graph and self.device.type == "cuda":
+                # Decode steps must not sync with the host to be captured: MoE layers dispatch decode
+                # tokens in low-latency mode (masked layout, no host sync), one slot per running request.
+                options = LoadOptions(moe_decode_mode="low_latency",
+                                      moe_kwargs={"num_max_dispatch_tokens_per_rank": max_running_requests})
             if is_synthetic(cfg.model_path):
-                model, tokenizer, model_config = load_synthetic(cfg.model_path, self.device, self.dtype, cfg.seed)
+                model, tokenizer, model_config = load_synthetic(cfg.model_path, self.device, self.dtype, cfg.seed,
+                                                                options)
             else:
                 from pdlab.runtime.model import load_model  # the model package is optional for the engine
-                model, tokenizer, model_config = load_model(cfg.model_path, self.device, self.dtype)
+                model, tokenizer, model_config = load_model(cfg.model_path, self.device, self.dtype, options=options)
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.num_layers = int(_attr(model_config, "num_hidden_layers"))
         self.vocab_size = int(_attr(model_config, "vocab_size"))
@@ -98,9 +109,10 @@ class Engine:
         self.graph_error: str | None = None
         self.profile = ENV.step_profile and self.device.type == "cuda"
         self.last_gpu_ms = 0.0
-        use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
         if use_graph:
             from pdlab.runtime.engine.graph import GraphRunner
+
+            self.ensure_current_device()
             try:
                 self.graphs = GraphRunner(self, cfg.cuda_graph_bs)
             except Exception as exc:  # e.g. an op that syncs with the host: serve eagerly, and say so
@@ -125,6 +137,12 @@ class Engine:
             budget = min(_host_available_bytes() * cfg.mem_fraction_static, 4 << 30)  # CPU: at most 4 GiB
         return max(2, int(budget // per_page))
 
+    def ensure_current_device(self) -> None:
+        """Make this engine's GPU the calling thread's current device (Triton launches on the current
+        device; an engine on cuda:1 driven from a thread whose current device is cuda:0 would fail)."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     # ---- one step ----------------------------------------------------------------------------
     def forward(self, batch: Batch) -> ForwardOutput:
         """Run one step. Every request must already hold pages for cached_len + extend_len tokens."""
@@ -135,6 +153,7 @@ class Engine:
         input_ids: [B] int64 device tensor of a decode step's input tokens (the previous step's
         sampled tokens, not yet on the host); None = read them from the requests."""
         reqs = batch.reqs
+        self.ensure_current_device()
         for r, n in zip(reqs, batch.extend_lens):
             if len(r.pages) * self.page_size < r.cached_len + n:
                 raise RuntimeError(f"request {r.rid}: {len(r.pages)} pages cannot hold {r.cached_len + n} tokens; "

@@ -31,8 +31,9 @@ def is_synthetic(path: str | None) -> bool:
     return bool(path) and path.startswith(PREFIX)
 
 
-def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0):
-    """(model, None, config) for spec "synthetic:deepseek-r1[:LAYERS]"."""
+def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0, options=None):
+    """(model, None, config) for spec "synthetic:deepseek-r1[:LAYERS]"; `options` (LoadOptions) as
+    for `load_model` (experts are always quantized to NVFP4)."""
     parts = spec[len(PREFIX):].split(":")
     if parts[0] != "deepseek-r1" or len(parts) > 2:
         raise ValueError(f"unknown synthetic model {spec!r}; use synthetic:deepseek-r1 or synthetic:deepseek-r1:LAYERS")
@@ -43,5 +44,5 @@ def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0):
     from pdlab.runtime.model.loader import LoadOptions, RandomSource, build_model
     cfg = r1_config(layers)
     src = RandomSource(cfg, seed, gen_device=device)
-    model = build_model(cfg, src, device, dtype, options=replace(LoadOptions(), quantize_experts=True))
+    model = build_model(cfg, src, device, dtype, options=replace(options or LoadOptions(), quantize_experts=True))
     return model, None, cfg
