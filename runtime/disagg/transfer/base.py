@@ -191,6 +191,16 @@ class KVTransferBackend(ABC):
         """Import a peer's metadata (from its `register`); check layouts (KVLayoutMismatch unless
         convertible); return the peer's name for `send_pages`. Idempotent per peer."""
 
+    def _peer_layout(self, meta: dict) -> tuple[str, "KVLayout"]:
+        """(peer name, peer layout) from a peer's `register` metadata, after the checks every backend
+        makes: same backend on both sides, this side registered first."""
+        if meta.get("backend") != self.name:
+            raise KVTransferError(f"peer {meta.get('agent')} uses the {meta.get('backend')} transfer backend, "
+                                  f"this side {self.name}; start both roles with the same --kv-transfer")
+        if self.layout is None:
+            raise KVTransferError("register this side's KV pool before adding peers")
+        return meta["agent"], KVLayout.from_json(meta["layout"])
+
     # -- data movement --------------------------------------------------------------------------
     @abstractmethod
     def send_pages(self, peer: str, transfer_id: str, src_pages: list[int], dst_pages: list[int],

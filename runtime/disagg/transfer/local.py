@@ -102,15 +102,9 @@ class LocalTransfer(KVTransferBackend):
                 "handles": handles, "pid": os.getpid()}
 
     def add_peer(self, meta):
-        if meta.get("backend") != self.name:
-            raise KVTransferError(f"peer {meta.get('agent')} uses the {meta.get('backend')} transfer backend, "
-                                  f"this side {self.name}; start both roles with the same --kv-transfer")
-        name = meta["agent"]
-        if name in self._peers:
-            return name
-        if self.layout is None:
-            raise KVTransferError("register this side's KV pool before adding peers")
-        dst = KVLayout.from_json(meta["layout"])
+        if meta.get("agent") in self._peers and meta.get("backend") == self.name:
+            return meta["agent"]
+        name, dst = self._peer_layout(meta)
         raw = check_compatible(self.layout, dst, convert=self.convert)
         shape = (dst.num_pages, dst.page_size, dst.row_width)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}[dst.dtype]

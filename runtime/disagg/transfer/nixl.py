@@ -103,15 +103,9 @@ class NixlTransfer(KVTransferBackend):
         return out
 
     def add_peer(self, meta):
-        if meta.get("backend") != self.name:
-            raise KVTransferError(f"peer {meta.get('agent')} uses the {meta.get('backend')} transfer backend, "
-                                  f"this side {self.name}; start both roles with the same --kv-transfer")
-        name = meta["agent"]
-        if name in self._peers:
-            return name
-        if self.layout is None:
-            raise KVTransferError("register this side's KV pool before adding peers")
-        dst = KVLayout.from_json(meta["layout"])
+        if meta.get("agent") in self._peers and meta.get("backend") == self.name:
+            return meta["agent"]
+        name, dst = self._peer_layout(meta)
         if name not in self._known:  # known before the layout check, so failure notices still reach it
             remote = self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
             remote = remote.decode() if isinstance(remote, bytes) else remote
