@@ -23,7 +23,7 @@ from pdlab.tuning.target import TuneTarget, register_target
 
 TOKENS_PER_RANK = (16, 128, 512, 4096)
 LOW_LATENCY_MAX = 256
-PAYLOADS = ("bf16", "nvfp4")
+PAYLOADS = ("bf16", "fp8", "nvfp4")
 _RANKS = [1]  # set by --ep before buckets are built
 
 
@@ -78,10 +78,9 @@ def _call(backend: str, cfg: dict, x: DispatchInputs):
     layout, handle = d.dispatch(x.x, x.topk_ids, x.topk_weights, x.bucket["payload"], global_scale=x.global_scale)
     if layout.payload != "bf16":  # identity experts on a quantized payload: its values in bf16, computed once
         if key not in x.dequantized:
-            from pdlab.kernels.nvfp4 import dequantize_nvfp4
+            from pdlab.moe.layouts import dequantize_hidden
 
-            x.dequantized[key] = dequantize_nvfp4(layout.hidden, layout.scales, layout.global_scale,
-                                                  dtype=torch.bfloat16)
+            x.dequantized[key] = dequantize_hidden(layout, torch.bfloat16)  # fp8 and nvfp4 payloads alike
         layout = dataclasses.replace(layout, hidden=x.dequantized[key], payload="bf16", scales=None,
                                      global_scale=None)
     return d.combine(layout, handle)
