@@ -221,6 +221,14 @@ class PrefillRole(RoleHooks):
             # the scheduler finished it (bad request, abort, error) before handing it over
             self._fail(None, rec, out.error or f"prefill ended early ({out.finish_reason})")
 
+    def on_abort(self, sched, req: Req, reason: str) -> bool:
+        tid = req.meta.get("transfer_id")
+        rec = self.records.get(tid) if tid else None
+        if rec is None or rec.state is not State.TRANSFERRING:
+            return False
+        rec.abort_requested, rec.error = True, reason  # the send in flight completes, then poll frees
+        return True
+
     def on_prefill_done(self, sched, req: Req) -> bool:
         tid = req.meta.get("transfer_id")
         rec = self.records.get(tid) if tid else None
@@ -437,6 +445,15 @@ class DecodeRole(RoleHooks):
         elif event == "failed":
             self._finish_failed(sched, rec, rec.error if rec.abort_requested else
                                 f"prefill failed: {msg.get('error', 'unknown error')}")
+
+    def on_abort(self, sched, req: Req, reason: str) -> bool:
+        rec = self.records.get(req.rid)
+        if rec is None or rec.state not in (State.WAITING, State.TRANSFERRING):
+            return False
+        if not rec.abort_requested:  # free pages once the prefill stops writing (its final notice)
+            rec.abort_requested, rec.error = True, reason
+            self._pool.submit(_quiet, self.link.send_abort, rec.peer, rec.transfer_id)
+        return True
 
     def _abort(self, sched, tid: str, why: str) -> None:
         rec = self.records.get(tid)

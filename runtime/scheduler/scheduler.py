@@ -42,6 +42,12 @@ class RoleHooks:
     def poll(self, sched: "Scheduler") -> None:
         """Called once per loop iteration (e.g. to complete finished KV transfers)."""
 
+    def on_abort(self, sched: "Scheduler", req: Req, reason: str) -> bool:
+        """Called when a request parked for this role (waiting for KV, or handed off) is aborted.
+        Return True if a peer may still be writing or reading its pages: the hook then finishes the
+        request once the peer is done (through `sched.abort` again, or `sched.release`)."""
+        return False
+
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, engine, codec: TextCodec | None = None,
@@ -103,6 +109,8 @@ class Scheduler:
         req = self.by_rid.get(rid)
         if req is None:
             return False
+        if rid in self.parked and self.hooks.on_abort(self, req, reason):
+            return True  # pages stay until the role's peer stops using them
         self._finish(req, FinishReason.ABORT, error=reason if reason != "aborted" else None)
         return True
 

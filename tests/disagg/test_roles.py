@@ -182,6 +182,39 @@ def test_client_abort_frees_pages_on_both_sides(disagg):
     assert d.generate([[1, 2]], GREEDY)[0]["token_ids"] == _colocated([[1, 2]])[0]
 
 
+def test_direct_scheduler_abort_keeps_pages_until_the_prefill_stops_writing(disagg):
+    """A plain `Scheduler.abort` (not the role's own abort path) on a request whose KV is in flight
+    must not free its pages while the prefill may still write them: the role hook defers it."""
+    d = disagg()
+    results = {}
+    long = [3] * 150
+    tid = "direct-abort"
+    d.decode_role.submit(Req(long, GREEDY, rid=tid), tid, "prefill-0", lambda out: results.setdefault("out", out))
+    d.prefill_role.submit(Req(long, GREEDY, rid=tid), tid)
+    deadline = time.monotonic() + 10
+    while tid not in d.decode.scheduler.parked and time.monotonic() < deadline:
+        d.decode.loop.run_once()
+        d.prefill.loop.run_once()
+        time.sleep(0.001)
+    assert d.decode_role.records[tid].state in (State.WAITING, State.TRANSFERRING)
+    held = list(d.decode.scheduler.parked[tid].pages)
+    assert held
+    assert d.decode.scheduler.abort(tid, "operator abort")
+    assert tid in d.decode.scheduler.parked and d.decode.scheduler.parked[tid].pages == held, \
+        "pages freed while the prefill may still write them"
+    assert "out" not in results
+    while "out" not in results and time.monotonic() < deadline:
+        d.decode.loop.run_once()
+        d.prefill.loop.run_once()
+        time.sleep(0.001)
+    assert results["out"].finished and results["out"].error == "operator abort"
+    for _ in range(5):
+        d.prefill.loop.run_once()
+    for side in (d.decode, d.prefill):
+        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
+        side.scheduler.check_invariants()
+
+
 def test_layout_mismatch_rejected_unless_converted(disagg):
     prompts = _prompts()[:5]
     d = disagg(prefill=_settings(page=16), decode=_settings(page=32))
