@@ -257,8 +257,28 @@ class Engine:
                  f"({type(p.allocator).__name__}), max context {self.max_context_len}",
                  "cuda graphs: " + (f"batch sizes {self.graphs.batch_sizes}" if self.graphs else
                                     f"off (capture failed: {self.graph_error})" if self.graph_error else "off (eager)")]
-        lines += describe_ops(self.device)
+        lines += _with_model_choices(describe_ops(self.device), self.model)
         return lines
+
+
+def _with_model_choices(lines: list[str], model) -> list[str]:
+    """Replace the MoE ops' generic lines by what the model's MoE layers were built with (runner and
+    dispatcher per dispatch mode, payload), which is what is served."""
+    moe = None
+    modules = model.modules() if hasattr(model, "modules") else []
+    for m in modules:
+        moe = getattr(m, "moe", None)
+        if moe is not None and hasattr(moe, "runners"):
+            break
+    if moe is None or not hasattr(moe, "runners"):
+        return lines
+    runners = ", ".join(f"{mode}: {name}" for mode, name in moe.runners.items())
+    dispatchers = ", ".join(f"{mode}: {d.name}" for mode, d in moe.dispatchers.items())
+    cfg = f" config {moe.runner_config}" if getattr(moe, "runner_config", None) else " config by shape (tuned or default)"
+    out = [ln for ln in lines if not ln.startswith(("op moe_experts:", "op moe_dispatch:"))]
+    out += [f"op moe_experts (model): runner {runners}, payload {moe.payload},{cfg}",
+            f"op moe_dispatch (model): {dispatchers}"]
+    return out
 
 
 def describe_ops(device: torch.device) -> list[str]:

@@ -77,6 +77,31 @@ def test_describe_names_backends_and_config_source():
     assert any(line.startswith("op mla_decode: backend") and "config" in line for line in lines)
 
 
+def test_describe_reports_the_models_own_moe_runner_and_dispatcher():
+    """The start-up report names what the model's MoE layers were built with, not the registry's
+    generic preference (which may be a dispatcher the model does not use)."""
+    from pdlab.runtime.engine.engine import Engine
+    from pdlab.runtime.config import EngineConfig
+    from pdlab.runtime.model import LoadOptions
+
+    model, tok, cfg = _real_model()
+    eng = Engine(EngineConfig(device="cpu", max_total_tokens=4096, page_size=16), model, tok, cfg)
+    lines = eng.describe()
+    assert "op moe_dispatch (model): normal: local" in lines
+    assert any(ln.startswith("op moe_experts (model): runner normal: ") for ln in lines)
+    assert not any(ln.startswith("op moe_dispatch:") for ln in lines)
+    model2, _, _ = load_model_with(LoadOptions(moe_runner="torch", moe_decode_mode="low_latency"))
+    lines = Engine(EngineConfig(device="cpu", max_total_tokens=4096, page_size=16), model2, tok, cfg).describe()
+    assert "op moe_dispatch (model): normal: local, low_latency: local" in lines
+    assert "runner normal: torch, low_latency: torch" in " ".join(lines)
+
+
+def load_model_with(options):
+    from pdlab.runtime.model import load_model
+
+    return load_model(None, "cpu", torch.float32, options=options)
+
+
 def _real_model():
     try:
         from pdlab.runtime.model import load_model
