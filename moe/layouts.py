@@ -102,8 +102,23 @@ def _check_global_scale(op: Op, backend: str | None, gs: torch.Tensor | None, nu
     op.require(backend, ok, "global_scale", "has the wrong shape", gs, f"fp32 scalar or [{num_experts}]")
 
 
+class _PayloadFields:
+    """What both layouts share: the payload's tensors and the model's hidden size."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden.shape[-1] * (2 if self.payload == "nvfp4" else 1)
+
+    def _with_payload(self, out: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        if self.payload != "bf16":
+            out["scales"] = self.scales
+        if self.payload == "nvfp4":
+            out["global_scale"] = self.global_scale
+        return out
+
+
 @dataclass(frozen=True)
-class Contiguous:
+class Contiguous(_PayloadFields):
     """Rows grouped by local expert (normal-mode dispatch output).
 
     hidden: [N, K] bf16|fp16|fp32 | [N, K] float8_e4m3fn | [N, K/2] uint8 (nvfp4), rows of expert e at
@@ -127,17 +142,8 @@ class Contiguous:
     def num_experts(self) -> int:
         return self.counts.shape[0]
 
-    @property
-    def hidden_size(self) -> int:
-        return self.hidden.shape[-1] * (2 if self.payload == "nvfp4" else 1)
-
     def tensors(self) -> dict[str, torch.Tensor | None]:
-        out = {"hidden": self.hidden, "counts": self.counts, "offsets": self.offsets}
-        if self.payload != "bf16":
-            out["scales"] = self.scales
-        if self.payload == "nvfp4":
-            out["global_scale"] = self.global_scale
-        return out
+        return self._with_payload({"hidden": self.hidden, "counts": self.counts, "offsets": self.offsets})
 
     def validate(self, op_name: str = "moe_layout", backend: str | None = None) -> dict[str, int]:
         """Check shapes/dtypes against the contract (no device sync); returns the bound dims
@@ -154,7 +160,7 @@ class Contiguous:
 
 
 @dataclass(frozen=True)
-class Masked:
+class Masked(_PayloadFields):
     """Rows per local expert in a fixed-size slab (low-latency dispatch output).
 
     hidden: [E, M_max, K] bf16|fp16|fp32 | float8_e4m3fn | [E, M_max, K/2] uint8 (nvfp4); rows
@@ -174,17 +180,8 @@ class Masked:
     def num_experts(self) -> int:
         return self.masked_m.shape[0]
 
-    @property
-    def hidden_size(self) -> int:
-        return self.hidden.shape[-1] * (2 if self.payload == "nvfp4" else 1)
-
     def tensors(self) -> dict[str, torch.Tensor | None]:
-        out = {"masked_m": self.masked_m, "hidden": self.hidden}
-        if self.payload != "bf16":
-            out["scales"] = self.scales
-        if self.payload == "nvfp4":
-            out["global_scale"] = self.global_scale
-        return out
+        return self._with_payload({"masked_m": self.masked_m, "hidden": self.hidden})
 
     def validate(self, op_name: str = "moe_layout", backend: str | None = None) -> dict[str, int]:
         """Check shapes/dtypes against the contract (no device sync); returns bound dims (E, M, K).
