@@ -252,6 +252,29 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     def _sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
+    def _openai_stream(req: Req, q: asyncio.Queue, head: dict, choice: Callable[[StepOutput], dict],
+                       include_usage: bool) -> StreamingResponse:
+        """SSE of one request: a chunk per output that carries text, tokens or the finish, an error
+        chunk if it fails, the usage chunk when asked, then [DONE]."""
+
+        async def events():
+            final = None
+            async for out in _outputs(req, q):
+                final = out
+                if out.error:
+                    yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
+                    continue  # an error output is the request's last one
+                if out.text or out.finished or out.token_ids:
+                    yield _sse({**head, "choices": [choice(out)]})
+            if include_usage and final is not None:
+                yield _sse({**head, "choices": [], "usage": _usage(final)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _finish_reason(out: StepOutput) -> str | None:
+        return out.finish_reason.value if out.finished and out.finish_reason else None
+
     def _tok_str(t: int) -> str:
         return codec.decode([t], False) if codec is not None else str(t)
 
@@ -301,20 +324,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def events():
-                final = None
-                async for out in _outputs(req, q):
-                    final = out
-                    if out.error:
-                        yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
-                        continue  # an error output is the request's last one
-                    if out.text or out.finished or out.token_ids:
-                        yield _sse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": lp_obj([out]),
-                                                         "finish_reason": out.finish_reason.value if out.finished and out.finish_reason else None}]})
-                if include_usage and final is not None:
-                    yield _sse({**head, "choices": [], "usage": _usage(final)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _openai_stream(req, q, head, lambda out: {"index": 0, "text": out.text, "logprobs": lp_obj([out]),
+                                                             "finish_reason": _finish_reason(out)}, include_usage)
         outs, final = await _collect(req, q, request)
         return {**head, "choices": [{"index": 0, "text": "".join(o.text for o in outs), "logprobs": lp_obj(outs),
                                      "finish_reason": final.finish_reason.value if final.finish_reason else None}],
@@ -352,25 +363,15 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name}
 
-            async def events():
-                final = None
-                first = True
-                async for out in _outputs(req, q):
-                    final = out
-                    if out.error:
-                        yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
-                        continue  # an error output is the request's last one
-                    if out.text or out.finished or out.token_ids:
-                        # the role rides on the first token's chunk, so chunk times are token times
-                        delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-                        first = False
-                        yield _sse({**head, "choices": [{"index": 0, "delta": delta,
-                                                         "logprobs": lp_obj([out]),
-                                                         "finish_reason": out.finish_reason.value if out.finished and out.finish_reason else None}]})
-                if include_usage and final is not None:
-                    yield _sse({**head, "choices": [], "usage": _usage(final)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            first = [True]
+
+            def choice(out: StepOutput) -> dict:
+                # the role rides on the first token's chunk, so chunk times are token times
+                delta = {"role": "assistant", "content": out.text} if first[0] else {"content": out.text}
+                first[0] = False
+                return {"index": 0, "delta": delta, "logprobs": lp_obj([out]), "finish_reason": _finish_reason(out)}
+
+            return _openai_stream(req, q, head, choice, include_usage)
         outs, final = await _collect(req, q, request)
         return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
