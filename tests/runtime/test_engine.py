@@ -11,12 +11,6 @@ from pdlab.runtime.engine.loop import LLM
 from pdlab.runtime.engine.testing import load_toy
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _engine(page=4, total=64):

@@ -12,12 +12,6 @@ from pdlab.runtime.engine.sample import SamplingTensors, gumbel_noise, sample
 from pdlab.runtime.engine.testing import ToyModel, load_toy
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _reqs(n, **kw):

@@ -2,7 +2,6 @@
 without pressure, for every allocator x KV dtype x page size, with CPU backup and with recompute."""
 
 import pytest
-import torch
 
 from pdlab.runtime.core import SamplingParams
 from pdlab.runtime.engine.loop import LLM
@@ -15,13 +14,6 @@ CTX = 128
 _REF: dict = {}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the toy model runs many tiny ops: thread hand-offs cost more than the math on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _run(**settings):
