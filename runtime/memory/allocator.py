@@ -55,6 +55,12 @@ class BaseAllocator(ABC):
     def free(self, pages: list[int]) -> None:
         """Give pages back; raise ValueError for a page that is not allocated (double free)."""
 
+    def _check_request(self, n: int, free: int, unit: str) -> None:
+        if n < 0:
+            raise ValueError(f"allocate(n): n must be >= 0, got {n}")
+        if n > free:
+            raise OutOfPages(f"asked for {n} {unit}, {free} free")
+
     def backup(self, pool: "MLAKVPool", pages: list[int], num_tokens: int) -> "KVBackup":
         """Copy the KV rows of the first `num_tokens` tokens held in `pages` to CPU. Pages stay allocated."""
         self._check_owned(pages)
@@ -102,10 +108,7 @@ class TokenAllocator(BaseAllocator):
         return self._top
 
     def allocate(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"allocate(n): n must be >= 0, got {n}")
-        if n > self._top:
-            raise OutOfPages(f"asked for {n} slots, {self._top} free")
+        self._check_request(n, self._top, "slots")
         out = self._stack[self._top - n:self._top].flip(0).tolist()
         self._top -= n
         self._mark(np.asarray(out, dtype=np.int64), True)
@@ -133,10 +136,7 @@ class PagedAllocator(BaseAllocator):
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"allocate(n): n must be >= 0, got {n}")
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        self._check_request(n, len(self._free), "pages")
         if n == 0:
             return []
         out = self._free[-n:][::-1]

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import zlib
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,14 +71,16 @@ class LoadOptions:
 # tensor sources
 
 
-class TensorSource:
+class TensorSource(ABC):
     """Named checkpoint tensors: keys(), get(name) → CPU tensor, where(name) → file for messages."""
 
+    @abstractmethod
     def keys(self) -> Iterable[str]:
-        raise NotImplementedError
+        """Every tensor name the source holds."""
 
+    @abstractmethod
     def get(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor `name` (shape and dtype as stored)."""
 
     def where(self, name: str) -> str:
         return "the checkpoint"
