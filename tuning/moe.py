@@ -42,19 +42,40 @@ def experts_buckets(model: ModelShape) -> list[dict]:
     return out
 
 
+def quantize_in_chunks(make_chunk, experts: int, chunk: int = 16):
+    """NVFP4 ExpertWeights of `experts` experts quantized `chunk` at a time.
+
+    make_chunk(e0, n) → (w13 [n, 2I, H], w2 [n, H, I]) bf16 for experts e0..e0+n-1. weight_scale_2 is
+    per expert, so the result equals quantizing the stacked tensors at once, at a fraction of the
+    peak memory (the bf16 chunk and its fp32 quantizer temporaries)."""
+    from pdlab.moe.weights import NVFP4_KEYS, ExpertWeights
+
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in NVFP4_KEYS}
+    for e0 in range(0, experts, chunk):
+        w13, w2 = make_chunk(e0, min(chunk, experts - e0))
+        w = ExpertWeights.from_bf16(w13, w2, quantize=True, keep_bf16=False)
+        del w13, w2
+        for k in NVFP4_KEYS:
+            parts[k].append(getattr(w, k))
+    return ExpertWeights.from_modelopt({k: torch.cat(v) for k, v in parts.items()})
+
+
 def expert_weights(experts: int, hidden: int, inter: int, device: torch.device):
-    """Random ExpertWeights (bf16 quantized to NVFP4) of one shape, built once per process."""
+    """Random NVFP4 ExpertWeights of one shape (DeepSeek-R1 EP1: 256 × 44M parameters, 6.3 GB of
+    NVFP4 bytes), built once per process, 16 experts at a time: the whole bf16 copy plus the
+    quantizer's fp32 temporaries (~100 GB) would not fit. NVFP4 only: the runners and the reference
+    then share exactly the same weights."""
     key = (experts, hidden, inter, str(device))
     if key not in _WEIGHTS:
-        from pdlab.moe.weights import ExpertWeights
-
-        _WEIGHTS.clear()  # one shape at a time: EP1 DeepSeek-R1 weights are ~28 GB with the bf16 copy
+        _WEIGHTS.clear()
         g = torch.Generator(device=device).manual_seed(7)
-        w13 = torch.randn(experts, 2 * inter, hidden, generator=g, device=device, dtype=torch.bfloat16) * 0.02
-        w2 = torch.randn(experts, hidden, inter, generator=g, device=device, dtype=torch.bfloat16) * 0.02
-        # NVFP4 only: the runners and the reference then share exactly the same weights
-        _WEIGHTS[key] = ExpertWeights.from_bf16(w13, w2, quantize=True, keep_bf16=False)
-        del w13, w2
+
+        def make_chunk(e0: int, n: int):
+            w13 = torch.randn(n, 2 * inter, hidden, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+            w2 = torch.randn(n, hidden, inter, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+            return w13, w2
+
+        _WEIGHTS[key] = quantize_in_chunks(make_chunk, experts)
     return _WEIGHTS[key]
 
 
