@@ -7,8 +7,9 @@
 #
 # TOTAL_BUDGET (seconds of tuning, default 180, so that install + weight building + tuning fit a
 # 5-minute call) is split 45 % attention / 55 % experts; a run may overrun it by one trial and the
-# re-measurement per study. ATT_BATCH / MOE_TPE pick the buckets; RUN_TESTS=1 also runs tests/tuning.
-# Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json (copy them into tuning/configs/), tuning.db (the optuna studies; rerun with the same file to
+# re-measurement per study. PARALLEL=1 (two GPUs): attention on cuda:0 and experts on cuda:1 at
+# the same time, each with the whole TOTAL_BUDGET and its own optuna storage file. ATT_BATCH / MOE_TPE pick the buckets; RUN_TESTS=1 also runs tests/tuning.
+# Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json (copy them into tuning/configs/), tuning_{att,moe}.db (the optuna studies; rerun with the same files to
 # resume), per-op summary CSV/JSON and PNG plots, summary.txt (geometric-mean speedup per op and the
 # time each op's tuning took), device/commit/date.
 set -u
@@ -16,7 +17,9 @@ OUT=${OUT:-/tmp/pdlab_tuning}
 TOTAL_BUDGET=${TOTAL_BUDGET:-180}
 RUN_TESTS=${RUN_TESTS:-0}
 ATT_BATCH=${ATT_BATCH:-1,32,128}        # mla_decode batch buckets (seqlen 4096, heads 16/128, bf16/fp8)
-MOE_TPE=${MOE_TPE:-4,64,256,1024}       # tokens-per-expert buckets (EP1 and EP4, nvfp4, contiguous)
+ATT_SEQLEN=${ATT_SEQLEN:-4096}         # mla_decode seqlen buckets
+MOE_TPE=${MOE_TPE:-4,64,256,1024}       # tokens-per-expert buckets (nvfp4, contiguous)
+MOE_EXPERTS=${MOE_EXPERTS:-256,64}      # local experts: EP1 and EP4 of DeepSeek-R1
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PDLAB_CONFIG_DIR="$OUT/configs" PDLAB_CACHE_DIR="$OUT/cache" PDLAB_RESULTS_DIR="$OUT"
@@ -28,9 +31,13 @@ if [[ $RUN_TESTS == 1 ]]; then
   timeout 120 $PY -m pytest -q tests/tuning -x 2>&1 | tail -5 | tee "$OUT/cpu_tests.txt"
 fi
 
-ATT=$(( TOTAL_BUDGET * 45 / 100 ))
-MOE=$(( TOTAL_BUDGET - ATT ))
-COMMON="--storage $OUT/tuning.db --repeats 10 --warmup 2 --no-progress"
+PARALLEL=${PARALLEL:-0}
+if [[ $PARALLEL == 1 ]]; then
+  ATT=$TOTAL_BUDGET; MOE=$TOTAL_BUDGET
+else
+  ATT=$(( TOTAL_BUDGET * 45 / 100 )); MOE=$(( TOTAL_BUDGET - ATT ))
+fi
+COMMON="--repeats 10 --warmup 2 --no-progress"
 
 # run `tune` within a budget; exit code 3 = a config broke the CUDA context: rerun, which resumes
 # the studies (that trial stays failed), with what is left of the budget
@@ -47,21 +54,38 @@ tune_resuming() {  # LOG BUDGET_S ARGS...
   done
 }
 
+tune_attention() {
+  tune_resuming "$OUT/attention.log" $ATT attention --op mla_decode --backends triton --storage "$OUT/tuning_att.db" \
+    --only batch=$ATT_BATCH --only seqlen=$ATT_SEQLEN --only heads=16,128 --only kv_dtype=bf16,fp8 --out "$OUT/attention"
+}
+tune_experts() {
+  tune_resuming "$OUT/moe.log" $MOE moe --backends triton --storage "$OUT/tuning_moe.db" \
+    --only experts=$MOE_EXPERTS --only tokens_per_expert=$MOE_TPE --only layout=contiguous --only payload=nvfp4 \
+    --out "$OUT/moe"
+}
 START=$(date +%s)
-# mla_decode: ATT_BATCH x {16, 128} heads x {bf16, fp8} at seqlen 4096 (12 buckets by default)
-tune_resuming "$OUT/attention.log" $ATT attention --op mla_decode --backends triton \
-  --only batch=$ATT_BATCH --only seqlen=4096 --only heads=16,128 --only kv_dtype=bf16,fp8 --out "$OUT/attention"
-MID=$(date +%s)
-# Triton NVFP4 experts: EP1 (256 local experts) and EP4 (64) x MOE_TPE (8 buckets by default)
-tune_resuming "$OUT/moe.log" $MOE moe --backends triton \
-  --only experts=256,64 --only tokens_per_expert=$MOE_TPE --only layout=contiguous --only payload=nvfp4 \
-  --out "$OUT/moe"
+# mla_decode: ATT_BATCH x ATT_SEQLEN x {16, 128} heads x {bf16, fp8}; Triton NVFP4 experts: EP1 (256
+# local experts) and EP4 (64) x MOE_TPE
+if [[ $PARALLEL == 1 ]]; then
+  ( export CUDA_VISIBLE_DEVICES=0; tune_attention > /dev/null ) &
+  ( export CUDA_VISIBLE_DEVICES=1; tune_experts > /dev/null ) &
+  wait
+  MID=$START
+else
+  tune_attention
+  MID=$(date +%s)
+  tune_experts
+fi
 END=$(date +%s)
 
 {
   echo "device: $(tail -1 "$OUT/device.txt")   commit: $(cat "$OUT/commit.txt" 2>/dev/null)   date: $(cat "$OUT/date.txt")"
   grep -h "geometric-mean speedup\|nothing stored\|WARNING" "$OUT/attention.log" "$OUT/moe.log"
   $PY -m pdlab tune show --geomean 2>&1
-  echo "wall time: attention $(( MID - START )) s, experts $(( END - MID )) s, total $(( END - START )) s (budget $TOTAL_BUDGET s)"
+  if [[ $PARALLEL == 1 ]]; then
+    echo "wall time: attention and experts in parallel on two GPUs, total $(( END - START )) s (budget $TOTAL_BUDGET s each)"
+  else
+    echo "wall time: attention $(( MID - START )) s, experts $(( END - MID )) s, total $(( END - START )) s (budget $TOTAL_BUDGET s)"
+  fi
 } | tee "$OUT/summary.txt"
 ls -R "$OUT/configs" 2>/dev/null | head -20
