@@ -9,6 +9,13 @@ Dispatch, per chunk of tokens:
 4. the receiver expands the rows into its expert layout (see `base.expand`).
 Combine: the receiver sums its local experts' weighted outputs per row in fp32, sends the row sums
 back (bf16 by default, `combine_dtype`), and the sender sums over ranks in fp32.
+
+Low-latency mode has a second exchange, `ll_exchange="fixed"` (its default): every rank sends every
+peer exactly num_max_dispatch_tokens_per_rank rows (its tokens bound for that peer first, padding
+rows marked by expert id -1 after), so the split sizes are known in advance: no counts exchange,
+no host sync, and the decode step (dispatch, experts, combine) can be captured in a CUDA graph.
+The price is the padding on the wire when a rank has fewer tokens than the buffer.
+`ll_exchange="counts"` uses the normal-mode exchange (exact rows, one host sync).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ _COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 @dataclass
 class _Chunk:
-    send_token: torch.Tensor  # [n_send] int64, token of each sent row, rank-major order
+    send_token: torch.Tensor | None  # [n_send] int64, token of each sent row, rank-major order (None: fixed)
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
 
@@ -75,6 +82,8 @@ class NcclDispatcher(BaseDispatcher):
         if pad:
             parts.append(torch.zeros((T, pad), dtype=torch.uint8, device=dev))
         row_bytes += pad
+        if mode == "low_latency" and self.config["ll_exchange"] == "fixed":
+            return self._dispatch_fixed(tokens, parts, in_rank, row_bytes, k)
         num_chunks = max(1, min(int(self.config["num_chunks"]), max(T, 1)))
         bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
         packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [T, row_bytes] uint8
@@ -111,6 +120,36 @@ class NcclDispatcher(BaseDispatcher):
         back_bytes = back_rows * self.hidden_size * self.combine_dtype.itemsize
         return layout, self._handle(mode, layout, T, out_dtype, _State(exp, chunks, row_bytes, back_index),
                                     bytes_sent=sent_rows * row_bytes, bytes_back=back_bytes)
+
+    def _dispatch_fixed(self, tokens: TokenPayload, parts: list[torch.Tensor], in_rank: torch.Tensor,
+                        row_bytes: int, k: int) -> tuple[Layout, DispatchHandle]:
+        """Low-latency exchange without a host sync: [R, Tm] rows to and from every rank.
+
+        parts: byte views [T, b] of each row (ids first); in_rank: [T, R] bool, token t bound for
+        rank r. Row (r, i) of the send buffer is the i-th token bound for rank r; the rest of the
+        Tm rows keep ids -1 (all bytes 0xFF), which `expand` treats as bound for no local expert."""
+        T, R = in_rank.shape
+        Tm, dev = self.num_max_dispatch_tokens_per_rank, in_rank.device
+        send = torch.full((R * Tm + 1, row_bytes), 0xFF, dtype=torch.uint8, device=dev)  # + 1 dummy row
+        slot = torch.cumsum(in_rank, 0) - 1  # [T, R] the token's row among those bound for r
+        dst = torch.arange(R, device=dev) * Tm + slot
+        back_index = torch.where(in_rank, dst, -1)
+        if T:
+            packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [T, row_bytes]
+            rows = torch.where(in_rank, dst, R * Tm).flatten()  # pairs not bound go to the dummy row
+            send.index_copy_(0, rows, packed.repeat_interleave(R, dim=0))
+        recv = torch.empty((R * Tm, row_bytes), dtype=torch.uint8, device=dev)
+        self._dist.all_to_all_single(recv, send[:R * Tm], group=self.group)
+        recv_tokens, recv_ids, recv_w = self._unpack(recv, tokens, k)
+        layout, exp = expand(recv_tokens, recv_ids, recv_w, self.expert_start, self.num_local_experts,
+                             "low_latency", self.max_m())
+        splits = [Tm] * R
+        out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
+        peers_rows = (R - 1) * Tm
+        return layout, self._handle("low_latency", layout, T, out_dtype,
+                                    _State(exp, [_Chunk(None, splits, splits)], row_bytes, back_index),
+                                    bytes_sent=peers_rows * row_bytes,
+                                    bytes_back=peers_rows * self.hidden_size * self.combine_dtype.itemsize)
 
     @staticmethod
     def _wire_parts(tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> list[torch.Tensor]:
@@ -173,8 +212,9 @@ def _probe() -> str | None:
 
 @register_backend("moe_dispatch", "nccl", archs=("cpu", "cuda"), probe=_probe, priority=20,
                   config_space={"num_chunks": [1, 2, 4], "reduce_impl": ["triton", "torch"],
-                                "chunk_rows": [2048, 4096, 8192]},
-                  default_config={"num_chunks": 1, "reduce_impl": "auto", "chunk_rows": 4096},
+                                "chunk_rows": [2048, 4096, 8192], "ll_exchange": ["fixed", "counts"]},
+                  default_config={"num_chunks": 1, "reduce_impl": "auto", "chunk_rows": 4096,
+                                  "ll_exchange": "fixed"},
                   options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),
                            "layouts": ("contiguous", "masked"), "dedup_per_rank": True,
                            "needs_process_group": True})

@@ -71,6 +71,48 @@ def dispatch_roundtrip(rank: int, world: int, *, seed: int, mode: str, payload: 
             "remote_pairs": int(pairs.sum()), "rank": rank, "layout": layout.kind}
 
 
+def low_latency_graph(rank: int, world: int, *, payload: str = "nvfp4", tokens_per_rank: int = 64,
+                      hidden: int = 7168, num_experts: int = 256, top_k: int = 8) -> dict[str, Any]:
+    """NCCL low-latency dispatch + combine (identity experts) with the fixed exchange: run once eagerly,
+    then again with host syncs turned into errors, then captured in a CUDA graph and replayed.
+
+    Returns the largest |graph - eager| and |no-sync run - eager| over this rank's [T, H] output."""
+    from pdlab.moe.dispatch import create_dispatcher
+    from pdlab.moe.layouts import dequantize_hidden, with_hidden
+
+    dev = rank_device(rank)
+    x, ids, w = global_tokens(rank + 31, 1, tokens_per_rank, hidden, num_experts, top_k, dtype=torch.bfloat16)
+    x, ids, w = x.to(dev), ids.to(dev), w.to(dev)
+    gs = torch.tensor(448 * 6 / 5.0, device=dev)
+    d = create_dispatcher("nccl", num_experts, hidden, mode="low_latency",
+                          num_max_dispatch_tokens_per_rank=tokens_per_rank, config={"ll_exchange": "fixed"})
+
+    def step() -> torch.Tensor:
+        layout, handle = d.dispatch(d.quantize(x, payload, gs), ids, w, payload)
+        return d.combine(with_hidden(layout, dequantize_hidden(layout, torch.bfloat16)), handle)
+
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        nosync = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return {"graph_diff": float((captured.float() - eager.float()).abs().max()),
+            "nosync_diff": float((nosync.float() - eager.float()).abs().max()),
+            "scale": float(eager.float().abs().max())}
+
+
 def dispatch_cases(rank: int, world: int, *, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`dispatch_roundtrip` for several cases in one process group (saves start-up time)."""
     return [dispatch_roundtrip(rank, world, **case) for case in cases]

@@ -135,9 +135,13 @@ def _reference(seed, world, T, mode, payload, skew=False):
 
 def test_nccl_on_gloo_ranks_matches_local_and_dedups_per_rank():
     world, T = 3, 6
+    # low latency: the counts exchange, and the fixed one with a buffer larger than the batch (padding rows)
+    runs = ([("normal", p, {"num_chunks": 2}) for p in ("bf16", "fp8", "nvfp4")]
+            + [("low_latency", p, {"ll_exchange": x}) for p in ("bf16", "fp8", "nvfp4") for x in ("counts", "fixed")])
     cases = [dict(seed=s, mode=m, payload=p, tokens_per_rank=T, hidden=H, num_experts=E, top_k=K,
-                  slow_rank=1 if s == 5 else None, skew=(p == "fp8"), config={"num_chunks": 2 if m == "normal" else 1})
-             for s, (m, p) in enumerate([(m, p) for m in ("normal", "low_latency") for p in ("bf16", "fp8", "nvfp4")])]
+                  slow_rank=1 if s == 5 else None, skew=(p == "fp8"), config=c,
+                  max_tokens=T + 3 if c.get("ll_exchange") == "fixed" else None)
+             for s, (m, p, c) in enumerate(runs)]
     results = run_ranks(dispatch_cases, world, kwargs={"cases": cases}, backend="gloo", timeout_s=120)
     for i, case in enumerate(cases):
         ref, ids = _reference(case["seed"], world, T, case["mode"], case["payload"], case["skew"])
@@ -147,7 +151,10 @@ def test_nccl_on_gloo_ranks_matches_local_and_dedups_per_rank():
         for r in range(world):
             res = results[r][i]
             row = ((8 * K + payload_row_bytes(case["payload"], H)) + 15) // 16 * 16
-            assert res["bytes_sent"] == res["remote_pairs"] * row  # one row per (token, remote rank)
+            if case["config"].get("ll_exchange") == "fixed":  # the whole buffer to every peer
+                assert res["bytes_sent"] == (world - 1) * (T + 3) * row
+            else:
+                assert res["bytes_sent"] == res["remote_pairs"] * row  # one row per (token, remote rank)
             assert res["layout"] == ("contiguous" if case["mode"] == "normal" else "masked")
         # every (token, expert) pair lands exactly once on its expert's rank
         rows = torch.cat([results[r][i]["per_expert_rows"] for r in range(world)])
