@@ -9,6 +9,14 @@ into the softmax scale and the output. Tokens at positions >= the split end are 
 loads, so pages past a sequence's length are never read. With one split the program writes the
 final output and lse; with several it writes fp32 partials that `_mla_combine` merges by lse.
 
+`_mla_fwd_t` is the same computation token-major ("swap AB"): s^T = K·q^T [BLOCK_N, M] and
+o^T += V^T·p^T [512, M], so the tile's tokens (and the 512 latent columns) fill the MMA's M side,
+which on sm90 must be 64 per warpgroup for wgmma; q^T and p^T are the small N side. With few heads per
+program (M = 16) this runs wgmma with K/V straight from the pipelined shared-memory tile instead of
+mma.sync re-reading q from shared memory in every warp. fp8 pools: with FP8_RELOAD the V bytes are
+loaded a second time (an L2 hit) so that V is upcast once in registers and stored to shared memory as
+16-bit for the transposed operand, instead of gathering single bytes; K keeps its own pipelined copy.
+
 Decode is the uniform case (S_q tokens per sequence, q_start = b*S_q); prefill/extend is ragged
 (q_start from qo_indptr). Token j of a sequence with n new tokens sits at seqlen - n + j and sees
 positions <= its own.
@@ -28,15 +36,10 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
-             kv_scale, KV_SCALE_PTR, qk_scale,
-             stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
-             stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
-             stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
-             H, num_splits,
-             Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-             BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
-             PREC: tl.constexpr, FP8_FP16: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+def _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's M = BLOCK_T*BLOCK_H rows (query token j, head h, valid, causal limit) and its
+    split [lo, hi) of the KV range."""
     hb = tl.program_id(0)
     pid1 = tl.program_id(1)
     b = tl.program_id(2)
@@ -65,11 +68,28 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     split_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_hi)
+    return q_start, j, h, row_ok, limit, lo, hi
 
+
+@triton.jit
+def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
+             kv_scale, KV_SCALE_PTR, qk_scale,
+             stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
+             stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
+             stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
+             H, num_splits,
+             Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+             PREC: tl.constexpr, FP8_FP16: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+    b = tl.program_id(2)
+    split = tl.program_id(1) % num_splits
+    q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
+                                                         BLOCK_H, BLOCK_N)
     if SCALE_FROM_PTR:
         kv_scale = tl.load(KV_SCALE_PTR).to(tl.float32)
     scale2 = qk_scale * kv_scale
 
+    M: tl.constexpr = BLOCK_T * BLOCK_H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
     q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
@@ -122,6 +142,88 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     else:
         op_off = t * stride_op_t + h * stride_op_h + split * stride_op_s
         tl.store(O_PART + op_off[:, None] + d[None, :], out, mask=row_ok[:, None])
+        tl.store(LSE_PART + t * stride_lp_t + h * stride_lp_h + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
+               kv_scale, KV_SCALE_PTR, qk_scale,
+               stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
+               stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
+               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
+               H, num_splits,
+               Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+               PREC: tl.constexpr, FP8_FP16: tl.constexpr, FP8_RELOAD: tl.constexpr,
+               D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+    """`_mla_fwd` token-major: the same arguments, results and masking, everything transposed."""
+    b = tl.program_id(2)
+    split = tl.program_id(1) % num_splits
+    q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
+                                                         BLOCK_H, BLOCK_N)
+    if SCALE_FROM_PTR:
+        kv_scale = tl.load(KV_SCALE_PTR).to(tl.float32)
+    scale2 = qk_scale * kv_scale
+
+    M: tl.constexpr = BLOCK_T * BLOCK_H
+    d = tl.arange(0, D_NOPE)
+    dp = tl.arange(0, D_PE)
+    q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
+    qt_nope = tl.load(Q + q_off[None, :] + d[:, None], mask=row_ok[None, :], other=0.0)  # [D_NOPE, M]
+    qt_pe = tl.load(Q + q_off[None, :] + D_NOPE + dp[:, None], mask=row_ok[None, :], other=0.0)
+    if FP8_FP16:
+        qt_nope = qt_nope.to(tl.float16)
+        qt_pe = qt_pe.to(tl.float16)
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([D_NOPE, M], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt_b
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+        row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
+        if FP8:
+            if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
+                v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+            else:
+                v = k_nope
+            k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
+            k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
+            v = v.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
+        else:
+            k_nope = k_nope.to(qt_nope.dtype)
+            k_pe = k_pe.to(qt_nope.dtype)
+            v = k_nope
+        s = tl.dot(k_nope, qt_nope, input_precision=PREC)  # [BLOCK_N, M]
+        s = tl.dot(k_pe, qt_pe, s, input_precision=PREC)
+        s = s * scale2
+        visible = n_ok[:, None] & (n[:, None] < limit[None, :])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :]
+        acc = tl.dot(tl.trans(v), p.to(v.dtype), acc, input_precision=PREC)  # [D_NOPE, M]
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc * (kv_scale / tl.where(empty, 1.0, l_i))[None, :]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    t = (q_start + j).to(tl.int64)
+    if FINAL:
+        o_off = t * stride_o_t + h * stride_o_h
+        tl.store(O + o_off[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=row_ok[None, :])
+        lse_off = q_start.to(tl.int64) * stride_lse_t + j * stride_lse_j + h * stride_lse_h
+        tl.store(LSE + lse_off, lse, mask=row_ok)
+    else:
+        op_off = t * stride_op_t + h * stride_op_h + split * stride_op_s
+        tl.store(O_PART + op_off[None, :] + d[:, None], out, mask=row_ok[None, :])
         tl.store(LSE_PART + t * stride_lp_t + h * stride_lp_h + split, lse, mask=row_ok)
 
 
@@ -250,7 +352,9 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         lse_part = torch.empty(T, H, splits, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
     grid = (head_blocks, q_blocks * splits, B)
-    _mla_fwd[grid](
+    token_major = bool(int(config.get("swap_ab", 0) or 0))
+    extra = {"FP8_RELOAD": fp8 and bool(int(config.get("fp8_reload", 0) or 0))} if token_major else {}
+    (_mla_fwd_t if token_major else _mla_fwd)[grid](
         q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
         out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
         q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
@@ -258,7 +362,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         Q_PER_SEQ=q_per_seq, PAGE=kv_cache.shape[1], BLOCK_T=block_t, BLOCK_H=block_h,
         BLOCK_N=int(config["BLOCK_N"]), FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
         FP8_FP16=fp8 and config.get("fp8_compute", "bf16") == "fp16" and q3.dtype != torch.float32,
-        D_NOPE=512, D_PE=64, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]))
+        D_NOPE=512, D_PE=64, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]), **extra)
     if not final:
         sq = max(q_per_seq, 1)
         # combine addresses lse by (token // SQ, token % SQ, head)

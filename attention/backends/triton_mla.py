@@ -6,7 +6,10 @@ change speed only: BLOCK_N kv tokens per tile, BLOCK_H heads per program, BLOCK_
 program (prefill), num_splits (0 = auto: fill the SMs ~`waves` times), num_warps (0 = auto by rows),
 num_stages (software pipelining of the page loads), fp8_compute (fp8 pools: upcast to bf16, or to
 fp16 with q cast to fp16 as well — one conversion instruction instead of several on sm90, but |q|
-must stay below 65504).
+must stay below 65504), swap_ab (decode: 1 runs the token-major kernel, K·q^T and V^T·p^T, so
+that the KV tile is the MMA's M side — wgmma on sm90 with few heads per program), fp8_reload (fp8
+pools with swap_ab: load the V bytes a second time so V is upcast once into a 16-bit shared tile
+instead of being gathered byte by byte).
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ _PREFILL_OPTIONS = {k: v for k, v in _DECODE_OPTIONS.items() if k != "q_lens"}
 
 DECODE_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
-                "fp8_compute": ["bf16", "fp16"]}
+                "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1]}
 # Chosen by the sweep recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # BLOCK_N 32, 3 stages; 16 heads best with 8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows,
 # i.e. ~8 short programs per SM, 2 for bigger ones); 128 heads best with 64-head programs, 8 warps.
 DECODE_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
-                  "fp8_compute": "bf16"}
+                  "fp8_compute": "bf16", "swap_ab": 0, "fp8_reload": 0}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"]}
 PREFILL_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 16, "BLOCK_T": 4, "num_splits": 1, "waves": 2.0, "num_warps": 0,

@@ -65,6 +65,33 @@ def test_decode_fp8(heads, seed):
     assert err < 2e-3
 
 
+
+@pytest.mark.parametrize("heads,q_len,cfg", [(16, 1, {"BLOCK_N": 64}), (16, 1, {"BLOCK_N": 32}),
+                                             (128, 1, {"BLOCK_N": 64, "BLOCK_H": 32, "num_warps": 8}),
+                                             (16, 4, {"BLOCK_N": 64})])
+def test_decode_token_major_bf16(heads, q_len, cfg, seed):
+    # swap_ab=1 (wgmma on sm90), FlashMLA's bar
+    rng = random.Random(seed)
+    p = decode_problem(_lens(64, 8192, q_len, rng), heads, q_len, 64, torch.bfloat16, device=DEV, seed=seed)
+    ref = _decode(p, "torch")
+    out, lse = _decode(p, "triton", config={**cfg, "swap_ab": 1})
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+@pytest.mark.parametrize("cfg", [{"swap_ab": 1, "fp8_reload": 1, "BLOCK_N": 32, "fp8_compute": "fp16"},
+                                 {"swap_ab": 1, "fp8_reload": 1, "BLOCK_N": 32},
+                                 {"swap_ab": 1, "fp8_reload": 0, "BLOCK_N": 64, "num_warps": 8}])
+def test_decode_fp8_token_major(cfg, seed):
+    rng = random.Random(seed)
+    p = decode_problem(_lens(32, 8192, 1, rng), 16, 1, 64, torch.bfloat16, device=DEV, seed=seed)
+    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    ref = _decode(p, "torch")
+    out, lse = _decode(p, "triton", config=cfg)
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_prefill_bf16(heads, seed):
     seqlens, new = [2048, 1000, 513, 64, 1, 300], [512, 1000, 1, 64, 1, 0]

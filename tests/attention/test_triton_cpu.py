@@ -165,6 +165,24 @@ def test_fp8_fp16_compute_path(seed):
     assert cosine_error(out, ref_out) < 1e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
 
 
+
+@pytest.mark.parametrize("page,q_len,heads,kv,cfg", [
+    (16, 1, 16, "same", {"BLOCK_N": 16, "num_splits": 2}),
+    (1, 4, 4, "same", {"BLOCK_N": 16, "num_splits": 3}),
+    (64, 2, 32, "same", {"BLOCK_N": 32, "BLOCK_H": 16, "num_splits": 1}),
+    (16, 1, 16, "fp8", {"BLOCK_N": 16, "num_splits": 2, "fp8_reload": 1}),
+    (8, 2, 4, "fp8", {"BLOCK_N": 16, "num_splits": 0, "fp8_reload": 0}),
+])
+def test_token_major_kernel_matches_reference(page, q_len, heads, kv, cfg, seed):
+    # swap_ab=1: the token-major kernel (K·q^T, V^T·p^T) must give the row-major kernel's results
+    lens = [n for n in _lengths(min(page, 24), q_len) if n >= q_len]
+    p = decode_problem(lens, heads=heads, q_len=q_len, page=page, dtype=torch.float16, kv_dtype=kv, seed=seed)
+    ref_out, ref_lse = _decode(p, "torch")
+    out, lse = _decode(p, TRITON_DECODE, config={**cfg, "swap_ab": 1})
+    _close(out, lse, ref_out, ref_lse, 1e-5)
+    row_major = _decode(p, TRITON_DECODE, config={**cfg, "swap_ab": 0})
+    torch.testing.assert_close(out, row_major[0], atol=2e-3, rtol=1e-3)
+
 def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     # the defaults were picked on an H200 (132 SMs) at B=128, seqlen 8192: 16 heads -> 8 splits, 4 warps;
     # 128 heads -> 64-head programs, 2 splits, 8 warps
