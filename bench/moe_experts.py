@@ -235,22 +235,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep_grid() -> dict[str, list[dict]]:
-    # first H200 sweep (16 tokens/expert): BLOCK_K 128 > 256 > 512, 4 warps > 8, SPLIT_NIBBLES slower
-    decode = [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s)
-              for bn, bk, s in ((64, 128, 4), (64, 64, 5), (32, 128, 4), (32, 64, 6), (128, 64, 4), (64, 256, 4))]
-    decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s, MMA_FP16=1)
-               for bn, bk, s in ((64, 128, 4), (64, 64, 5), (32, 128, 4))]
-    decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=s, UNPACK16=1, MMA_FP16=f)
-               for bn, bk, s, f in ((64, 128, 4, 1), (64, 64, 5, 1), (64, 128, 4, 0))]
-    decode += [dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4),
-               dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=2)]
-    prefill = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, GROUP_M=8)
-               for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-                                        (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (256, 128, 64, 8, 3))]
-    prefill += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3, GROUP_M=8, MMA_FP16=1)
-                for bk in (64, 128)]
-    prefill += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8, MMA_FP16=1,
-                     UNPACK16=1)]
+    # H200 sweeps so far (16 tokens/expert): BLOCK_K 128 > 256 > 512, 4 warps > 8, SPLIT_NIBBLES slower;
+    # off = the integer unpack in natural K order (the committed default before DEQ_ASM / PERM_K)
+    off = dict(DEQ_ASM=0, PERM_K=0)
+    fast = dict(DEQ_ASM=1, PERM_K=1)
+    decode = [dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, **off),
+              dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MMA_FP16=1, **off),
+              dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DEQ_ASM=1, PERM_K=0),
+              dict(BLOCK_M=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DEQ_ASM=0, PERM_K=1)]
+    decode += [dict(BLOCK_M=0, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, **fast)
+               for bn, bk, w, s in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (32, 128, 4, 5),
+                                    (64, 64, 4, 6), (128, 256, 8, 3), (64, 128, 4, 4, ))]
+    decode[-1]["SPLIT_K"] = 2
+    prefill = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8, **off)]
+    prefill += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, GROUP_M=8, **fast)
+                for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+                                         (64, 128, 128, 4, 4))]
+    prefill += [dict(DENSE_MIN_M=1, DENSE_CHUNK=c) for c in (8, 16, 32, 64)]
     return {"decode": decode, "prefill": prefill}
 
 

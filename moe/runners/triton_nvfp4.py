@@ -11,6 +11,17 @@ directly instead of being interleaved; MMA_FP16=1 runs the MMA in fp16 for bf16/
 (scaled by 2^-8 on load; the dequantised weights are exact in fp16, which saves their bf16
 conversion in the main loop); UNPACK16=1 unpacks the nibbles with 16-bit integer ops (no per-element
 int32 → int16 truncation).
+
+Knobs where -1 = chosen from the expected tokens per expert, 0 = off, 1 = on:
+DEQ_ASM=1 unpacks 8 nibbles per 32-bit register with PTX (nibble → e4m3 byte, hardware e4m3x2 →
+f16x2 conversion, block scale in f16x2; sm89+, fp16 MMA; the interpreter runs the integer unpack);
+PERM_K=1 runs the MMA over a permuted K order (within each 32-element group) in which each thread's
+weight bytes are 4 contiguous bytes in shared memory (32-bit loads instead of byte loads); the
+activation tile is permuted the same way in registers, so the result is the same sum.
+DENSE_MIN_M (bf16 activations, contiguous layout): at ≥ DENSE_MIN_M expected tokens per expert
+(0 = never) the weights of DENSE_CHUNK experts at a time are dequantised to bf16 once
+(moe/triton/nvfp4_dequant.py) and both GEMMs run in torch._grouped_mm (one host read of the
+offsets per call, so this path is not CUDA-graph capturable); `dense_path_taken` says whether it ran.
 """
 
 from __future__ import annotations
@@ -23,11 +34,14 @@ from pdlab.kernels import registry
 from pdlab.moe.layouts import Masked
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
-            "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0}
+            "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
+            "DENSE_CHUNK": 16}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
-          "UNPACK16": [0, 1]}
+          "UNPACK16": [0, 1], "DEQ_ASM": [0, 1], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
+          "DENSE_CHUNK": [8, 16, 32]}
+_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M")
 
 
 def _probe() -> str | None:
@@ -63,9 +77,13 @@ def run_triton(layout, weights, *, config):
                          "ExpertWeights.from_bf16(..., quantize=True) or from_modelopt(...)")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = dict(config)
-    auto = heuristic_config(cfg.pop("_expected_m", 16), interpret)
-    cfg = {k: (auto.get(k, v) if v == 0 else v) for k, v in cfg.items()}
+    expected_m = cfg.pop("_expected_m", 16)
+    auto = heuristic_config(expected_m, interpret)
+    cfg = {k: (auto.get(k, 0) if v == -1 and k in _AUTO_MINUS1 else auto.get(k, v) if v == 0 and k not in _AUTO_MINUS1
+               else v) for k, v in cfg.items()}
     w = weights.prepare("triton", _repack)
+    if _dense_path(layout, cfg, expected_m):
+        return _run_dense(layout, w, weights, cfg)
     x = layout.hidden
     masked = isinstance(layout, Masked)
     counts = layout.masked_m if masked else layout.counts
@@ -76,7 +94,7 @@ def run_triton(layout, weights, *, config):
         kind = A_FP8 if layout.payload == "fp8" else A_NVFP4
         mma = torch.float32 if interpret else (torch.float16 if kind == A_NVFP4 else torch.bfloat16)
         inter = torch.float32 if interpret else torch.bfloat16
-    if cfg.get("MMA_FP16") and kind != A_NVFP4:
+    if (cfg.get("MMA_FP16") or (cfg.get("DEQ_ASM") and not interpret)) and kind != A_NVFP4:
         mma = torch.float16
     elif interpret and mma == torch.bfloat16:
         mma = torch.float32  # the interpreter's bf16 dot is not exact
@@ -99,7 +117,8 @@ def run_triton(layout, weights, *, config):
                                                   device=x.device)
     moe_nvfp4_gemm(h, A_FLOAT, None, None, w["w2"], w["w2_sf"], w["w2_s2"], out, counts, offsets, masked=masked,
                    n=H, k=I, fuse_silu=False, cfg=cfg,
-                   mma_dtype=torch.float16 if cfg.get("MMA_FP16") else (torch.float32 if interpret else inter))
+                   mma_dtype=torch.float16 if cfg.get("MMA_FP16") or (cfg.get("DEQ_ASM") and not interpret)
+                   else (torch.float32 if interpret else inter))
     return out.to(out_dtype) if split else out
 
 
@@ -108,3 +127,52 @@ def _repack(w) -> dict:
             "w13_s2": w.w13_weight_scale_2.float().contiguous(),
             "w2": w.w2_weight.contiguous(), "w2_sf": w.w2_weight_scale.contiguous().view(torch.uint8),
             "w2_s2": w.w2_weight_scale_2.float().contiguous()}
+
+
+def dense_path_taken(layout, config: dict, expected_m: int) -> bool:
+    """Whether run_triton takes the dequantise-then-torch._grouped_mm path for this call."""
+    cfg = dict(config)
+    auto = heuristic_config(expected_m, os.environ.get("TRITON_INTERPRET") == "1")
+    if cfg.get("DENSE_MIN_M", -1) == -1:
+        cfg["DENSE_MIN_M"] = auto.get("DENSE_MIN_M", 0)
+    return _dense_path(layout, cfg, expected_m)
+
+
+def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
+    m = cfg.get("DENSE_MIN_M", 0)
+    return (m > 0 and expected_m >= m and layout.payload == "bf16" and not isinstance(layout, Masked)
+            and hasattr(torch, "_grouped_mm"))
+
+
+def _run_dense(layout, w: dict, weights, cfg: dict) -> torch.Tensor:
+    """Contiguous bf16 rows [N, H]: per chunk of experts, NVFP4 → bf16 weights (one pass), then
+    gate_up and down through torch._grouped_mm with SiLU·mul between (as the torch_grouped runner)."""
+    import torch.nn.functional as F
+
+    from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("moe_experts[triton] dense path reads the offsets on the host: not CUDA-graph "
+                           "capturable (set DENSE_MIN_M=0 for captured calls)")
+    x = layout.hidden
+    E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
+    chunk = max(1, min(E, int(cfg.get("DENSE_CHUNK", 16))))
+    offs = layout.offsets.tolist()  # host read: the row range of each chunk
+    out = torch.empty((x.shape[0], H), dtype=x.dtype, device=x.device)
+    w13 = torch.empty((chunk, 2 * I, H), dtype=torch.bfloat16, device=x.device)
+    w2 = torch.empty((chunk, H, I), dtype=torch.bfloat16, device=x.device)
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
+        r0, r1 = offs[e0], offs[e1]
+        if r1 == r0:
+            continue
+        n = e1 - e0
+        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[:n])
+        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[:n])
+        ends = (layout.offsets[e0 + 1:e1 + 1] - r0).to(torch.int32)
+        xs = x[r0:r1].to(torch.bfloat16)
+        gu = torch._grouped_mm(xs, w13[:n].transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
+        g, u = gu.chunk(2, dim=-1)
+        out[r0:r1] = torch._grouped_mm(F.silu(g) * u, w2[:n].transpose(-2, -1), offs=ends,
+                                       out_dtype=torch.bfloat16).to(x.dtype)
+    return out

@@ -19,6 +19,8 @@ ones are never read, never written.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +70,93 @@ def _dequant_nvfp4_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.conste
     return (lo * s).to(OUT), (hi * s).to(OUT)
 
 
+# e2m1 nibble (s e1 e0 m) → e4m3 byte s<<7 | (e1 e0 m)<<2 = value · 2^-6 exactly (subnormals too), then the
+# hardware e4m3x2 → f16x2 conversion (sm89+) and the block scale in f16x2: ~2 instructions per element.
+_DEQ_ASM = tl.constexpr("""
+{
+.reg .b32 t, u, lo, hi, s;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 t, $4, 2;
+shl.b32 u, $4, 4;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, u, 0x80808080;
+or.b32 lo, t, u;
+shr.b32 t, $4, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, $4, 0x80808080;
+or.b32 hi, t, u;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $5;
+mul.rn.f16x2 $3, $3, $6;
+}
+""")
+
+
+@triton.jit
+def _dequant_nvfp4_asm(b, sf, R: tl.constexpr, C: tl.constexpr):
+    """b uint8 [R, C/2], sf uint8 e4m3 [R, C/16] → (even, odd) fp16 [R, C/2] = value·scale·2^-6 (exact).
+
+    PTX (cvt e4m3x2, sm89+): not for the interpreter."""
+    s = _e4m3_to_f32(sf).to(tl.float16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
+    even, odd = tl.inline_asm_elementwise(_DEQ_ASM, "=r,=r,=r,=r,r,r,r", [b, s],
+                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return even, odd
+
+
+@triton.jit
+def _perm_bytes(x, R: tl.constexpr, C: tl.constexpr):
+    """[R, C/2] in byte order → PERM_K order: within each 16-byte group, logical byte 4i + t is physical
+    byte 4t + i, so that one MMA-fragment thread's bytes are 4 contiguous ones (32-bit shared loads)."""
+    x = tl.permute(tl.reshape(x, (R, C // 32, 4, 4)), (0, 1, 3, 2))
+    return tl.reshape(x, (R, C // 2))
+
+
+@triton.jit
+def _perm_k(x, R: tl.constexpr, C: tl.constexpr):
+    """Activations [R, C] in K order → the K order of _perm_bytes (element 2·byte + nibble)."""
+    x = tl.permute(tl.reshape(x, (R, C // 32, 4, 4, 2)), (0, 1, 3, 2, 4))
+    return tl.reshape(x, (R, C))
+
+
+@triton.jit
+def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: tl.constexpr, ASM: tl.constexpr,
+               PERM: tl.constexpr):
+    """Weight tile [R, C] = value·scale·2^-6 (ASM) or ·2^-14 (integer unpack), K in natural or PERM_K order."""
+    if ASM or PERM:
+        s = _e4m3_to_f32(sf).to(tl.float16)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
+        if PERM:
+            b = _perm_bytes(b, R, C)
+            s = _perm_bytes(s, R, C)
+        if ASM:
+            even, odd = tl.inline_asm_elementwise(_DEQ_ASM, "=r,=r,=r,=r,r,r,r", [b, s],
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            x = b.to(tl.int32)
+            even = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True) * s
+            odd = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True) * s
+        return tl.reshape(tl.join(even, odd), (R, C)).to(OUT)
+    else:
+        return _dequant_nvfp4(b, sf, R, C, OUT, I16)
+
+
+@triton.jit
+def _dequant_w_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+    if ASM:
+        even, odd = _dequant_nvfp4_asm(b, sf, R, C)
+        return even.to(OUT), odd.to(OUT)
+    else:
+        return _dequant_nvfp4_split(b, sf, R, C, OUT)
+
+
 @triton.jit
 def _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, kk, A_KIND: tl.constexpr, MMA: tl.constexpr,
                  A_DOWN: tl.constexpr):
@@ -98,6 +187,7 @@ def _moe_nvfp4_gemm(
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr, UNPACK16: tl.constexpr,
+    DEQ_ASM: tl.constexpr = False, PERM_K: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -145,6 +235,8 @@ def _moe_nvfp4_gemm(
         for k in range(k_begin, k_begin + k_len, BLOCK_K):
             kh = k // 2 + tl.arange(0, BLOCK_K // 2)
             ks = k // 16 + tl.arange(0, BLOCK_K // 16)
+            if PERM_K:  # BLOCK_K-aligned tiles: vector (cp.async) loads of the scale rows too
+                ks = tl.max_contiguous(tl.multiple_of(ks, BLOCK_K // 16), BLOCK_K // 16)
             if SPLIT_NIBBLES:
                 # K permuted: even columns (low nibbles) then odd ones, two dots, no interleave
                 if A_KIND == 2:
@@ -160,13 +252,13 @@ def _moe_nvfp4_gemm(
                 at_odd = tl.trans(a_odd)
                 wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
                 wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                w_even, w_odd = _dequant_nvfp4_split(wb, wsf, BLOCK_N, BLOCK_K, MMA)
+                w_even, w_odd = _dequant_w_split(wb, wsf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM)
                 acc = tl.dot(w_even, at_even, acc)
                 acc = tl.dot(w_odd, at_odd, acc)
                 if FUSE_SILU:
                     wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
                     wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                    wu_even, wu_odd = _dequant_nvfp4_split(wub, wusf, BLOCK_N, BLOCK_K, MMA)
+                    wu_even, wu_odd = _dequant_w_split(wub, wusf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM)
                     acc_u = tl.dot(wu_even, at_even, acc_u)
                     acc_u = tl.dot(wu_odd, at_odd, acc_u)
             else:
@@ -190,16 +282,18 @@ def _moe_nvfp4_gemm(
                     asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
                                   mask=m_mask[:, None], other=0)
                     a = _dequant_nvfp4(ab, asf, BLOCK_M, BLOCK_K, MMA, UNPACK16)
+                if PERM_K:
+                    a = _perm_k(a, BLOCK_M, BLOCK_K)
                 at = tl.trans(a)
                 wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
                 wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                acc = tl.dot(_dequant_nvfp4(wb, wsf, BLOCK_N, BLOCK_K, MMA, UNPACK16), at, acc)
+                acc = tl.dot(_dequant_w(wb, wsf, BLOCK_N, BLOCK_K, MMA, UNPACK16, DEQ_ASM, PERM_K), at, acc)
                 if FUSE_SILU:
                     wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
                     wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
-                    acc_u = tl.dot(_dequant_nvfp4(wub, wusf, BLOCK_N, BLOCK_K, MMA, UNPACK16), at, acc_u)
+                    acc_u = tl.dot(_dequant_w(wub, wusf, BLOCK_N, BLOCK_K, MMA, UNPACK16, DEQ_ASM, PERM_K), at, acc_u)
 
-        alpha = tl.load(w_s2_ptr + e) * 16384.0
+        alpha = tl.load(w_s2_ptr + e) * (64.0 if DEQ_ASM else 16384.0)
         if A_DOWN:
             alpha = alpha * 256.0
         if A_KIND == 2:
@@ -235,6 +329,8 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     # fp16 MMA for non-fp16 float / fp8 activations: scale them by 2^-8 on load (alpha ·256) so that
     # values up to 1.6e7 fit fp16; the weights are exact in fp16 either way.
     a_down = bool(mma_dtype == torch.float16 and a_kind != A_NVFP4 and a.dtype != torch.float16)
+    # the PTX unpack needs a real GPU (sm89+) and an fp16 MMA; the interpreter runs the integer unpack
+    deq_asm = bool(cfg.get("DEQ_ASM", 0)) and mma_dtype == torch.float16 and os.environ.get("TRITON_INTERPRET") != "1"
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     split_k = cfg.get("SPLIT_K", 1) if not fuse_silu else 1
     while bk > 32 and k % (bk * split_k):
@@ -271,7 +367,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
         SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
-        UNPACK16=bool(cfg.get("UNPACK16", 0)),
+        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=bool(cfg.get("PERM_K", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
