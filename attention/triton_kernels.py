@@ -80,7 +80,8 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              H, num_splits,
              Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
              BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
-             PREC: tl.constexpr, FP8_FP16: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+             PREC: tl.constexpr, FP8_FP16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, D_NOPE: tl.constexpr,
+             D_PE: tl.constexpr):
     b = tl.program_id(2)
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
@@ -106,8 +107,12 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
-        row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
+            page = tl.load(bt_row + start // PAGE)
+            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        else:
+            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
         k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
         if FP8:
@@ -154,7 +159,7 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
                H, num_splits,
                Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
-               PREC: tl.constexpr, FP8_FP16: tl.constexpr, FP8_RELOAD: tl.constexpr,
+               PREC: tl.constexpr, FP8_FP16: tl.constexpr, FP8_RELOAD: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
                D_NOPE: tl.constexpr, D_PE: tl.constexpr):
     """`_mla_fwd` token-major: the same arguments, results and masking, everything transposed."""
     b = tl.program_id(2)
@@ -182,8 +187,12 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
-        row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
+            page = tl.load(bt_row + start // PAGE)
+            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        else:
+            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
         k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
         if FP8:
@@ -352,6 +361,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         lse_part = torch.empty(T, H, splits, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
     grid = (head_blocks, q_blocks * splits, B)
+    page, block_n = kv_cache.shape[1], int(config["BLOCK_N"])
     token_major = bool(int(config.get("swap_ab", 0) or 0))
     extra = {"FP8_RELOAD": fp8 and bool(int(config.get("fp8_reload", 0) or 0))} if token_major else {}
     (_mla_fwd_t if token_major else _mla_fwd)[grid](
@@ -359,9 +369,10 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
         q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out3.stride(0), out3.stride(1), *lse_strides, *sp, H, splits,
-        Q_PER_SEQ=q_per_seq, PAGE=kv_cache.shape[1], BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_N=int(config["BLOCK_N"]), FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
+        Q_PER_SEQ=q_per_seq, PAGE=page, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_N=block_n, FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
         FP8_FP16=fp8 and config.get("fp8_compute", "bf16") == "fp16" and q3.dtype != torch.float32,
+        TILE_IN_PAGE=page % block_n == 0 and bool(int(config.get("tile_in_page", 1))),
         D_NOPE=512, D_PE=64, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]), **extra)
     if not final:
         sq = max(q_per_seq, 1)

@@ -9,7 +9,9 @@ fp16 with q cast to fp16 as well — one conversion instruction instead of sever
 must stay below 65504), swap_ab (decode: 1 runs the token-major kernel, K·q^T and V^T·p^T, so
 that the KV tile is the MMA's M side — wgmma on sm90 with few heads per program), fp8_reload (fp8
 pools with swap_ab: load the V bytes a second time so V is upcast once into a 16-bit shared tile
-instead of being gathered byte by byte).
+instead of being gathered byte by byte), tile_in_page (1: when the page size is a multiple of BLOCK_N a
+tile lies in one page, so it takes one page id and one 64-bit base instead of one per row — fewer
+registers, more programs per SM; 0: per-row page ids).
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ _PREFILL_OPTIONS = {k: v for k, v in _DECODE_OPTIONS.items() if k != "q_lens"}
 
 DECODE_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
-                "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1]}
+                "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0]}
 # Chosen by the sweep recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # BLOCK_N 32, 3 stages; 16 heads best with 8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows,
 # i.e. ~8 short programs per SM, 2 for bigger ones); 128 heads best with 64-head programs, 8 warps.
 DECODE_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
-                  "fp8_compute": "bf16", "swap_ab": 0, "fp8_reload": 0}
+                  "fp8_compute": "bf16", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
-                 "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"]}
+                 "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
+                 "tile_in_page": [1, 0]}
 PREFILL_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 16, "BLOCK_T": 4, "num_splits": 1, "waves": 2.0, "num_warps": 0,
-                   "num_stages": 2, "fp8_compute": "bf16"}
+                   "num_stages": 2, "fp8_compute": "bf16", "tile_in_page": 1}
 
 
 def _probe() -> str | None:

@@ -19,27 +19,26 @@ B=(--batch 128 --page-size 64 --s-q 1)
 timeout ${TTEST:-90} $PY -m pytest -q -m gpu tests/attention -rA --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
 tail -15 "$OUT/gpu_tests.txt"; grep -E "fp8 vs unquantised|PASSED|FAILED" "$OUT/gpu_tests.txt" | head -30
 
-# memory-bound: 16 heads, bf16 and fp8 (fp8-only knobs are no-ops on bf16 rows). swap_ab=1 is the
-# token-major kernel (wgmma on sm90); fp8_reload=1 loads V a second time to upcast it once.
-S='"BLOCK_H":16,"swap_ab":1'
-C16=(--config '{}')
-for cfg in "{$S,\"BLOCK_N\":64,\"num_stages\":3}" "{$S,\"BLOCK_N\":64,\"num_stages\":2}" \
-           "{$S,\"BLOCK_N\":64,\"num_stages\":3,\"num_splits\":4}" "{$S,\"BLOCK_N\":64,\"num_stages\":3,\"num_splits\":16}" \
-           "{$S,\"BLOCK_N\":32,\"num_stages\":3}" \
-           "{$S,\"BLOCK_N\":32,\"num_stages\":3,\"fp8_reload\":1,\"fp8_compute\":\"fp16\"}" \
-           "{$S,\"BLOCK_N\":32,\"num_stages\":3,\"fp8_reload\":1}" \
-           "{$S,\"BLOCK_N\":32,\"num_stages\":3,\"fp8_reload\":1,\"fp8_compute\":\"fp16\",\"num_splits\":16}" \
-           "{$S,\"BLOCK_N\":32,\"num_stages\":3,\"fp8_reload\":1,\"fp8_compute\":\"fp16\",\"num_warps\":8}" \
-           "{$S,\"BLOCK_N\":64,\"num_stages\":3,\"fp8_reload\":1,\"fp8_compute\":\"fp16\",\"num_warps\":8}" \
-           '{"BLOCK_H":16,"BLOCK_N":32,"num_stages":3,"num_warps":4,"fp8_compute":"fp16"}'; do C16+=(--config "$cfg"); done
+# memory-bound: 16 heads, bf16 and fp8 (fp8-only knobs are no-ops on bf16 rows). tile_in_page=0 is the
+# per-row page lookup of before; swap_ab=1 the token-major kernel; fp8_reload=1 loads V twice.
+R='"BLOCK_H":16,"num_stages":3'
+C16=(--config '{}' --config "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"num_splits\":8,\"tile_in_page\":0}")
+for cfg in "{$R,\"BLOCK_N\":32,\"num_warps\":4}" "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"num_splits\":4}" \
+           "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"num_splits\":16}" "{$R,\"BLOCK_N\":64,\"num_warps\":8}" \
+           "{$R,\"BLOCK_N\":64,\"num_warps\":4}" "{\"BLOCK_H\":16,\"num_stages\":2,\"BLOCK_N\":32,\"num_warps\":4}" \
+           "{$R,\"BLOCK_N\":32,\"num_warps\":8,\"fp8_compute\":\"fp16\"}" \
+           "{$R,\"BLOCK_N\":16,\"num_warps\":4,\"fp8_compute\":\"fp16\"}" \
+           "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"fp8_compute\":\"fp16\"}" \
+           "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"swap_ab\":1,\"fp8_reload\":1,\"fp8_compute\":\"fp16\"}" \
+           "{$R,\"BLOCK_N\":64,\"num_warps\":4,\"swap_ab\":1}"; do C16+=(--config "$cfg"); done
 timeout ${T16:-150} "${BENCH[@]}" "${B[@]}" --backend triton --seqlen 8192 --heads 16 --kv-dtype bf16,fp8 --repeats 10 \
   --max-seconds 0.4 --no-reference --name sweep_h16 "${C16[@]}" > "$OUT/sweep_h16.txt" 2>&1
 tail -30 "$OUT/sweep_h16.txt"
 # compute-bound: 128 heads
 C128=(--config '{}')
-for cfg in '{"BLOCK_H":32,"BLOCK_N":64,"num_stages":3,"num_warps":8,"swap_ab":1}' \
+for cfg in '{"BLOCK_H":64,"BLOCK_N":32,"num_stages":3,"num_warps":8,"tile_in_page":0}' \
            '{"BLOCK_H":64,"BLOCK_N":64,"num_stages":3,"num_warps":8,"swap_ab":1}' \
-           '{"BLOCK_H":32,"BLOCK_N":64,"num_stages":3,"num_warps":8,"swap_ab":1,"waves":4}'; do C128+=(--config "$cfg"); done
+           '{"BLOCK_H":64,"BLOCK_N":64,"num_stages":3,"num_warps":8}'; do C128+=(--config "$cfg"); done
 timeout ${T128:-50} "${BENCH[@]}" "${B[@]}" --backend triton --seqlen 8192 --heads 128 --kv-dtype bf16 --repeats 10 \
   --max-seconds 0.4 --no-reference --name sweep_h128 "${C128[@]}" > "$OUT/sweep_h128.txt" 2>&1
 tail -12 "$OUT/sweep_h128.txt"
