@@ -331,6 +331,8 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     a_down = bool(mma_dtype == torch.float16 and a_kind != A_NVFP4 and a.dtype != torch.float16)
     # the PTX unpack needs a real GPU (sm89+) and an fp16 MMA; the interpreter runs the integer unpack
     deq_asm = bool(cfg.get("DEQ_ASM", 0)) and mma_dtype == torch.float16 and os.environ.get("TRITON_INTERPRET") != "1"
+    # NOTE: triton 3.6 fails to compile the permuted fp8-activation tile (TritonGPUOptimizeDotOperands)
+    perm_k = bool(cfg.get("PERM_K", 0)) and a_kind != A_FP8
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     split_k = cfg.get("SPLIT_K", 1) if not fuse_silu else 1
     while bk > 32 and k % (bk * split_k):
@@ -367,7 +369,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
         SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
-        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=bool(cfg.get("PERM_K", 0)),
+        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=perm_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
