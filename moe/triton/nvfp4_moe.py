@@ -8,7 +8,10 @@ down. Weights stay NVFP4 in HBM (0.5625 B/param) and are dequantised in the main
     w' = value · scale · 2^-14 (exact in fp16 and bf16: ≤ 6 significant bits)
 
 and the 2^14 (and weight_scale_2, and 1/global_scale of NVFP4 activations) go into the per-expert
-alpha of the epilogue. The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's
+alpha of the epilogue. DEQ_ASM (GPU, sm89+): 8 nibbles per 32-bit register to e4m3 bytes, hardware
+e4m3x2 → f16x2 conversion, scale in f16x2 (value·scale·2^-6, alpha ·64). PERM_K: the MMA's K order is
+permuted within each 32-element group (_perm_bytes / _perm_k) so that each thread's weight bytes are
+contiguous in shared memory; weights and activations get the same permutation, the sum is unchanged. The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's
 handful of tokens is the MMA's narrow side.
 
 Rows: masked layout → expert e, row m at a + e·stride_ae + m·stride_am, m < masked_m[e]; contiguous
@@ -324,7 +327,10 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     a: masked [E, M, K] / contiguous [R, K] float, or fp8 bytes (a_sf fp32 [.., K/128]), or nvfp4 bytes
     [.., K/2] (a_sf uint8 [.., K/16], a_gs fp32 [1] or [E]). w: [E, N_total, K/2] uint8, w_sf uint8
     [E, N_total, K/16], w_s2 fp32 [E]. out: [E, M, n] or [R, n] (zeroed fp32 when SPLIT_K > 1).
-    counts: [E] int32 (masked_m or counts); offsets: [E+1] int32 (contiguous only)."""
+    counts: [E] int32 (masked_m or counts); offsets: [E+1] int32 (contiguous only).
+    cfg: block sizes, warps, stages and the knobs of moe/runners/triton_nvfp4.py (DEQ_ASM needs an fp16
+    MMA and runs the integer unpack under TRITON_INTERPRET=1; PERM_K is ignored for fp8 activations).
+    Graph-safe (no host sync)."""
     E = w.shape[0]
     # fp16 MMA for non-fp16 float / fp8 activations: scale them by 2^-8 on load (alpha ·256) so that
     # values up to 1.6e7 fit fp16; the weights are exact in fp16 either way.
