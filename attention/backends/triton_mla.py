@@ -2,7 +2,7 @@
 
 Decode: split-KV flash-decoding with many heads per program and an lse combine; prefill: the same
 kernel over ragged query blocks; store_kv: slot scatter with fp8 quantization. Knobs (config_space)
-change speed only: BLOCK_N kv tokens per tile, BLOCK_H heads per program, BLOCK_T query tokens per
+change speed only: BLOCK_N kv tokens per tile (0 = auto by rows), BLOCK_H heads per program, BLOCK_T query tokens per
 program (prefill), num_splits (0 = auto: fill the SMs ~`waves` times), num_warps (0 = auto by rows),
 num_stages (software pipelining of the page loads), fp8_compute (fp8 pools: upcast to bf16, or to
 fp16 with q cast to fp16 as well — one conversion instruction instead of several on sm90, but |q|
@@ -25,13 +25,14 @@ _DECODE_OPTIONS = {"page_sizes": _PAGES, "kv_dtypes": ("bf16", "fp16", "fp32", "
                    "q_dtypes": ("bf16", "fp16", "fp32"), "q_lens": (1, 2, 4, 8)}
 _PREFILL_OPTIONS = {k: v for k, v in _DECODE_OPTIONS.items() if k != "q_lens"}
 
-DECODE_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
+DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0]}
-# Chosen by the sweep recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
-# BLOCK_N 32, 3 stages; 16 heads best with 8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows,
-# i.e. ~8 short programs per SM, 2 for bigger ones); 128 heads best with 64-head programs, 8 warps.
-DECODE_DEFAULT = {"BLOCK_N": 32, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
+# Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
+# 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
+# programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
+# BLOCK_N 64 (BLOCK_N 0 = auto: 32 / 64 by the same rows rule); one page id per tile (tile_in_page).
+DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "bf16", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
@@ -47,8 +48,10 @@ def _probe() -> str | None:
 
 
 def _warps(config: dict, rows: int) -> dict:
-    """Resolve the auto knobs from the rows per program: warps 4 / 8, waves 7.5 / 2."""
+    """Resolve the auto knobs from the rows per program: warps 4 / 8, waves 7.5 / 2, BLOCK_N 32 / 64."""
     cfg = dict(config)
+    if not int(cfg.get("BLOCK_N") or 0):
+        cfg["BLOCK_N"] = 32 if rows <= 32 else 64
     if not int(cfg.get("num_warps") or 0):
         cfg["num_warps"] = 4 if rows <= 32 else 8
     if not float(cfg.get("waves") or 0):
