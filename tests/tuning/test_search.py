@@ -79,14 +79,14 @@ def test_budget_stops_search(toy, isolated, monkeypatch):
 
 def test_resume_after_kill(toy, isolated):
     storage = f"sqlite:///{isolated / 'tuning.db'}"
-    env = {**os.environ, "TOY_DELAY": "0.15", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TOY_DELAY": "0.4", "PYTHONUNBUFFERED": "1"}  # slow enough to kill mid-grid on a busy machine
     cmd = [sys.executable, str(HERE / "toy.py"), storage, str(isolated / "configs"), "50"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 60
         done = 0
         while time.time() < deadline:
-            time.sleep(0.3)
+            time.sleep(0.1)
             try:
                 done = sum(t.state.is_finished() for t in _trials(storage))
             except KeyError:  # study not created yet
