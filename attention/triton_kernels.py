@@ -72,6 +72,20 @@ def _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ: tl.constexpr, BL
 
 
 @triton.jit
+def _q_to_fp16(q_nope, q_pe, AXIS: tl.constexpr):
+    """q rows (AXIS 1: [M, D]; AXIS 0: [D, M]) → fp16 divided by a power of two per row (≥ 1) that
+    brings |q| to at most 2^14, and that factor [M] fp32. Exact rescaling: bf16 → fp16 loses nothing
+    (fp16 has more mantissa bits) and no row can overflow fp16's 65504."""
+    amax = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), AXIS), tl.max(tl.abs(q_pe.to(tl.float32)), AXIS))
+    qs = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax * (1.0 / 16384.0), 1.0))))
+    if AXIS == 1:
+        inv = (1.0 / qs)[:, None]
+    else:
+        inv = (1.0 / qs)[None, :]
+    return (q_nope.to(tl.float32) * inv).to(tl.float16), (q_pe.to(tl.float32) * inv).to(tl.float16), qs
+
+
+@triton.jit
 def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              kv_scale, KV_SCALE_PTR, qk_scale,
              stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
@@ -96,9 +110,9 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
     q_nope = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(Q + q_off[:, None] + D_NOPE + dp[None, :], mask=row_ok[:, None], other=0.0)
-    if FP8_FP16:  # fp8 pools: compute in fp16 (e4m3 -> fp16 is one conversion)
-        q_nope = q_nope.to(tl.float16)
-        q_pe = q_pe.to(tl.float16)
+    if FP8_FP16:  # fp8 pools: compute in fp16 (e4m3 -> fp16 is one conversion), q scaled per row
+        q_nope, q_pe, q_scale = _q_to_fp16(q_nope, q_pe, 1)
+        row_scale = scale2 * q_scale
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -123,7 +137,10 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
             k_pe = k_pe.to(q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
-        s = s * scale2
+        if FP8_FP16:
+            s = s * row_scale[:, None]
+        else:
+            s = s * scale2
         visible = n_ok[None, :] & (n[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -177,8 +194,8 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     qt_nope = tl.load(Q + q_off[None, :] + d[:, None], mask=row_ok[None, :], other=0.0)  # [D_NOPE, M]
     qt_pe = tl.load(Q + q_off[None, :] + D_NOPE + dp[:, None], mask=row_ok[None, :], other=0.0)
     if FP8_FP16:
-        qt_nope = qt_nope.to(tl.float16)
-        qt_pe = qt_pe.to(tl.float16)
+        qt_nope, qt_pe, q_scale = _q_to_fp16(qt_nope, qt_pe, 0)
+        row_scale = scale2 * q_scale
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -209,7 +226,10 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
             v = k_nope
         s = tl.dot(k_nope, qt_nope, input_precision=PREC)  # [BLOCK_N, M]
         s = tl.dot(k_pe, qt_pe, s, input_precision=PREC)
-        s = s * scale2
+        if FP8_FP16:
+            s = s * row_scale[None, :]
+        else:
+            s = s * scale2
         visible = n_ok[:, None] & (n[:, None] < limit[None, :])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))

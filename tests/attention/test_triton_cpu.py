@@ -156,6 +156,19 @@ def test_store_kv_fp8(seed):
     assert not a.view(-1, 576)[~torch.isin(torch.arange(P * page), slots)].any()  # nothing else written
 
 
+def test_fp8_fp16_compute_survives_q_beyond_fp16_range(seed):
+    # rows of q far above fp16's 65504 (and one tiny row): the per-row power-of-two scaling keeps the
+    # fp16 dots finite and exact up to rounding; a plain cast would give inf/NaN
+    p = decode_problem([9, 40], heads=16, q_len=1, page=16, dtype=torch.bfloat16, kv_dtype="fp8", seed=seed)
+    p.q[0, 0, :4] *= 3e5
+    p.q[1, 0, 5] *= 1e-4
+    p.softmax_scale = 1e-6  # keep the softmax of the huge rows from collapsing to one-hot
+    ref_out, ref_lse = _decode(p, "torch")
+    out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 16, "num_splits": 2, "fp8_compute": "fp16"})
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert cosine_error(out, ref_out) < 1e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
+
+
 def test_fp8_fp16_compute_path(seed):
     # fp8_compute="fp16": q (here bf16) and the e4m3 rows go to fp16 for the dots
     p = decode_problem([7, 33], heads=16, q_len=1, page=16, dtype=torch.bfloat16, kv_dtype="fp8", seed=seed)
