@@ -111,7 +111,12 @@ class ExpertInputs:
 def _call(backend: str, cfg: dict, x: ExpertInputs):
     from pdlab.moe.experts import run_experts
 
-    return run_experts(x.layout, x.weights, runner=backend, config=cfg)
+    out = run_experts(x.layout, x.weights, runner=backend, config=cfg)
+    if backend == "torch":
+        # the reference runs once per bucket; its cached fp32 copy of the weights (45 GB at EP1
+        # DeepSeek-R1) would otherwise crowd out every trial after it
+        x.weights.prepared.pop("torch_fp32", None)
+    return out
 
 
 def _tensor(y) -> torch.Tensor:

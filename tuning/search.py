@@ -162,6 +162,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
         skipped += [(bucket, b.name, "does not accept this bucket") for b in usable if b not in bs]
     total = sum(len(bs) for _, bs in plan)
     winners: dict[str, list[dict]] = {}
+    broken: dict[str, dict[str, str]] = {}  # backend → configs that broke the CUDA context in any bucket
     notes: list[str] = []
     checked = False
     with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
@@ -193,9 +194,11 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
             for j, backend in enumerate(bs):
                 now = time.perf_counter()
                 backend_deadline = now + (bucket_deadline - now) / (len(bs) - j)
+                if backend.name not in broken:
+                    broken[backend.name] = context_breakers(settings.storage, key, target.op, backend.name)
                 res = run_study(target, backend, bucket, inputs, ref, settings, device=device,
                                 device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep,
-                                warm_start=winners.get(backend.name))
+                                warm_start=winners.get(backend.name), broken=broken[backend.name])
                 results.append(res)
                 if res.best_config is not None:
                     winners.setdefault(backend.name, []).append(res.best_config)
@@ -223,10 +226,13 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
 def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any, ref: Any,
               settings: SearchSettings, *, device: torch.device, device_key: str, deadline: float,
               bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None,
-              warm_start: Sequence[dict] | None = None) -> StudyResult:
+              warm_start: Sequence[dict] | None = None, broken: Mapping[str, str] | None = None) -> StudyResult:
     """Search `backend`'s config space on one bucket until `deadline` (perf_counter), the trial
     cap or the grid's end; then re-measure best vs default. Resumes a study of the same name.
-    warm_start: configs to try first (after the default) in a new TPE/random study."""
+    warm_start: configs to try first (after the default) in a new TPE/random study.
+    broken: config key → reason, configs that broke the CUDA context on some bucket of this backend
+    (`context_breakers`): never run again, here or on any other bucket (a seeded sampler proposes
+    the same configs in the same order on every bucket, so each bucket would crash the run again)."""
     import optuna
     from optuna.trial import TrialState
 
@@ -252,6 +258,7 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
     seen: dict[str, float] = {_key(t.params): t.value for t in study.trials if t.state == TrialState.COMPLETE}
     failed_before = {_key(t.params): t.user_attrs.get(FAIL_REASON, "") for t in study.trials
                      if t.state == TrialState.FAIL and t.params}
+    failed_before = {**(broken or {}), **failed_before}
     limit = min(settings.max_trials, space_size(space)) if grid or not space else settings.max_trials
     tol = target.tolerance(bucket)
     first = True  # a started study runs at least one trial, even past its deadline
@@ -322,6 +329,29 @@ def measure(target: TuneTarget, backend: str, cfg: dict, inputs: Any, ref: Any, 
     return _measure(target, backend, cfg, inputs, ref, tol, settings, device, lockstep)
 
 
+def context_breakers(storage: Any, device_key: str, op: str, backend: str) -> dict[str, str]:
+    """Config keys (as `_key` of the trial params) → reason, for every trial of this device/op/backend
+    in `storage`, any bucket, that broke the CUDA context (see `DeviceBroken`)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    prefix = f"{device_key}|{op}|{backend}|"
+    st = _storage(storage)
+    out: dict[str, str] = {}
+    for summary in optuna.get_all_study_summaries(st, include_best_trial=False):
+        if not summary.study_name.startswith(prefix):
+            continue
+        study = optuna.load_study(study_name=summary.study_name, storage=st)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+            reason = t.user_attrs.get(FAIL_REASON, "")
+            if t.params and BROKE_CONTEXT in reason:
+                out[_key(t.params)] = f"broke the CUDA context on {summary.study_name[len(prefix):]}"
+    return out
+
+
+BROKE_CONTEXT = "broke the CUDA context"
+
+
 class DeviceBroken(RuntimeError):
     """A config left the CUDA context unusable (illegal address, launch failure, device assert): the
     process must end; rerunning the same command resumes with that trial recorded as failed."""
@@ -334,7 +364,7 @@ _BROKEN = ("illegal memory access", "unspecified launch failure", "device-side a
 def _check_broken(exc: BaseException, device: torch.device, backend: str, cfg: dict) -> None:
     text = str(exc).lower()
     if device.type == "cuda" and any(k in text for k in _BROKEN):
-        raise DeviceBroken(f"{backend} config {cfg} broke the CUDA context ({_describe(exc)}); rerun the same "
+        raise DeviceBroken(f"{backend} config {cfg} {BROKE_CONTEXT} ({_describe(exc)}); rerun the same "
                            "command to resume (this trial is recorded as failed)") from exc
 
 

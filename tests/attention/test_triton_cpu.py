@@ -212,3 +212,11 @@ def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     assert c128["num_warps"] == 8 and tk._tile(128, 1, c128["BLOCK_H"], True) == (1, 64)
     assert tk.auto_splits(128, 2, 1, 8192, torch.device("cpu"), c128["waves"]) == 2
     assert tk._tile(128, 2, 64, True) == (2, 32)  # S_q = 2 keeps 64 rows per program
+
+
+def test_token_major_config_that_crashed_on_sm90_is_refused_with_the_fix():
+    # swap_ab=1, BLOCK_N 64, one stage gave an illegal memory access on an H200 (Triton 3.6): refused
+    # before launch, with what to change, instead of breaking the CUDA context
+    p = decode_problem([70], heads=16, q_len=1, page=64, dtype=torch.float16, kv_dtype="same", seed=0)
+    with pytest.raises(ValueError, match="num_stages >= 2, BLOCK_N <= 32 or swap_ab=0"):
+        _decode(p, TRITON_DECODE, config={"BLOCK_N": 64, "num_stages": 1, "swap_ab": 1})

@@ -20,3 +20,18 @@ def test_chunked_quantization_equals_stacked():
         assert a.shape == b.shape, k
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), k
+
+
+def test_reference_call_drops_its_fp32_weight_copy():
+    from pdlab.tuning.models import ModelShape
+    from pdlab.tuning.moe import MOE_EXPERTS
+
+    model = ModelShape(name="tiny", hidden_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                       num_experts_per_tok=2, num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128,
+                       qk_rope_head_dim=64)
+    bucket = {"tokens_per_expert": 2, "experts": 4, "hidden": 64, "intermediate": 32, "layout": "contiguous",
+              "payload": "bf16"}
+    x = MOE_EXPERTS.build(bucket, model, torch.device("cpu"))
+    out = MOE_EXPERTS.call("torch", {}, x)
+    assert out.hidden.shape == (8, 64) and torch.isfinite(out.hidden).all()
+    assert "torch_fp32" not in x.weights.prepared

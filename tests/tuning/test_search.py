@@ -192,3 +192,20 @@ def test_broken_cuda_context_stops_the_run():
         _check_broken(err, torch.device("cuda", 0), "triton", {"BLOCK_N": 64})
     _check_broken(err, torch.device("cpu"), "triton", {})  # only a CUDA context can break
     _check_broken(RuntimeError("triton.CompilationError: out of resources"), torch.device("cuda", 0), "triton", {})
+
+
+def test_a_config_that_broke_the_context_is_skipped_on_every_bucket(toy, isolated, monkeypatch):
+    # a seeded sampler proposes the same configs on every bucket: a config that broke the CUDA
+    # context on one bucket must not run (and crash the run again) on the next
+    storage = f"sqlite:///{isolated / 'tuning.db'}"
+    a, b = {"m": 16, "k": 64, "dtype": "fp32"}, {"m": 64, "k": 64, "dtype": "fp32"}
+    monkeypatch.setenv("TOY_BREAK_BK", "64")
+    tune_op(toy.register(), [a], DEEPSEEK_R1, toy.settings(storage, 8, backends=["blocked"]),
+            device=torch.device("cpu"), store_root=isolated / "configs", metadata=toy.metadata())
+    monkeypatch.delenv("TOY_BREAK_BK")
+    rep = tune_op(toy.register(), [b], DEEPSEEK_R1, toy.settings(storage, 8, backends=["blocked"]),
+                  device=torch.device("cpu"), store_root=isolated / "configs", metadata=toy.metadata())
+    skipped = [t for t in _trials(storage, bucket=b) if t.params.get("BLOCK_K") == 64]
+    assert skipped and all(t.state == TrialState.FAIL for t in skipped)
+    assert all("broke the CUDA context on dtype=fp32,k=64,m=16" in t.user_attrs[FAIL_REASON] for t in skipped)
+    assert rep.studies[0].config["BLOCK_K"] != 64

@@ -35,6 +35,8 @@ def register() -> TuneTarget:
         bk = config["BLOCK_K"]
         if bk <= 0:
             raise RuntimeError(f"compile error: BLOCK_K={bk} (simulated)")
+        if os.environ.get("TOY_BREAK_BK") == str(bk):  # what DeviceBroken records on a GPU
+            raise RuntimeError(f"blocked config {config} broke the CUDA context (simulated)")
         delay = float(os.environ.get("TOY_DELAY", "0"))
         if delay:
             time.sleep(delay)
