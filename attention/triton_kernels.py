@@ -384,9 +384,10 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     page, block_n = kv_cache.shape[1], int(config["BLOCK_N"])
     token_major = bool(int(config.get("swap_ab", 0) or 0))
     if token_major and block_n >= 64 and int(config["num_stages"]) < 2:
-        # seen on an H200 (Triton 3.6): an illegal memory access that leaves the CUDA context unusable
+        # seen on an H200 (Triton 3.6): an out-of-bounds fault that leaves the CUDA context unusable (the
+        # message avoids the fault's own words: the tuner reads those as a broken context)
         raise ValueError(f"mla triton: swap_ab=1 with BLOCK_N={block_n} and num_stages={config['num_stages']} "
-                         "crashed on sm90 (illegal memory access); use num_stages >= 2, BLOCK_N <= 32 or swap_ab=0")
+                         "faulted on sm90 (out-of-bounds access); use num_stages >= 2, BLOCK_N <= 32 or swap_ab=0")
     extra = {"FP8_RELOAD": fp8 and bool(int(config.get("fp8_reload", 0) or 0))} if token_major else {}
     (_mla_fwd_t if token_major else _mla_fwd)[grid](
         q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
