@@ -72,6 +72,24 @@ def _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ: tl.constexpr, BL
 
 
 @triton.jit
+def _scales(kv_scale, KV_SCALE_PTR, qk_scale, SCALE_FROM_PTR: tl.constexpr):
+    """(kv_scale, qk_scale·kv_scale): the cache scale from its pointer when given as a tensor."""
+    if SCALE_FROM_PTR:
+        kv_scale = tl.load(KV_SCALE_PTR).to(tl.float32)
+    return kv_scale, qk_scale * kv_scale
+
+
+@triton.jit
+def _tile_rows(bt_row, start, n, n_ok, stride_kv_p, stride_kv_o, PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Element offsets [BLOCK_N] int64 of the cache rows of positions n (tile starting at `start`)."""
+    if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
+        page = tl.load(bt_row + start // PAGE)
+    else:
+        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+    return page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+
+
+@triton.jit
 def _q_to_fp16(q_nope, q_pe, AXIS: tl.constexpr):
     """q rows (AXIS 1: [M, D]; AXIS 0: [D, M]) → fp16 divided by a power of two per row (≥ 1) that
     brings |q| to at most 2^14, and that factor [M] fp32. Exact rescaling: bf16 → fp16 loses nothing
@@ -100,10 +118,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
                                                          BLOCK_H, BLOCK_N)
-    if SCALE_FROM_PTR:
-        kv_scale = tl.load(KV_SCALE_PTR).to(tl.float32)
-    scale2 = qk_scale * kv_scale
-
+    kv_scale, scale2 = _scales(kv_scale, KV_SCALE_PTR, qk_scale, SCALE_FROM_PTR)
     M: tl.constexpr = BLOCK_T * BLOCK_H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
@@ -121,12 +136,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
-            page = tl.load(bt_row + start // PAGE)
-            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
-        else:
-            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
-            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        row = _tile_rows(bt_row, start, n, n_ok, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
         k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
         if FP8:
@@ -183,10 +193,7 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
                                                          BLOCK_H, BLOCK_N)
-    if SCALE_FROM_PTR:
-        kv_scale = tl.load(KV_SCALE_PTR).to(tl.float32)
-    scale2 = qk_scale * kv_scale
-
+    kv_scale, scale2 = _scales(kv_scale, KV_SCALE_PTR, qk_scale, SCALE_FROM_PTR)
     M: tl.constexpr = BLOCK_T * BLOCK_H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
@@ -204,12 +211,7 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
-            page = tl.load(bt_row + start // PAGE)
-            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
-        else:
-            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
-            row = page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+        row = _tile_rows(bt_row, start, n, n_ok, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
         k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
         if FP8:
