@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 from pdlab.bench.harness import cosine_error
 from pdlab.kernels.contracts import ShapeError
 from pdlab.moe.experts import check_pairing, run_experts
-from pdlab.moe.layouts import Contiguous, Masked, group_tokens, quantize_payload, to_masked
+from pdlab.moe.layouts import Contiguous, Masked, to_masked
+from pdlab.moe.testing import random_experts_problem
 from pdlab.moe.weights import ExpertWeights
 
 CUDA = torch.cuda.is_available()
@@ -25,21 +26,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 
 def _problem(E, H, I, T, k, payload, device=DEV, skew=None, x_dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(device)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device)
-    weights = ExpertWeights.from_bf16(w13, w2, quantize=True)
-    x = torch.randn(T, H, generator=g).to(device)
-    if skew == "one":
-        ids = torch.full((T, 1), E - 1, dtype=torch.int32)
-    else:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
-        if skew == "zero":  # only experts 1 and 3: experts 0 and 2 get no tokens
-            ids = (torch.randint(0, 2, (T, 1), generator=g) * 2 + 1).int()
-    ids = ids.to(device)
-    hidden, scales, gs = quantize_payload(x.to(x_dtype) if payload == "bf16" else x, payload)
-    layout, _ = group_tokens(hidden, ids, E, scales=scales, global_scale=gs)
-    return layout, weights
+    return random_experts_problem(E, H, I, T, k, payload, device, skew, x_dtype, seed)
 
 
 def _valid(out, layout):

@@ -14,10 +14,10 @@ if not torch.cuda.is_available():
 from pdlab.bench.harness import cosine_error  # noqa: E402
 from pdlab.kernels import nvfp4  # noqa: E402
 from pdlab.moe.experts import run_experts  # noqa: E402
-from pdlab.moe.layouts import Masked, group_tokens, quantize_payload, to_masked  # noqa: E402
+from pdlab.moe.layouts import Masked, to_masked  # noqa: E402
 from pdlab.moe.runners.triton_nvfp4 import dense_path_taken  # noqa: E402
 from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16  # noqa: E402
-from pdlab.moe.weights import ExpertWeights  # noqa: E402
+from pdlab.moe.testing import random_experts_problem  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -25,20 +25,7 @@ FAST = {"DEQ_ASM": 1, "PERM_K": 1}
 
 
 def _problem(E, H, I, T, k, payload, skew=None, x_dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEV)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEV)
-    weights = ExpertWeights.from_bf16(w13, w2, quantize=True)
-    x = torch.randn(T, H, generator=g).to(DEV)
-    if skew == "one":
-        ids = torch.full((T, 1), E - 1, dtype=torch.int32)
-    elif skew == "zero":  # experts 1 and 3 only
-        ids = (torch.randint(0, 2, (T, 1), generator=g) * 2 + 1).int()
-    else:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
-    hidden, scales, gs = quantize_payload(x.to(x_dtype) if payload == "bf16" else x, payload)
-    layout, _ = group_tokens(hidden, ids.to(DEV), E, scales=scales, global_scale=gs)
-    return layout, weights
+    return random_experts_problem(E, H, I, T, k, payload, DEV, skew, x_dtype, seed)
 
 
 def _as(kind, layout):
