@@ -21,7 +21,8 @@ activation tile is permuted the same way in registers, so the result is the same
 DENSE_MIN_M (bf16 activations, contiguous layout): at ≥ DENSE_MIN_M expected tokens per expert
 (0 = never) the weights of DENSE_CHUNK experts at a time are dequantised to bf16 once
 (moe/triton/nvfp4_dequant.py) and both GEMMs run in torch._grouped_mm (one host read of the
-offsets per call, so this path is not CUDA-graph capturable); `dense_path_taken` says whether it ran.
+offsets per call: while a CUDA graph is being captured the in-loop kernel runs instead);
+`dense_path_taken` says whether it runs.
 """
 
 from __future__ import annotations
@@ -143,7 +144,12 @@ def dense_path_taken(layout, config: dict, expected_m: int) -> bool:
 def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
     m = cfg.get("DENSE_MIN_M", 0)
     return (m > 0 and expected_m >= m and layout.payload == "bf16" and not isinstance(layout, Masked)
-            and hasattr(torch, "_grouped_mm"))
+            and hasattr(torch, "_grouped_mm") and not _capturing())
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured: the dense path's host read of the offsets is not allowed."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _run_dense(layout, w: dict, weights, cfg: dict) -> torch.Tensor:
@@ -153,9 +159,6 @@ def _run_dense(layout, w: dict, weights, cfg: dict) -> torch.Tensor:
 
     from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
 
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("moe_experts[triton] dense path reads the offsets on the host: not CUDA-graph "
-                           "capturable (set DENSE_MIN_M=0 for captured calls)")
     x = layout.hidden
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     chunk = max(1, min(E, int(cfg.get("DENSE_CHUNK", 16))))

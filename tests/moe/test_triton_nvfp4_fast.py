@@ -84,6 +84,18 @@ def test_dense_path_only_for_contiguous_bf16():
     assert not dense_path_taken(nv, cfg, 4)
 
 
+def test_dense_path_steps_aside_while_a_cuda_graph_is_captured(monkeypatch):
+    # its host read of the offsets cannot be captured: the in-loop kernel runs instead, same results
+    from pdlab.moe.runners import triton_nvfp4
+
+    layout, weights = _problem(4, 64, 32, 9, 2, "bf16", x_dtype=torch.bfloat16)
+    cfg = {"DENSE_MIN_M": 1}
+    assert dense_path_taken(layout, cfg, 4)
+    monkeypatch.setattr(triton_nvfp4, "_capturing", lambda: True)
+    assert not dense_path_taken(layout, cfg, 4)
+    _check(layout, weights, 1e-4 if not CUDA else 2e-4, config=cfg)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
