@@ -112,11 +112,23 @@ def _tolerance(bucket) -> float:
     return 1e-5 if bucket.get("kv_dtype", "bf16") == "bf16" else 2e-5
 
 
+def _resolve_decode(backend: str, config: dict, bucket) -> dict:
+    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N) as it resolves them for this
+    bucket's rows per program (heads per program · q_len)."""
+    if backend != "triton":
+        return dict(config)
+    from pdlab.attention import triton_kernels as tk
+    from pdlab.attention.backends.triton_mla import _warps
+
+    q_len = int(bucket.get("q_len", 1))
+    return _warps(dict(config), min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * int(bucket["heads"])))
+
+
 MLA_DECODE = register_target(TuneTarget(
     op="mla_decode", description="MLA decode over the paged latent cache",
     buckets=decode_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=False), call=_call_decode,
     error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",), cuda_graph=True,
-    bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
+    resolve=_resolve_decode, bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
 
 MLA_PREFILL = register_target(TuneTarget(
     op="mla_prefill", description="MLA extend/prefill over the paged latent cache",

@@ -141,10 +141,19 @@ def _accepts(backend, bucket) -> bool:
     return (layouts is None or bucket["layout"] in layouts) and (payloads is None or bucket["payload"] in payloads)
 
 
+def _resolve(backend: str, config: dict, bucket) -> dict:
+    """The triton runner's auto knobs as it resolves them for this bucket's tokens per expert."""
+    if backend != "triton":
+        return dict(config)
+    from pdlab.moe.runners.triton_nvfp4 import resolve_config
+
+    return resolve_config(dict(config), int(bucket["tokens_per_expert"]))
+
+
 MOE_EXPERTS = register_target(TuneTarget(
     op="moe_experts", description="MoE expert runners (gate_up → SiLU·mul → down)",
     buckets=experts_buckets, build=lambda b, m, d: ExpertInputs(b, m, d), call=_call, error=_error,
-    tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",),
+    tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",), resolve=_resolve,
     bucket_doc="tokens_per_expert × experts (EP1, EP4) × layout × payload at the model's hidden/intermediate"))
 
 OPS = ("moe_experts",)

@@ -62,6 +62,7 @@ class SearchSettings:
     budget_s: float | None = 600.0
     bucket_budget_s: float | None = None
     max_trials: int = 200
+    neighbours: int = 12  # one-knob variations of the resolved default tried first in a TPE study
     sampler: str = "auto"  # auto | tpe | grid | random
     seed: int = 0
     warmup: int = 5
@@ -246,13 +247,21 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
         study._storage.set_trial_user_attr(t._trial_id, FAIL_REASON, "interrupted (run killed mid-trial)")
         study.tell(t.number, state=TrialState.FAIL)
     if not study.trials and space and not isinstance(sampler, optuna.samplers.GridSampler):
-        # warm start: the default, then the winners of this backend's buckets tuned earlier in the run
+        # warm start: the default as the backend resolves it for this bucket, the winners of this
+        # backend's buckets tuned earlier in the run, then one-knob variations of the default
+        default = backend.config()
+        resolved = target.resolve(backend.name, default, bucket)
+        # knobs the space cannot express resolved (e.g. waves 7.5) keep their auto value
+        base = {k: (v if k not in space or v in space[k] else default.get(k, v)) for k, v in resolved.items()}
         seeds = []
-        for cfg in [backend.config()] + list(reversed(warm_start or [])):
+        for cfg in [base, default] + list(reversed(warm_start or []))[:3]:
             enc = _encode(cfg, space)
             if enc and enc not in seeds:
                 seeds.append(enc)
-        for enc in seeds[:4]:
+        for enc in neighbours(base, space, settings.neighbours, seed=settings.seed):
+            if enc not in seeds:
+                seeds.append(enc)
+        for enc in seeds[:settings.max_trials]:
             study.enqueue_trial(enc, skip_if_exists=True)
     grid = isinstance(sampler, optuna.samplers.GridSampler)
     seen: dict[str, float] = {_key(t.params): t.value for t in study.trials if t.state == TrialState.COMPLETE}
@@ -296,7 +305,7 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
             best = _best(study)
             bar.note(f"{backend.name} {tuned.bucket_label(bucket)}  trial {trial.number}  "
                      f"best {best:.4g} ms" if best is not None else f"{backend.name} trial {trial.number}: no valid config yet")
-    trials = study.get_trials(deepcopy=False)
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]  # not the queued seeds
     history = [(t.number, t.value, t.state.name) for t in trials]
     failed = sum(t.state == TrialState.FAIL for t in trials)
     res = StudyResult(backend.name, dict(bucket), name, len(trials), failed, None, None, None, None, history)
@@ -550,6 +559,31 @@ def _Grid(space, seed):
 
 def _primitive(v: object) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
+
+
+def neighbours(config: Mapping[str, Any], space: Mapping[str, list], limit: int, seed: int = 0) -> list[dict]:
+    """Up to `limit` configs that differ from `config` in one knob (encoded as optuna params), spread
+    over the knobs: a seeded shuffle of each knob's other values, then round-robin over knobs.
+    Knobs whose value in `config` is not among the space's choices are left to the sampler."""
+    import random
+
+    rng = random.Random(seed)
+    base = _encode(config, space)
+    per_knob = []
+    for k, values in space.items():
+        if k not in base:
+            continue
+        others = [v for v in values if v != config[k]]
+        rng.shuffle(others)
+        per_knob.append([(k, v) for v in others])
+    rng.shuffle(per_knob)
+    out: list[dict] = []
+    while len(out) < limit and any(per_knob):
+        for options in per_knob:
+            if options and len(out) < limit:
+                k, v = options.pop(0)
+                out.append(_encode({**config, k: v}, space))
+    return out
 
 
 def _choices(values: list) -> list:

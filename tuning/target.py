@@ -30,6 +30,8 @@ class TuneTarget:
     above tolerance(bucket) (or NaN) is a wrong result. accepts(backend, bucket) says whether the
     backend supports the bucket at all (e.g. fp8 cache), so it is not searched there.
     reference_output(inputs), when given, is the expected output (else the reference backend's).
+    resolve(backend_name, config, bucket) → the config with its "auto" knobs (0 / -1) replaced by
+    the values the backend would pick for this bucket; the search starts next to that config.
     modules: imported before the registry is read (they register the backends)."""
 
     op: str
@@ -43,6 +45,7 @@ class TuneTarget:
     modules: Sequence[str] = ()
     reference: str | None = None
     reference_output: Callable[[Any], Any] | None = None  # computes the expected output itself
+    resolve: Callable[[str, dict, Mapping], dict] = lambda backend, config, bucket: dict(config)
     cuda_graph: bool = False
     bucket_doc: str = ""
     import_errors: dict = field(default_factory=dict)

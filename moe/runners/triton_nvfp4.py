@@ -81,9 +81,7 @@ def run_triton(layout, weights, *, config):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = dict(config)
     expected_m = cfg.pop("_expected_m", 16)
-    auto = heuristic_config(expected_m, interpret)
-    cfg = {k: (auto.get(k, 0) if v == -1 and k in _AUTO_MINUS1 else auto.get(k, v) if v == 0 and k not in _AUTO_MINUS1
-               else v) for k, v in cfg.items()}
+    cfg = resolve_config(cfg, expected_m, interpret)
     w = weights.prepare("triton", _repack)
     if _dense_path(layout, cfg, expected_m):
         return _run_dense(layout, w, weights, cfg)
@@ -130,6 +128,14 @@ def _repack(w) -> dict:
             "w13_s2": w.w13_weight_scale_2.float().contiguous(),
             "w2": w.w2_weight.contiguous(), "w2_sf": w.w2_weight_scale.contiguous().view(torch.uint8),
             "w2_s2": w.w2_weight_scale_2.float().contiguous()}
+
+
+def resolve_config(config: dict, expected_m: int, interpret: bool = False) -> dict:
+    """`config` with its auto knobs replaced by `heuristic_config(expected_m)`'s choices: 0 for the
+    tile/launch knobs, -1 for DEQ_ASM / PERM_K / DENSE_MIN_M (whose 0 means off)."""
+    auto = heuristic_config(expected_m, interpret)
+    return {k: (auto.get(k, 0) if v == -1 and k in _AUTO_MINUS1 else auto.get(k, v) if v == 0 and k not in _AUTO_MINUS1
+                else v) for k, v in config.items()}
 
 
 def dense_path_taken(layout, config: dict, expected_m: int) -> bool:

@@ -209,3 +209,28 @@ def test_a_config_that_broke_the_context_is_skipped_on_every_bucket(toy, isolate
     assert skipped and all(t.state == TrialState.FAIL for t in skipped)
     assert all("broke the CUDA context on dtype=fp32,k=64,m=16" in t.user_attrs[FAIL_REASON] for t in skipped)
     assert rep.studies[0].config["BLOCK_K"] != 64
+
+
+def test_neighbours_vary_one_knob_of_the_resolved_default():
+    from pdlab.tuning.search import neighbours
+
+    space = {"a": [1, 2, 3], "b": ["x", "y"], "c": [0, 8, 16]}
+    base = {"a": 2, "b": "x", "c": 7}  # c = 7: not a choice of the space, left to the sampler
+    out = neighbours(base, space, limit=10, seed=3)
+    assert len(out) == 3 and all("c" not in n for n in out)  # a: 1, 3; b: y
+    assert {(n["a"], n["b"]) for n in out} == {(1, "x"), (3, "x"), (2, "y")}
+    assert neighbours(base, space, limit=2, seed=3) == out[:2]
+    assert {n["a"] != 2 for n in out[:2]} == {True, False}  # round-robin: both knobs before a second a
+
+
+def test_tpe_study_starts_from_the_resolved_default_and_its_neighbours(toy, isolated):
+    storage = optuna.storages.InMemoryStorage()
+    target = toy.register()
+    target.resolve = lambda backend, cfg, bucket: {**cfg, "rows": 4} if backend == "wide" else dict(cfg)
+    tune_op(target, [BUCKET], DEEPSEEK_R1, toy.settings(storage, 8, backends=["wide"]),
+            device=torch.device("cpu"), store_root=None, metadata=toy.metadata())
+    trials = optuna.load_study(study_name=study_name("cpu", "toy_matmul", "wide", BUCKET), storage=storage).trials
+    assert trials[0].params == {"rows": 4, "cols": 1, "flip": False}  # resolved default
+    assert trials[1].params == {"rows": 1, "cols": 1, "flip": False}  # as declared
+    one_knob = [t.params for t in trials[2:8]]
+    assert all(sum(p[k] != v for k, v in {"rows": 4, "cols": 1, "flip": False}.items()) == 1 for p in one_knob)
