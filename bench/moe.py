@@ -11,7 +11,9 @@ time of each stage and of the whole forward (the slowest rank's, under EP), byte
 in dispatch and got back in combine, their GB/s, expert TFLOPS and % of roofline (weight bytes
 the runner streams + activations), and the cosine error of the layer output against a plain torch
 MoE over the same routing (fp32, dequantised weights, unquantised activations). Writes CSV/JSON,
-a stacked-bar plot of the stages, and the nvfp4/fp8 vs bf16 (dispatch + combine) time ratios.
+a stacked-bar plot of the stages, and the nvfp4/fp8 vs bf16 (dispatch + combine) time ratios — for the
+low-latency paths that never sync the host (local, nccl with the fixed exchange) also timed as a CUDA
+graph (`dispatch_combine_graph_ms`), which is what a captured decode step pays.
 On a CPU machine it runs a small shape with the reference backends and says so.
 """
 
@@ -125,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
                                      "dispatch_combine_ratio_vs_bf16": ratios})
     csv = report.save(df, out_dir, name, meta)
     ok = df[df["status"] == "ok"] if "status" in df else df
-    cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_MB",
-            "combine_MB", "comm_GBps", "tflops", "pct_roofline", "cos_err"]
+    cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms",
+            "dispatch_combine_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops", "pct_roofline", "cos_err"]
     report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():
@@ -135,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
         pd.DataFrame(ratios).to_csv(csv.with_name(f"{name}_ratios.csv"), index=False)
         for r in ratios:
             print(f"  {r['mode']:<11} {r['tokens']:>5} tok/rank: {r['payload']} dispatch+combine "
-                  f"{r['payload_ms']:.3f} ms vs bf16 {r['bf16_ms']:.3f} ms → ratio {r['ratio']:.2f}")
+                  f"{r['payload_ms']:.3f} ms vs bf16 {r['bf16_ms']:.3f} ms → ratio {r['ratio']:.2f}"
+                  + (f"; in a CUDA graph {r['graph_payload_ms']:.3f} vs {r['graph_bf16_ms']:.3f} ms → "
+                     f"{r['graph_ratio']:.2f}" if "graph_ratio" in r else ""))
     if not args.no_plot and len(ok):
         ok = ok.assign(config=[f"{m[:2]} t{t} {p} {r}" for m, t, p, r in
                                zip(ok["mode"], ok["tokens"], ok["payload"], ok["runner"])])
@@ -219,6 +223,10 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
         "combine": bench(lambda: layer.combine(y, handle), **kw),
         "total": bench(lambda: layer(x), **kw),
     }
+    if dev.type == "cuda" and _graph_safe(layer.dispatchers.get(row["mode"])):
+        # decode captures dispatch + combine in a CUDA graph: this is the time that remains there
+        times["dispatch_combine_graph"] = bench(lambda: layer.combine(y, layer.dispatch(tokens, ids, w)[1]),
+                                                cuda_graph=True, graph_calls=5, **kw)
     for s, t in times.items():
         row[f"{s}_ms"] = t.median_ms
     row["timing"] = times["total"].kind
@@ -239,6 +247,17 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
             refs[T] = (moe_reference(x, ids, w, weights, 0, "nvfp4"),)
         row["cos_err"] = cosine_error(out.float(), refs[T][0])
     return row
+
+
+def _graph_safe(dispatcher) -> bool:
+    """Dispatch + combine of this dispatcher never sync the host, so they can be timed as a CUDA graph:
+    the low-latency modes of `local` and of `nccl` with the fixed exchange (both tested under
+    sync-debug mode and graph capture on H200s)."""
+    if dispatcher is None or dispatcher.mode != "low_latency":
+        return False
+    if dispatcher.name == "local":
+        return True
+    return dispatcher.name == "nccl" and dispatcher.config.get("ll_exchange") == "fixed"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,12 +418,18 @@ def _ratios(df) -> list[dict]:
     out = []
     for (mode, T), grp in ok.groupby(["mode", "tokens"]):
         comm = (grp["dispatch_ms"] + grp["combine_ms"]).groupby(grp["payload"]).min()
+        graph = (grp["dispatch_combine_graph_ms"].groupby(grp["payload"]).min()
+                 if "dispatch_combine_graph_ms" in grp and grp["dispatch_combine_graph_ms"].notna().all() else None)
         if "bf16" not in comm:
             continue
         for payload, ms in comm.items():
             if payload != "bf16":
-                out.append({"mode": mode, "tokens": int(T), "payload": payload, "payload_ms": float(ms),
-                            "bf16_ms": float(comm["bf16"]), "ratio": float(ms / comm["bf16"])})
+                r = {"mode": mode, "tokens": int(T), "payload": payload, "payload_ms": float(ms),
+                     "bf16_ms": float(comm["bf16"]), "ratio": float(ms / comm["bf16"])}
+                if graph is not None:  # the same pair of stages replayed from a CUDA graph
+                    r.update(graph_payload_ms=float(graph[payload]), graph_bf16_ms=float(graph["bf16"]),
+                             graph_ratio=float(graph[payload] / graph["bf16"]))
+                out.append(r)
     return out
 
 

@@ -67,3 +67,26 @@ def test_scaling_plot_from_result_csvs(tmp_path):
     assert bench_moe.run(_args(tmp_path, "--scaling", *paths)) == 0
     out = pd.read_csv(tmp_path / "moe_ep_scaling.csv")
     assert sorted(out.ep.unique()) == [2, 4] and (tmp_path / "moe_ep_scaling.png").stat().st_size > 0
+
+
+def test_only_sync_free_low_latency_paths_are_timed_as_a_cuda_graph():
+    from types import SimpleNamespace as NS
+
+    from pdlab.moe.dispatch import create_dispatcher
+
+    assert bench_moe._graph_safe(create_dispatcher("local", 8, 64, mode="low_latency"))
+    assert not bench_moe._graph_safe(create_dispatcher("local", 8, 64, mode="normal"))  # counts read back
+    assert bench_moe._graph_safe(NS(name="nccl", mode="low_latency", config={"ll_exchange": "fixed"}))
+    assert not bench_moe._graph_safe(NS(name="nccl", mode="low_latency", config={"ll_exchange": "counts"}))
+    assert not bench_moe._graph_safe(NS(name="deepep", mode="low_latency", config={}))  # not verified
+    assert not bench_moe._graph_safe(None)
+
+
+def test_ratios_report_the_graph_times_when_every_row_has_them():
+    rows = [dict(mode="low_latency", tokens=128, payload=p, status="ok", dispatch_ms=d, combine_ms=c,
+                 dispatch_combine_graph_ms=g) for p, d, c, g in (("bf16", 0.9, 0.2, 0.3), ("nvfp4", 1.9, 0.2, 0.2))]
+    (r,) = bench_moe._ratios(pd.DataFrame(rows))
+    assert r["ratio"] == pytest.approx(2.1 / 1.1) and r["graph_ratio"] == pytest.approx(0.2 / 0.3)
+    rows[0]["dispatch_combine_graph_ms"] = float("nan")  # one row without a graph time: no graph ratio
+    (r,) = bench_moe._ratios(pd.DataFrame(rows))
+    assert "graph_ratio" not in r
