@@ -20,7 +20,8 @@ timeout ${TTEST:-90} $PY -m pytest -q -m gpu tests/attention -rA --junitxml="$OU
 tail -15 "$OUT/gpu_tests.txt"; grep -E "fp8 vs unquantised|PASSED|FAILED" "$OUT/gpu_tests.txt" | head -30
 
 # memory-bound: 16 heads, bf16 and fp8 (fp8-only knobs are no-ops on bf16 rows). tile_in_page=0 is the
-# per-row page lookup of before; swap_ab=1 the token-major kernel; fp8_reload=1 loads V twice.
+# per-row page lookup of before; swap_ab=1 the token-major kernel; fp8_reload=1 loads V twice;
+# fp8_upcast=once converts the fp8 tile once, where it is loaded (PTX), so both dots read fp16.
 R='"BLOCK_H":16,"num_stages":3'
 C16=(--config '{}' --config "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"num_splits\":8,\"tile_in_page\":0}")
 for cfg in "{$R,\"BLOCK_N\":32,\"num_warps\":4}" "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"num_splits\":4}" \
@@ -30,7 +31,10 @@ for cfg in "{$R,\"BLOCK_N\":32,\"num_warps\":4}" "{$R,\"BLOCK_N\":32,\"num_warps
            "{$R,\"BLOCK_N\":16,\"num_warps\":4,\"fp8_compute\":\"fp16\"}" \
            "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"fp8_compute\":\"fp16\"}" \
            "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"swap_ab\":1,\"fp8_reload\":1,\"fp8_compute\":\"fp16\"}" \
-           "{$R,\"BLOCK_N\":64,\"num_warps\":4,\"swap_ab\":1}"; do C16+=(--config "$cfg"); done
+           "{$R,\"BLOCK_N\":64,\"num_warps\":4,\"swap_ab\":1}" \
+           "{$R,\"BLOCK_N\":32,\"num_warps\":4,\"fp8_upcast\":\"once\"}" \
+           "{\"BLOCK_H\":16,\"num_stages\":2,\"BLOCK_N\":32,\"num_warps\":4,\"num_splits\":4,\"fp8_upcast\":\"once\"}" \
+           "{$R,\"BLOCK_N\":64,\"num_warps\":4,\"fp8_upcast\":\"once\"}"; do C16+=(--config "$cfg"); done
 timeout ${T16:-150} "${BENCH[@]}" "${B[@]}" --backend triton --seqlen 8192 --heads 16 --kv-dtype bf16,fp8 --repeats 10 \
   --max-seconds 0.4 --no-reference --name sweep_h16 "${C16[@]}" > "$OUT/sweep_h16.txt" 2>&1
 tail -30 "$OUT/sweep_h16.txt"

@@ -79,6 +79,21 @@ def test_decode_token_major_bf16(heads, q_len, cfg, seed):
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
 
 
+@pytest.mark.parametrize("heads,cfg", [(16, {"fp8_upcast": "once"}), (16, {"fp8_upcast": "once", "BLOCK_N": 64}),
+                                       (128, {"fp8_upcast": "once"}),
+                                       (16, {"fp8_upcast": "once", "num_stages": 2, "num_splits": 4})])
+def test_decode_fp8_upcast_once(heads, cfg, seed):
+    # the tile converted once by PTX (fp16 compute) must give the reference's result like the plain upcast
+    rng = random.Random(seed)
+    p = decode_problem(_lens(32, 8192, 1, rng), heads, 1, 64, torch.bfloat16, device=DEV, seed=seed)
+    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    ref = _decode(p, "torch")
+    out, lse = _decode(p, "triton", config={**cfg, "fp8_compute": "fp16"})
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
 @pytest.mark.parametrize("cfg", [{"swap_ab": 1, "fp8_reload": 1, "BLOCK_N": 32, "fp8_compute": "fp16"},
                                  {"swap_ab": 1, "fp8_reload": 1, "BLOCK_N": 32},
                                  {"swap_ab": 1, "fp8_reload": 0, "BLOCK_N": 64, "num_warps": 8}])

@@ -220,3 +220,11 @@ def test_token_major_config_that_crashed_on_sm90_is_refused_with_the_fix():
     p = decode_problem([70], heads=16, q_len=1, page=64, dtype=torch.float16, kv_dtype="same", seed=0)
     with pytest.raises(ValueError, match="num_stages >= 2, BLOCK_N <= 32 or swap_ab=0"):
         _decode(p, TRITON_DECODE, config={"BLOCK_N": 64, "num_stages": 1, "swap_ab": 1})
+
+
+def test_fp8_upcast_once_runs_the_plain_upcast_under_the_interpreter(seed):
+    # the PTX conversion needs an sm89+ GPU; the interpreter (and any older device) takes the plain path
+    p = decode_problem([9, 40], heads=16, q_len=1, page=16, dtype=torch.bfloat16, kv_dtype="fp8", seed=seed)
+    ref_out, ref_lse = _decode(p, "torch")
+    out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 16, "fp8_compute": "fp16", "fp8_upcast": "once"})
+    assert cosine_error(out, ref_out) < 1e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
