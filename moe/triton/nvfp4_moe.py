@@ -11,8 +11,9 @@ and the 2^14 (and weight_scale_2, and 1/global_scale of NVFP4 activations) go in
 alpha of the epilogue. DEQ_ASM (GPU, sm89+): 8 nibbles per 32-bit register to e4m3 bytes, hardware
 e4m3x2 → f16x2 conversion, scale in f16x2 (value·scale·2^-6, alpha ·64). PERM_K: the MMA's K order is
 permuted within each 32-element group (_perm_bytes / _perm_k) so that each thread's weight bytes are
-contiguous in shared memory; weights and activations get the same permutation, the sum is unchanged. The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's
-handful of tokens is the MMA's narrow side.
+contiguous in shared memory; weights and activations get the same permutation, the sum is unchanged.
+The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's handful of tokens is the MMA's
+narrow side.
 
 Rows: masked layout → expert e, row m at a + e·stride_ae + m·stride_am, m < masked_m[e]; contiguous
 layout → rows offsets[e] + m, m < counts[e], the tile → expert map computed in-kernel from counts
