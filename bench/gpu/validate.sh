@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Re-validate the kernels' committed defaults on a 2-GPU H200 machine (kind nvidia-h200-x2), ~5 min:
 #   cuda:0 — MLA GPU tests + `bench attention` at the goal shapes (B=128, page 64, S_q=1, seqlen 8192,
-#            16/128 heads, bf16/fp8) with the backend defaults (IGNORE_TUNED=1 hides the shipped tuned
-#            configs so that the defaults themselves are measured);
+#            16/128 heads, bf16/fp8) with the backend defaults and with fp8_upcast=once (IGNORE_TUNED=1
+#            hides the shipped tuned configs so that the defaults themselves are measured);
 #   cuda:1 — MoE expert runner GPU tests;
 #   then both — `bench/gpu/moe_ep.sh 2` (EP2 tests incl. the graph-captured low-latency exchange, and
 #            `bench moe --ep 2` in both modes).
@@ -27,8 +27,10 @@ BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.a
   timeout 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/attention -rA > "$OUT/attention/pytest_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/attention/pytest_gpu.txt"
   A=(attention --out "$OUT/attention" --backend triton --batch 128 --page-size 64 --s-q 1 --seqlen 8192 --repeats 20)
-  timeout 60 "${BENCH[@]}" "${A[@]}" --heads 16 --kv-dtype bf16,fp8 --name defaults_h16 > "$OUT/attention/defaults_h16.txt" 2>&1
-  timeout 60 "${BENCH[@]}" "${A[@]}" --heads 128 --kv-dtype bf16,fp8 --name defaults_h128 > "$OUT/attention/defaults_h128.txt" 2>&1
+  # the defaults ('{}') and the fp8 tile converted once where it is loaded (fp8_upcast, a no-op on bf16 rows)
+  C=(--config '{}' --config '{"fp8_upcast": "once"}')
+  timeout 75 "${BENCH[@]}" "${A[@]}" --heads 16 --kv-dtype bf16,fp8 "${C[@]}" --name defaults_h16 > "$OUT/attention/defaults_h16.txt" 2>&1
+  timeout 75 "${BENCH[@]}" "${A[@]}" --heads 128 --kv-dtype bf16,fp8 "${C[@]}" --name defaults_h128 > "$OUT/attention/defaults_h128.txt" 2>&1
 ) &
 ATT=$!
 (
