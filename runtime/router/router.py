@@ -139,12 +139,13 @@ class Router:
         await asyncio.gather(*(probe(b) for b in self.prefill + self.decode))
 
     async def _health_loop(self) -> None:
+        """Probe every `health_interval` seconds; `start` ran the first round itself."""
         while True:
+            await asyncio.sleep(self.cfg.health_interval)
             try:
                 await self.check_health()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("health check round failed")
-            await asyncio.sleep(self.cfg.health_interval)
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)

@@ -188,7 +188,10 @@ def test_dead_prefill_marked_unhealthy_and_decode_told(servers):
     live = Fake("p-live")
     (lu,) = servers(live)
     url, router = _router(servers, [pu, lu], [du], health_interval=30)  # only the request path notices
-    router.prefill[0].healthy = True
+    deadline = time.monotonic() + 5
+    while router.prefill[0].healthy and time.monotonic() < deadline:  # start-up probed it: unhealthy
+        time.sleep(0.02)
+    router.prefill[0].healthy = True  # as if it had died after that round
     with httpx.Client(timeout=10) as c:
         c.post(f"{url}/v1/completions", json={"prompt": "x"})
         deadline = time.monotonic() + 5
