@@ -31,19 +31,15 @@ class TextCodec:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat: the tokenizer's chat template when it has one, else a plain
         "role: content" transcript ending with "assistant:"."""
-        if hasattr(self.tok, "encode_chat"):
-            try:
+        try:
+            if hasattr(self.tok, "encode_chat"):  # pdlab's tokenizer
                 return list(self.tok.encode_chat(messages, add_generation_prompt=True))
-            except ValueError as exc:
-                if "no chat_template" not in str(exc):
-                    raise  # the template rejected these messages: the caller's error
-        apply = getattr(self.tok, "apply_chat_template", None)
-        if apply is not None:
-            try:
-                out = apply(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(self.tok, "apply_chat_template"):  # a transformers tokenizer
+                out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                 return list(out["input_ids"] if isinstance(out, dict) else out)
-            except Exception:
-                pass
+        except ValueError as exc:
+            if not _no_template(exc):
+                raise  # the template rejected these messages: the caller's error
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
@@ -95,3 +91,10 @@ def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len
     new = st.text[st.sent:safe]
     st.sent = max(st.sent, safe)
     return new, finish
+
+
+def _no_template(exc: ValueError) -> bool:
+    """The tokenizer has no chat template (pdlab's and transformers' wording), as opposed to a template
+    that rejected the messages."""
+    text = str(exc)
+    return "no chat_template" in text or "chat_template is not set" in text

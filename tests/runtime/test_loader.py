@@ -106,14 +106,15 @@ def test_mtp_layers_are_skipped(ckpt, tmp_path, caplog):
 
 def test_tokenizer_files(ckpt, tmp_path):
     _, root = ckpt
-    d = _copy(root / "single", tmp_path / "tok")
+    # config.json names a second end-of-sequence id besides the tokenizer's own <|eos|> (id 1)
+    d = _copy(root / "single", tmp_path / "tok", config_edit=lambda c: c.update(eos_token_id=[1, 5]))
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_model(d, "cpu", torch.float32, options=OPTIONS)
     write_tokenizer(d)
     _, tok, _ = load_model(d, "cpu", torch.float32, options=OPTIONS)
     ids = tok.encode("Hello world")
     assert ids[0] == tok.bos_token_id and tok.decode(ids) == "Hello world"
-    assert 1 in tok.eos_token_ids  # config.json's eos_token_id
+    assert tok.eos_token_ids == (1, 5)  # the tokenizer's EOS, then config.json's other one
 
 
 @pytest.mark.parametrize("case", ["no_dir", "no_config", "no_weights", "missing_shard"])

@@ -74,7 +74,9 @@ def test_budget_stops_search(toy, isolated, monkeypatch):
     storage = f"sqlite:///{isolated / 'tuning.db'}"
     rep = tune_op(toy.register(), [BUCKET], DEEPSEEK_R1, toy.settings(storage, budget_s=0.3),
                   device=torch.device("cpu"), store_root=None, metadata=toy.metadata())
-    assert 1 <= rep.studies[0].trials <= 3  # a started study runs at least one trial
+    trials = rep.studies[0].trials
+    assert trials >= 1  # a started study runs at least one trial
+    assert trials <= 3  # of the grid's 8: the 0.3 s budget stopped the search
 
 
 def test_resume_after_kill(toy, isolated):

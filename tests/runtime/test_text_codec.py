@@ -1,0 +1,40 @@
+"""TextCodec.chat_prompt over a transformers-style tokenizer: template, no template, rejected messages."""
+
+import pytest
+
+from pdlab.runtime.scheduler.output import TextCodec
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+class HFLike:
+    """encode/decode plus transformers' apply_chat_template(tokenize=True) behaviour."""
+
+    def __init__(self, template: str | None):
+        self.chat_template = template
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        if self.chat_template is None:
+            raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")
+        if messages[0]["role"] != "system":
+            raise ValueError("this template needs a system message first")
+        return {"input_ids": [7, 8, 9]}
+
+
+def test_template_ids_are_used():
+    assert TextCodec(HFLike("t")).chat_prompt([{"role": "system", "content": "s"}, *MSGS]) == [7, 8, 9]
+
+
+def test_no_template_falls_back_to_a_transcript():
+    assert TextCodec(HFLike(None)).chat_prompt(MSGS) == [ord(c) for c in "user: hi\nassistant:"]
+
+
+def test_a_template_that_rejects_the_messages_is_the_callers_error():
+    with pytest.raises(ValueError, match="needs a system message"):
+        TextCodec(HFLike("t")).chat_prompt(MSGS)
