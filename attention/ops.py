@@ -31,45 +31,31 @@ PAGE_SIZES = tuple(1 << i for i in range(8))  # 1 .. 128
 # hints
 
 
-def _q_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
-    if "576 is required" in problem:
-        return ("MLA ops take absorbed queries: per head [q_nope·W_UK (512) | q_pe (64)] = 576 values; "
+def _hint(shape: str, dtype: str, width: str | None = None):
+    """A contract hint: `width` when the 576-wide last dim is wrong, `dtype` for a dtype problem,
+    else `shape` (the argument's expected layout)."""
+    def hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
+        if width and "576 is required" in problem:
+            return width
+        return dtype if "dtype" in problem else shape
+    return hint
+
+
+_q_hint = _hint("Decode q is [batch, q_len, heads, 576]; prefill q is [new_tokens, heads, 576].",
+                "Cast q to bf16 (or fp16/fp32 for reference checks).",
+                "MLA ops take absorbed queries: per head [q_nope·W_UK (512) | q_pe (64)] = 576 values; "
                 "multiply q_nope (128) by W_UK before the call.")
-    if "dtype" in problem:
-        return "Cast q to bf16 (or fp16/fp32 for reference checks)."
-    return "Decode q is [batch, q_len, heads, 576]; prefill q is [new_tokens, heads, 576]."
-
-
-def _kv_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
-    if "576 is required" in problem:
-        return "Each cache row is one token's latent [c_kv (512) | k_pe (64)] = 576 values."
-    if "dtype" in problem:
-        return "Pools are bf16/fp16/fp32, or uint8 holding fp8_e4m3 bytes (pass kv_scale)."
-    return "The latent cache is [num_pages, page_size, 576] (one pool per layer)."
-
-
-def _table_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
-    if "dtype" in problem:
-        return "Block tables are int32: pass block_table.to(torch.int32)."
-    return "block_table is [batch, max_pages]: one row of page ids per sequence."
-
-
-def _seqlens_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
-    if "dtype" in problem:
-        return "seqlens are int32: pass seqlens.to(torch.int32)."
-    return "seqlens is [batch]: total tokens of each sequence including this step's new ones."
-
-
-def _indptr_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
-    if "dtype" in problem:
-        return "qo_indptr is int32: pass qo_indptr.to(torch.int32)."
-    return "qo_indptr is [batch + 1]: cumulative new-token counts, qo_indptr[0] = 0, qo_indptr[-1] = T."
-
-
-def _slots_hint(problem: str, value: object, dims: Mapping[str, int]) -> str:
-    if "dtype" in problem:
-        return "slots are int64 (page * page_size + offset; -1 skips a row): pass slots.to(torch.int64)."
-    return "slots is [num_tokens], one slot per latent row."
+_kv_hint = _hint("The latent cache is [num_pages, page_size, 576] (one pool per layer).",
+                 "Pools are bf16/fp16/fp32, or uint8 holding fp8_e4m3 bytes (pass kv_scale).",
+                 "Each cache row is one token's latent [c_kv (512) | k_pe (64)] = 576 values.")
+_table_hint = _hint("block_table is [batch, max_pages]: one row of page ids per sequence.",
+                    "Block tables are int32: pass block_table.to(torch.int32).")
+_seqlens_hint = _hint("seqlens is [batch]: total tokens of each sequence including this step's new ones.",
+                      "seqlens are int32: pass seqlens.to(torch.int32).")
+_indptr_hint = _hint("qo_indptr is [batch + 1]: cumulative new-token counts, qo_indptr[0] = 0, qo_indptr[-1] = T.",
+                     "qo_indptr is int32: pass qo_indptr.to(torch.int32).")
+_slots_hint = _hint("slots is [num_tokens], one slot per latent row.",
+                    "slots are int64 (page * page_size + offset; -1 skips a row): pass slots.to(torch.int64).")
 
 
 # ---------------------------------------------------------------------------------------------

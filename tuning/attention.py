@@ -113,15 +113,12 @@ def _tolerance(bucket) -> float:
 
 
 def _resolve_decode(backend: str, config: dict, bucket) -> dict:
-    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N) as it resolves them for this
-    bucket's rows per program (heads per program · q_len)."""
+    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N) as it resolves them for this bucket."""
     if backend != "triton":
         return dict(config)
-    from pdlab.attention import triton_kernels as tk
-    from pdlab.attention.backends.triton_mla import _warps
+    from pdlab.attention.backends.triton_mla import resolve_decode_config
 
-    q_len = int(bucket.get("q_len", 1))
-    return _warps(dict(config), min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * int(bucket["heads"])))
+    return resolve_decode_config(dict(config), int(bucket["heads"]), int(bucket.get("q_len", 1)))
 
 
 MLA_DECODE = register_target(TuneTarget(

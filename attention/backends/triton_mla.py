@@ -66,6 +66,14 @@ def _warps(config: dict, rows: int) -> dict:
     return cfg
 
 
+def resolve_decode_config(config: dict, heads: int, q_len: int) -> dict:
+    """The decode config with its auto knobs resolved for programs of min(BLOCK_H, pow2(q_len)·heads)
+    rows (what `mla_decode_triton` runs; the tuner starts its search from it)."""
+    from pdlab.attention import triton_kernels as tk
+
+    return _warps(config, min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * heads))
+
+
 @register_backend("mla_decode", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
                   config_space=DECODE_SPACE, default_config=DECODE_DEFAULT, options=_DECODE_OPTIONS)
 def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_scale=None, config=None):
@@ -78,7 +86,7 @@ def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_sc
     if B == 0:
         return out, lse
     cfg = config or DECODE_DEFAULT
-    cfg = _warps(cfg, min(int(cfg["BLOCK_H"]), tk._pow2_at_least(Sq) * H))
+    cfg = resolve_decode_config(cfg, H, Sq)
     tk.mla_attention(q.reshape(B * Sq, H, 576), kv_cache, block_table, seqlens, None, out.view(B * Sq, H, 512),
                      lse, (H, 1, Sq), softmax_scale, kv_scale, q_per_seq=Sq, q_blocks=1, config=cfg)
     return out, lse
