@@ -140,10 +140,7 @@ def resolve_config(config: dict, expected_m: int, interpret: bool = False) -> di
 
 def dense_path_taken(layout, config: dict, expected_m: int) -> bool:
     """Whether run_triton takes the dequantise-then-torch._grouped_mm path for this call."""
-    cfg = dict(config)
-    auto = heuristic_config(expected_m, os.environ.get("TRITON_INTERPRET") == "1")
-    if cfg.get("DENSE_MIN_M", -1) == -1:
-        cfg["DENSE_MIN_M"] = auto.get("DENSE_MIN_M", 0)
+    cfg = resolve_config({**_DEFAULT, **config}, expected_m, os.environ.get("TRITON_INTERPRET") == "1")
     return _dense_path(layout, cfg, expected_m)
 
 
