@@ -81,13 +81,32 @@ def _scales(kv_scale, KV_SCALE_PTR, qk_scale, SCALE_FROM_PTR: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(bt_row, start, n, n_ok, stride_kv_p, stride_kv_o, PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
-    """Element offsets [BLOCK_N] int64 of the cache rows of positions n (tile starting at `start`)."""
+def _tile_rows(bt_row, start, n, n_ok, tile_ok, stride_kv_p, stride_kv_o, PAGE: tl.constexpr,
+               TILE_IN_PAGE: tl.constexpr, GUARD: tl.constexpr = False):
+    """Element offsets [BLOCK_N] int64 of the cache rows of positions n (tile starting at `start`).
+    GUARD: the tile may start past the range (a prefetch of the tile after the last one): its page id is
+    read only when tile_ok (scalar)."""
     if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
-        page = tl.load(bt_row + start // PAGE)
+        if GUARD:
+            page = tl.load(bt_row + start // PAGE, mask=tile_ok, other=0)
+        else:
+            page = tl.load(bt_row + start // PAGE)
     else:
         page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
     return page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
+
+
+@triton.jit
+def _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+             BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, GUARD: tl.constexpr = False):
+    """The raw cache tile at positions [start, start+BLOCK_N) ∩ [.., hi): (k_nope [BLOCK_N, D_NOPE],
+    k_pe [BLOCK_N, D_PE]) in the cache's dtype (0 where masked), positions n and their mask."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    row = _tile_rows(bt_row, start, n, n_ok, start < hi, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE, GUARD)
+    k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+    k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
+    return k_nope, k_pe, n, n_ok
 
 
 @triton.jit
@@ -98,6 +117,35 @@ def _e4m3_to_f16_once(x):
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc, FP8: tl.constexpr,
+                 FP8_ONCE: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step of rows q [M, 576] over a raw cache tile k [BLOCK_N, 576] at positions n:
+    s = q·k^T · row_scale (base-2 logits), rows see positions < limit; returns the new (m_i, l_i, acc)."""
+    if FP8_ONCE:  # fp16 compute only (checked by the launcher)
+        k_nope = _e4m3_to_f16_once(k_nope)
+        k_pe = _e4m3_to_f16_once(k_pe)
+    elif FP8:
+        k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
+        k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
+    else:
+        k_nope = k_nope.to(q_nope.dtype)
+        k_pe = k_pe.to(q_nope.dtype)
+    s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
+    s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
+    s = s * row_scale[:, None]
+    visible = n_ok[None, :] & (n[None, :] < limit[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -124,7 +172,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
              BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
              PREC: tl.constexpr, FP8_FP16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, D_NOPE: tl.constexpr,
-             D_PE: tl.constexpr, FP8_ONCE: tl.constexpr = False):
+             D_PE: tl.constexpr, FP8_ONCE: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     b = tl.program_id(2)
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
@@ -144,37 +192,23 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D_NOPE], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt_b
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        row = _tile_rows(bt_row, start, n, n_ok, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
-        k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
-        if FP8_ONCE:  # fp16 compute only (checked by the launcher)
-            k_nope = _e4m3_to_f16_once(k_nope)
-            k_pe = _e4m3_to_f16_once(k_pe)
-        elif FP8:
-            k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
-            k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
-        else:
-            k_nope = k_nope.to(q_nope.dtype)
-            k_pe = k_pe.to(q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
-        if FP8_FP16:
-            s = s * row_scale[:, None]
-        else:
-            s = s * scale2
-        visible = n_ok[None, :] & (n[None, :] < limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
-        m_i = m_new
+    if not FP8_FP16:
+        row_scale = scale2 + tl.zeros([M], tl.float32)
+    if PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
+        nx_nope, nx_pe, nx_n, nx_ok = _kv_tile(KV, bt_row, lo, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
+                                               TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
+        for start in range(lo, hi, BLOCK_N):
+            k_nope, k_pe, n, n_ok = nx_nope, nx_pe, nx_n, nx_ok
+            nx_nope, nx_pe, nx_n, nx_ok = _kv_tile(KV, bt_row, start + BLOCK_N, hi, d, dp, stride_kv_p, stride_kv_o,
+                                                   PAGE, TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
+            m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
+                                         FP8, FP8_ONCE, PREC)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
+                                             TILE_IN_PAGE, BLOCK_N, D_NOPE)
+            m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
+                                         FP8, FP8_ONCE, PREC)
 
     empty = l_i == 0.0
     out = acc * (kv_scale / tl.where(empty, 1.0, l_i))[:, None]
@@ -223,13 +257,11 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     acc = tl.zeros([D_NOPE, M], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt_b
     for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        row = _tile_rows(bt_row, start, n, n_ok, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
-        k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
+        k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE,
+                                         BLOCK_N, D_NOPE)
         if FP8:
             if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
+                row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
                 v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
             else:
                 v = k_nope
@@ -408,8 +440,10 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     if token_major:
         extra = {"FP8_RELOAD": fp8 and bool(int(config.get("fp8_reload", 0) or 0))}
     else:  # the PTX conversion needs a GPU (sm89+): the interpreter runs the plain upcast
-        extra = {"FP8_ONCE": fp16 and config.get("fp8_upcast", "inline") == "once" and dev.type == "cuda"
-                 and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(dev) >= (8, 9)}
+        upcast = config.get("fp8_upcast", "inline")
+        extra = {"FP8_ONCE": fp16 and upcast in ("once", "prefetch") and dev.type == "cuda"
+                 and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(dev) >= (8, 9),
+                 "PREFETCH": fp8 and upcast == "prefetch"}
     (_mla_fwd_t if token_major else _mla_fwd)[grid](
         q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
         out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,

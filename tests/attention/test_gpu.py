@@ -81,7 +81,9 @@ def test_decode_token_major_bf16(heads, q_len, cfg, seed):
 
 @pytest.mark.parametrize("heads,cfg", [(16, {"fp8_upcast": "once"}), (16, {"fp8_upcast": "once", "BLOCK_N": 64}),
                                        (128, {"fp8_upcast": "once"}),
-                                       (16, {"fp8_upcast": "once", "num_stages": 2, "num_splits": 4})])
+                                       (16, {"fp8_upcast": "once", "num_stages": 2, "num_splits": 4}),
+                                       (16, {"fp8_upcast": "prefetch", "num_warps": 8}),
+                                       (128, {"fp8_upcast": "prefetch"})])
 def test_decode_fp8_upcast_once(heads, cfg, seed):
     # the tile converted once by PTX (fp16 compute) must give the reference's result like the plain upcast
     rng = random.Random(seed)
