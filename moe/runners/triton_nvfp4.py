@@ -23,6 +23,10 @@ DENSE_MIN_M (bf16 activations, contiguous layout): at ≥ DENSE_MIN_M expected t
 (moe/triton/nvfp4_dequant.py) and both GEMMs run in torch._grouped_mm (one host read of the
 offsets per call: while a CUDA graph is being captured the in-loop kernel runs instead);
 `dense_path_taken` says whether it runs.
+TILED=1 runs the in-loop kernel over a tiled copy of the weights (moe/triton/nvfp4_moe.py `tile_nvfp4`:
+each 16-row × 128-element tile contiguous, built once per ExpertWeights and cached beside the plain
+layout, so it costs a second copy of the NVFP4 weights while both are in use); it needs H and I multiples
+of 128 and BLOCK_K a multiple of 128, and is ignored otherwise.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ from pdlab.moe.layouts import Masked
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
-            "DENSE_CHUNK": 16}
+            "DENSE_CHUNK": 16, "TILED": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32]}
-_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M")
+          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1]}
+_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
 
 
 def _probe() -> str | None:
@@ -59,10 +63,12 @@ def heuristic_config(expected_m: int, interpret: bool = False) -> dict:
     # measured on H200 (bench/results/NVIDIA_H200/moe_experts/2026-11-29_deq_asm): DEQ_ASM + PERM_K with
     # BLOCK_N 128, BLOCK_K 128, 3 stages: 1.35 → 0.89 ms at 1 and 16 tokens/expert, 2.16 → 1.81 ms at 64;
     # the dense path beat the in-loop kernel at 512 (6.9 vs 10.2 ms) and 2048 tokens/expert (21.5 vs 40.5 ms)
+    # 2026-11-30 (moe_experts/2026-11-30_tiled, per GEMM at EP4 decode): 16-byte weight copies (the K offset
+    # declared BLOCK_K-aligned) 896 → 739 µs, and the tiled weight layout 739 → 671 µs at 1 and 16 tokens/expert
     fast = {"DEQ_ASM": 1, "PERM_K": 1}
     if expected_m <= 64:
         bm = 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
-        return {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **fast}
+        return {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "TILED": 1, **fast}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "DENSE_MIN_M": 256,
             **fast}
 
@@ -82,9 +88,10 @@ def run_triton(layout, weights, *, config):
     cfg = dict(config)
     expected_m = cfg.pop("_expected_m", 16)
     cfg = resolve_config(cfg, expected_m, interpret)
-    w = weights.prepare("triton", _repack)
     if _dense_path(layout, cfg, expected_m):
-        return _run_dense(layout, w, weights, cfg)
+        return _run_dense(layout, weights.prepare("triton", _repack), weights, cfg)
+    cfg["TILED"] = int(bool(cfg.get("TILED")) and _tileable(weights, cfg))
+    w = weights.prepare("triton_tiled", _repack_tiled) if cfg["TILED"] else weights.prepare("triton", _repack)
     x = layout.hidden
     masked = isinstance(layout, Masked)
     counts = layout.masked_m if masked else layout.counts
@@ -128,6 +135,22 @@ def _repack(w) -> dict:
             "w13_s2": w.w13_weight_scale_2.float().contiguous(),
             "w2": w.w2_weight.contiguous(), "w2_sf": w.w2_weight_scale.contiguous().view(torch.uint8),
             "w2_s2": w.w2_weight_scale_2.float().contiguous()}
+
+
+def _repack_tiled(w) -> dict:
+    from pdlab.moe.triton.nvfp4_moe import tile_nvfp4
+
+    plain = _repack(w)
+    w13, w13_sf = tile_nvfp4(plain["w13"], plain["w13_sf"])
+    w2, w2_sf = tile_nvfp4(plain["w2"], plain["w2_sf"])
+    return {**plain, "w13": w13, "w13_sf": w13_sf, "w2": w2, "w2_sf": w2_sf}
+
+
+def _tileable(weights, cfg: dict) -> bool:
+    """The tiled layout fits: H, I multiples of 128 and BLOCK_K a multiple of 128 that divides both K's."""
+    H, I, bk = weights.hidden_size, weights.intermediate_size, int(cfg["BLOCK_K"])
+    split = max(1, int(cfg.get("SPLIT_K", 1)))
+    return H % 128 == 0 and I % 128 == 0 and bk % 128 == 0 and H % bk == 0 and I % (bk * split) == 0
 
 
 def resolve_config(config: dict, expected_m: int, interpret: bool = False) -> dict:

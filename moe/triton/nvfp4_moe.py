@@ -191,7 +191,7 @@ def _moe_nvfp4_gemm(
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr, UNPACK16: tl.constexpr,
-    DEQ_ASM: tl.constexpr = False, PERM_K: tl.constexpr = False,
+    DEQ_ASM: tl.constexpr = False, PERM_K: tl.constexpr = False, TILED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -229,18 +229,37 @@ def _moe_nvfp4_gemm(
         k_len = K // SPLIT_K
         k_begin = pid_k * k_len
         a_rows = a_ptr + e64 * stride_ae + rows[:, None] * stride_am
-        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        wsf_rows = w_sf_ptr + e64 * stride_wsf_e + offs_n[:, None].to(tl.int64) * stride_wsf_n
+        if TILED:  # tiled_nvfp4 layout: rows in groups of 16, K in chunks of 128 (module docstring)
+            n64 = offs_n.to(tl.int64)
+            w_rows = w_ptr + e64 * stride_we + ((n64 // 16) * (8 * K) + (n64 % 16) * 64)[:, None]
+            wsf_rows = w_sf_ptr + e64 * stride_wsf_e + ((n64 // 16) * K + (n64 % 16) * 8)[:, None]
+            up_w = (up_offset // 16).to(tl.int64) * (8 * K)
+            up_sf = (up_offset // 16).to(tl.int64) * K
+        else:
+            w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+            wsf_rows = w_sf_ptr + e64 * stride_wsf_e + offs_n[:, None].to(tl.int64) * stride_wsf_n
+            up_w = up_offset.to(tl.int64) * stride_wn
+            up_sf = up_offset.to(tl.int64) * stride_wsf_n
         if FUSE_SILU:
-            wu_rows = w_rows + up_offset * stride_wn
-            wusf_rows = wsf_rows + up_offset * stride_wsf_n
+            wu_rows = w_rows + up_w
+            wusf_rows = wsf_rows + up_sf
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(k_begin, k_begin + k_len, BLOCK_K):
-            kh = k // 2 + tl.arange(0, BLOCK_K // 2)
+            # k is a multiple of BLOCK_K (the launcher checks K % (BLOCK_K·SPLIT_K) == 0): telling Triton so
+            # makes the weight rows 16-byte vector copies instead of 8-byte ones
+            kh = tl.max_contiguous(tl.multiple_of(k // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2), BLOCK_K // 2)
             ks = k // 16 + tl.arange(0, BLOCK_K // 16)
             if PERM_K:  # BLOCK_K-aligned tiles: vector (cp.async) loads of the scale rows too
                 ks = tl.max_contiguous(tl.multiple_of(ks, BLOCK_K // 16), BLOCK_K // 16)
+            if TILED:  # weight byte j of the tile's row → chunk j // 64 (1024 B apart), offset j % 64
+                jb = tl.arange(0, BLOCK_K // 2)
+                wkh = tl.max_contiguous(tl.multiple_of((k // 128) * 1024 + (jb // 64) * 1024 + jb % 64, 64), 64)
+                js = tl.arange(0, BLOCK_K // 16)
+                wks = tl.max_contiguous(tl.multiple_of((k // 128) * 128 + (js // 8) * 128 + js % 8, 8), 8)
+            else:
+                wkh = kh
+                wks = ks
             if SPLIT_NIBBLES:
                 # K permuted: even columns (low nibbles) then odd ones, two dots, no interleave
                 if A_KIND == 2:
@@ -254,14 +273,14 @@ def _moe_nvfp4_gemm(
                     a_odd = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh + 1, A_KIND, MMA, A_DOWN)
                 at_even = tl.trans(a_even)
                 at_odd = tl.trans(a_odd)
-                wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
-                wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                wb = tl.load(w_rows + wkh[None, :], mask=n_mask[:, None], other=0)
+                wsf = tl.load(wsf_rows + wks[None, :], mask=n_mask[:, None], other=0)
                 w_even, w_odd = _dequant_w_split(wb, wsf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM)
                 acc = tl.dot(w_even, at_even, acc)
                 acc = tl.dot(w_odd, at_odd, acc)
                 if FUSE_SILU:
-                    wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
-                    wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                    wub = tl.load(wu_rows + wkh[None, :], mask=n_mask[:, None], other=0)
+                    wusf = tl.load(wusf_rows + wks[None, :], mask=n_mask[:, None], other=0)
                     wu_even, wu_odd = _dequant_w_split(wub, wusf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM)
                     acc_u = tl.dot(wu_even, at_even, acc_u)
                     acc_u = tl.dot(wu_odd, at_odd, acc_u)
@@ -289,12 +308,12 @@ def _moe_nvfp4_gemm(
                 if PERM_K:
                     a = _perm_k(a, BLOCK_M, BLOCK_K)
                 at = tl.trans(a)
-                wb = tl.load(w_rows + kh[None, :], mask=n_mask[:, None], other=0)
-                wsf = tl.load(wsf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                wb = tl.load(w_rows + wkh[None, :], mask=n_mask[:, None], other=0)
+                wsf = tl.load(wsf_rows + wks[None, :], mask=n_mask[:, None], other=0)
                 acc = tl.dot(_dequant_w(wb, wsf, BLOCK_N, BLOCK_K, MMA, UNPACK16, DEQ_ASM, PERM_K), at, acc)
                 if FUSE_SILU:
-                    wub = tl.load(wu_rows + kh[None, :], mask=n_mask[:, None], other=0)
-                    wusf = tl.load(wusf_rows + ks[None, :], mask=n_mask[:, None], other=0)
+                    wub = tl.load(wu_rows + wkh[None, :], mask=n_mask[:, None], other=0)
+                    wusf = tl.load(wusf_rows + wks[None, :], mask=n_mask[:, None], other=0)
                     acc_u = tl.dot(_dequant_w(wub, wusf, BLOCK_N, BLOCK_K, MMA, UNPACK16, DEQ_ASM, PERM_K), at, acc_u)
 
         alpha = tl.load(w_s2_ptr + e) * (64.0 if DEQ_ASM else 16384.0)
@@ -314,6 +333,22 @@ def _moe_nvfp4_gemm(
             tl.atomic_add(o_ptrs, res, mask=o_mask)
         else:
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def tile_nvfp4(w: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain NVFP4 weights → the tiled layout (TILED=1): each 16-row × 128-element tile stored contiguously.
+
+    w: [E, N, K/2] uint8 → [E, N, K/2] uint8 whose row-group g (rows 16g..16g+15), K chunk c holds the
+    1024 bytes w[:, 16g:16g+16, 64c:64c+64] row by row; sf: [E, N, K/16] uint8 → likewise 16 × 8 bytes per
+    chunk. N a multiple of 16, K of 128. The decode GEMM then streams 1 KiB runs instead of 64-byte pieces of
+    rows K/2 bytes apart."""
+    E, N, KH = w.shape
+    if N % 16 or KH % 64 or sf.shape != (E, N, KH // 8):
+        raise ValueError(f"tile_nvfp4: need w [E, N, K/2] with N % 16 == 0, K % 128 == 0 and sf [E, N, K/16]; "
+                         f"got w {tuple(w.shape)}, sf {tuple(sf.shape)}")
+    wt = w.reshape(E, N // 16, 16, KH // 64, 64).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH)
+    st = sf.reshape(E, N // 16, 16, KH // 64, 8).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH // 8)
+    return wt, st
 
 
 _MMA = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -341,6 +376,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     # NOTE: triton 3.6 fails to compile the permuted fp8-activation tile (TritonGPUOptimizeDotOperands)
     perm_k = bool(cfg.get("PERM_K", 0)) and a_kind != A_FP8
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiled = bool(cfg.get("TILED", 0))
     split_k = cfg.get("SPLIT_K", 1) if not fuse_silu else 1
     while bk > 32 and k % (bk * split_k):
         bk //= 2
@@ -348,6 +384,9 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         split_k = 1
     if k % bk:
         raise ValueError(f"moe_nvfp4_gemm: K={k} must be a multiple of 32")
+    if tiled and (bk % 128 or bn % 16 or n % 16):
+        raise ValueError(f"moe_nvfp4_gemm: tiled weights need BLOCK_K % 128 == 0 and BLOCK_N, N multiples of 16 "
+                         f"(got BLOCK_K={bk}, BLOCK_N={bn}, N={n}, K={k}); use the plain layout (TILED=0)")
     if masked:
         m_max = a.shape[1]
         num_m = E * triton.cdiv(m_max, bm)
@@ -376,7 +415,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
         SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
-        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=perm_k,
+        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=perm_k, TILED=tiled,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

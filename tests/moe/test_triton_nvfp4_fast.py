@@ -96,6 +96,47 @@ def test_dense_path_steps_aside_while_a_cuda_graph_is_captured(monkeypatch):
     _check(layout, weights, 1e-4 if not CUDA else 2e-4, config=cfg)
 
 
+def test_tile_nvfp4_known_layout():
+    # element (n, byte j) of expert e lands at row-group n//16, chunk j//64, row n%16, byte j%64
+    from pdlab.moe.triton.nvfp4_moe import tile_nvfp4
+
+    E, N, KH = 2, 32, 128
+    w = torch.arange(E * N * KH, dtype=torch.int64).remainder(251).to(torch.uint8).view(E, N, KH)
+    sf = torch.arange(E * N * KH // 8, dtype=torch.int64).remainder(241).to(torch.uint8).view(E, N, KH // 8)
+    wt, st = tile_nvfp4(w, sf)
+    flat_w, flat_s = wt.reshape(E, -1), st.reshape(E, -1)
+    for e, n, j in [(0, 0, 0), (1, 17, 70), (0, 31, 127), (1, 5, 64)]:
+        assert flat_w[e, (n // 16) * 16 * KH + (j // 64) * 1024 + (n % 16) * 64 + j % 64] == w[e, n, j]
+        js = j // 8
+        assert flat_s[e, (n // 16) * 16 * (KH // 8) + (js // 8) * 128 + (n % 16) * 8 + js % 8] == sf[e, n, js]
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        tile_nvfp4(w[:, :24], sf[:, :24])
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "masked"])
+@pytest.mark.parametrize("payload", ["bf16", "nvfp4"])
+def test_tiled_weights_give_the_plain_layouts_result(kind, payload):
+    # same tiles, same arithmetic, other addresses: equal to the plain layout's output, and to the reference
+    layout, weights = _problem(3, 256, 128, 10, 2, payload, x_dtype=torch.bfloat16)
+    layout = _as(kind, layout)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
+    plain = run_experts(layout, weights, runner="triton", config={**cfg, "TILED": 0}).hidden
+    tiled = run_experts(layout, weights, runner="triton", config={**cfg, "TILED": 1}).hidden
+    assert "triton_tiled" in weights.prepared
+    if isinstance(layout, Masked):
+        keep = torch.arange(layout.hidden.shape[1], device=DEV)[None, :] < layout.masked_m[:, None]
+        plain, tiled = plain[keep], tiled[keep]
+    assert torch.equal(plain, tiled)
+    _check(layout, weights, 2e-4, config={**cfg, "TILED": 1})
+
+
+def test_tiled_is_ignored_where_it_does_not_fit():
+    # I = 96 is not a multiple of 128: the plain layout runs, no tiled copy is made
+    layout, weights = _problem(2, 128, 96, 6, 1, "bf16", x_dtype=torch.bfloat16)
+    _check(layout, weights, 2e-4, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "TILED": 1})
+    assert "triton_tiled" not in weights.prepared
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
@@ -111,8 +152,10 @@ def test_gpu_fast_paths(kind, payload):
 @pytest.mark.parametrize("cfg", [{"DEQ_ASM": 1, "PERM_K": 0}, {"DEQ_ASM": 0, "PERM_K": 1},
                                  dict(FAST, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
                                  dict(FAST, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-                                 dict(FAST, SPLIT_NIBBLES=1)],
-                         ids=["asm", "perm", "asm-perm-64x128", "asm-perm-128x128", "asm-split"])
+                                 dict(FAST, SPLIT_NIBBLES=1), dict(FAST, TILED=1),
+                                 dict(FAST, TILED=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2)],
+                         ids=["asm", "perm", "asm-perm-64x128", "asm-perm-128x128", "asm-split", "tiled",
+                              "tiled-64x64x256"])
 def test_gpu_fast_path_configs(cfg):
     layout, weights = _problem(8, 512, 256, 200, 4, "bf16", x_dtype=torch.bfloat16)
     _check(_as("masked", layout), weights, 2e-4, config=cfg)
@@ -120,9 +163,10 @@ def test_gpu_fast_path_configs(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
-def test_gpu_fast_paths_deepseek_dims(kind):
+@pytest.mark.parametrize("tiled", [0, 1])
+def test_gpu_fast_paths_deepseek_dims(kind, tiled):
     layout, weights = _problem(4, 7168, 2048, 24, 2, "bf16", x_dtype=torch.bfloat16)
-    _check(_as(kind, layout), weights, 2e-4, config=FAST)
+    _check(_as(kind, layout), weights, 2e-4, config=dict(FAST, TILED=tiled))
 
 
 @pytest.mark.gpu

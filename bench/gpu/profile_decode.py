@@ -1,0 +1,120 @@
+"""Per-kernel timing (and an ncu target) for the two decode hot spots: the NVFP4 expert GEMMs at EP4
+decode shapes (gate_up+SiLU and down timed apart) and MLA decode over an fp8 / bf16 cache.
+
+    python3 bench/gpu/profile_decode.py --what moe --out DIR          # CSV of per-GEMM timings per config
+    python3 bench/gpu/profile_decode.py --what moe --once             # each kernel once (for ncu)
+    ncu --clock-control none -k regex:_moe_nvfp4_gemm --launch-skip 2 --launch-count 2 \
+        python3 bench/gpu/profile_decode.py --what moe --once
+
+GPU only. Weight GB/s counts NVFP4 bytes (0.5625 B/param) of the GEMM's own weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _moe(args) -> list[dict]:
+    from pdlab.bench.harness import bench
+    from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights
+    from pdlab.moe.runners.triton_nvfp4 import _DEFAULT, _repack, _repack_tiled, resolve_config
+    from pdlab.moe.triton.nvfp4_moe import A_FLOAT, moe_nvfp4_gemm
+
+    E, H, I = args.experts, 7168, 2048
+    dev = torch.device("cuda")
+    w = random_nvfp4_weights(E, H, I, dev, with_bf16=False)
+    rows = []
+    configs = [json.loads(c) for c in args.config] or [{}]
+    for m in args.tokens:
+        layout = make_layout("masked", "bf16", E, m, H, dev, torch.ones(1, device=dev))
+        x, counts = layout.hidden, layout.masked_m
+        h = torch.empty(E, m, I, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(E, m, H, dtype=torch.bfloat16, device=dev)
+        for raw in configs:
+            cfg = resolve_config({**_DEFAULT, **raw}, m, False)
+            pw = w.prepare("triton_tiled", _repack_tiled) if cfg.get("TILED") else w.prepare("triton", _repack)
+            def gate_up(c=cfg, pw=pw):
+                moe_nvfp4_gemm(x, A_FLOAT, None, None, pw["w13"], pw["w13_sf"], pw["w13_s2"], h, counts, None,
+                               masked=True, n=I, k=H, fuse_silu=True, mma_dtype=torch.float16, cfg=c)
+
+            def down(c=cfg, pw=pw):
+                moe_nvfp4_gemm(h, A_FLOAT, None, None, pw["w2"], pw["w2_sf"], pw["w2_s2"], out, counts, None,
+                               masked=True, n=H, k=I, fuse_silu=False, mma_dtype=torch.float16, cfg=c)
+
+            stages = {"gate_up": (gate_up, 2 * I * H), "down": (down, H * I)}
+            for name, (fn, params) in stages.items():
+                if args.once:
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    continue
+                t = bench(fn, cuda_graph=True, graph_calls=10, repeats=args.repeats, warmup=2)
+                gbps = E * params * 0.5625 / (t.median_ms * 1e-3) / 1e9
+                rows.append({"what": "moe", "stage": name, "tokens_per_expert": m, "config": json.dumps(raw),
+                             "median_us": round(t.median_ms * 1e3, 1), "weight_gbps": round(gbps, 1)})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def _mla(args) -> list[dict]:
+    from pdlab.attention import ops
+    from pdlab.attention.workloads import decode_problem
+    from pdlab.bench.harness import bench
+
+    rows = []
+    configs = [json.loads(c) for c in args.config] or [{}]
+    for kv in args.kv_dtype:
+        p = decode_problem([args.seqlen] * args.batch, args.heads, 1, 64, torch.bfloat16, kv_dtype=kv,
+                           device="cuda", seed=0)
+        for cfg in configs:
+            fn = lambda c=cfg: ops.mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale,  # noqa: E731
+                                              kv_scale=p.kv_scale, backend="triton", config=c)
+            if args.once:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                continue
+            t = bench(fn, cuda_graph=True, graph_calls=10, repeats=args.repeats, warmup=2)
+            nbytes = args.batch * args.seqlen * 576 * (1 if kv == "fp8" else 2)
+            rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": json.dumps(cfg),
+                         "median_us": round(t.median_ms * 1e3, 1),
+                         "kv_gbps": round(nbytes / (t.median_ms * 1e-3) / 1e9, 1)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--what", choices=["moe", "mla"], required=True)
+    ap.add_argument("--config", action="append", default=[], help="JSON config (repeatable; default: {})")
+    ap.add_argument("--config-file", type=Path, help="one JSON config per line (added to --config)")
+    ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--kv-dtype", type=lambda s: s.split(","), default=["fp8"])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--once", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if args.config_file:
+        args.config += [ln for ln in args.config_file.read_text().splitlines() if ln.strip()]
+    if not torch.cuda.is_available():
+        print("profile_decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = (_moe if args.what == "moe" else _mla)(args)
+    if args.out and rows:
+        import pandas as pd
+        args.out.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_csv(args.out / f"profile_{args.what}.csv", index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
