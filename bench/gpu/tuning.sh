@@ -32,7 +32,10 @@ if [[ $RUN_TESTS == 1 ]]; then
 fi
 
 PARALLEL=${PARALLEL:-0}
-if [[ $PARALLEL == 1 ]]; then
+ONLY=${ONLY:-}                          # att | moe: tune one op only, with the whole budget, on the visible GPU
+MOE_LAYOUT=${MOE_LAYOUT:-contiguous}    # moe buckets' dispatch layout(s) and activation payload(s)
+MOE_PAYLOAD=${MOE_PAYLOAD:-nvfp4}
+if [[ $PARALLEL == 1 || -n $ONLY ]]; then
   ATT=$TOTAL_BUDGET; MOE=$TOTAL_BUDGET
 else
   ATT=$(( TOTAL_BUDGET * 45 / 100 )); MOE=$(( TOTAL_BUDGET - ATT ))
@@ -60,13 +63,17 @@ tune_attention() {
 }
 tune_experts() {
   tune_resuming "$OUT/moe.log" $MOE moe --backends triton --storage "$OUT/tuning_moe.db" \
-    --only experts=$MOE_EXPERTS --only tokens_per_expert=$MOE_TPE --only layout=contiguous --only payload=nvfp4 \
+    --only experts=$MOE_EXPERTS --only tokens_per_expert=$MOE_TPE --only layout=$MOE_LAYOUT --only payload=$MOE_PAYLOAD \
     --out "$OUT/moe"
 }
 START=$(date +%s)
 # mla_decode: ATT_BATCH x ATT_SEQLEN x {16, 128} heads x {bf16, fp8}; Triton NVFP4 experts: EP1 (256
 # local experts) and EP4 (64) x MOE_TPE
-if [[ $PARALLEL == 1 ]]; then
+if [[ $ONLY == att ]]; then
+  tune_attention > /dev/null; MID=$(date +%s)
+elif [[ $ONLY == moe ]]; then
+  MID=$START; tune_experts > /dev/null
+elif [[ $PARALLEL == 1 ]]; then
   ( export CUDA_VISIBLE_DEVICES=0; tune_attention > /dev/null ) &
   ( export CUDA_VISIBLE_DEVICES=1; tune_experts > /dev/null ) &
   wait
@@ -80,7 +87,7 @@ END=$(date +%s)
 
 {
   echo "device: $(tail -1 "$OUT/device.txt")   commit: $(cat "$OUT/commit.txt" 2>/dev/null)   date: $(cat "$OUT/date.txt")"
-  grep -h "geometric-mean speedup\|nothing stored\|WARNING" "$OUT/attention.log" "$OUT/moe.log"
+  grep -h "geometric-mean speedup\|nothing stored\|WARNING" "$OUT/attention.log" "$OUT/moe.log" 2>/dev/null
   $PY -m pdlab tune show --geomean 2>&1
   if [[ $PARALLEL == 1 ]]; then
     echo "wall time: attention and experts in parallel on two GPUs, total $(( END - START )) s (budget $TOTAL_BUDGET s each)"
