@@ -19,8 +19,19 @@ from pathlib import Path
 import torch
 
 
-def _moe(args) -> list[dict]:
+def _time_us(fn, args) -> float | None:
+    """Median µs of fn() (CUDA graph of 10 calls), or None after 3 plain calls under --once (for ncu)."""
     from pdlab.bench.harness import bench
+
+    if args.once:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return None
+    return bench(fn, cuda_graph=True, graph_calls=10, repeats=args.repeats, warmup=2).median_ms * 1e3
+
+
+def _moe(args) -> list[dict]:
     from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights
     from pdlab.moe.runners.triton_nvfp4 import _DEFAULT, _repack, _repack_tiled, resolve_config
     from pdlab.moe.triton.nvfp4_moe import A_FLOAT, moe_nvfp4_gemm
@@ -48,15 +59,11 @@ def _moe(args) -> list[dict]:
 
             stages = {"gate_up": (gate_up, 2 * I * H), "down": (down, H * I)}
             for name, (fn, params) in stages.items():
-                if args.once:
-                    for _ in range(3):
-                        fn()
-                    torch.cuda.synchronize()
+                us = _time_us(fn, args)
+                if us is None:
                     continue
-                t = bench(fn, cuda_graph=True, graph_calls=10, repeats=args.repeats, warmup=2)
-                gbps = E * params * 0.5625 / (t.median_ms * 1e-3) / 1e9
                 rows.append({"what": "moe", "stage": name, "tokens_per_expert": m, "config": json.dumps(raw),
-                             "median_us": round(t.median_ms * 1e3, 1), "weight_gbps": round(gbps, 1)})
+                             "median_us": round(us, 1), "weight_gbps": round(E * params * 0.5625 / us / 1e3, 1)})
                 print(rows[-1], flush=True)
     return rows
 
@@ -64,7 +71,6 @@ def _moe(args) -> list[dict]:
 def _mla(args) -> list[dict]:
     from pdlab.attention import ops
     from pdlab.attention.workloads import decode_problem
-    from pdlab.bench.harness import bench
 
     rows = []
     configs = [json.loads(c) for c in args.config] or [{}]
@@ -74,16 +80,12 @@ def _mla(args) -> list[dict]:
         for cfg in configs:
             fn = lambda c=cfg: ops.mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale,  # noqa: E731
                                               kv_scale=p.kv_scale, backend="triton", config=c)
-            if args.once:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
+            us = _time_us(fn, args)
+            if us is None:
                 continue
-            t = bench(fn, cuda_graph=True, graph_calls=10, repeats=args.repeats, warmup=2)
             nbytes = args.batch * args.seqlen * 576 * (1 if kv == "fp8" else 2)
             rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": json.dumps(cfg),
-                         "median_us": round(t.median_ms * 1e3, 1),
-                         "kv_gbps": round(nbytes / (t.median_ms * 1e-3) / 1e9, 1)})
+                         "median_us": round(us, 1), "kv_gbps": round(nbytes / us / 1e3, 1)})
             print(rows[-1], flush=True)
     return rows
 
