@@ -51,13 +51,11 @@ def _moe(args) -> list[dict]:
             pw = w.prepare("triton_tiled", _repack_tiled) if cfg.get("TILED") else w.prepare("triton", _repack)
             def gate_up(c=cfg, pw=pw):
                 moe_nvfp4_gemm(x, A_FLOAT, None, None, pw["w13"], pw["w13_sf"], pw["w13_s2"], h, counts, None,
-                               masked=True, n=I, k=H, fuse_silu=True, mma_dtype=torch.float16,
-                               cfg={**c, "MAXNREG": c.get("MAXNREG_GU", 0)})
+                               masked=True, n=I, k=H, fuse_silu=True, mma_dtype=torch.float16, cfg=c)
 
             def down(c=cfg, pw=pw):
                 moe_nvfp4_gemm(h, A_FLOAT, None, None, pw["w2"], pw["w2_sf"], pw["w2_s2"], out, counts, None,
-                               masked=True, n=H, k=I, fuse_silu=False, mma_dtype=torch.float16,
-                               cfg={**c, "MAXNREG": c.get("MAXNREG_DN", 0)})
+                               masked=True, n=H, k=I, fuse_silu=False, mma_dtype=torch.float16, cfg=c)
 
             stages = {"gate_up": (gate_up, 2 * I * H), "down": (down, H * I)}
             for name, (fn, params) in stages.items():

@@ -27,9 +27,6 @@ TILED=1 runs the in-loop kernel over a tiled copy of the weights (moe/triton/nvf
 each 16-row × 128-element tile contiguous, built once per ExpertWeights and cached beside the plain
 layout, so it costs a second copy of the NVFP4 weights while both are in use); it needs H and I multiples
 of 128 and BLOCK_K a multiple of 128, and is ignored otherwise.
-MAXNREG_GU / MAXNREG_DN cap the registers per thread of the gate_up / down kernel (0 = the compiler's
-choice; a GPU launch option, ignored by the interpreter): 128 lets 4 gate_up CTAs of 4 warps share an SM
-instead of 3, at the price of a few spills.
 """
 
 from __future__ import annotations
@@ -43,12 +40,12 @@ from pdlab.moe.layouts import Masked
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
-            "DENSE_CHUNK": 16, "TILED": -1, "MAXNREG_GU": 0, "MAXNREG_DN": 0}
+            "DENSE_CHUNK": 16, "TILED": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "MAXNREG_GU": [0, 128], "MAXNREG_DN": [0, 96, 104]}
+          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
 
 
@@ -121,13 +118,13 @@ def run_triton(layout, weights, *, config):
     lead = x.shape[:-1]
     h = torch.empty(lead + (I,), dtype=inter, device=x.device)
     moe_nvfp4_gemm(x, kind, a_sf, a_gs, w["w13"], w["w13_sf"], w["w13_s2"], h, counts, offsets, masked=masked,
-                   n=I, k=H, fuse_silu=True, mma_dtype=mma, cfg={**cfg, "MAXNREG": cfg.get("MAXNREG_GU", 0)})
+                   n=I, k=H, fuse_silu=True, mma_dtype=mma, cfg=cfg)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     split = cfg.get("SPLIT_K", 1) > 1
     out = (torch.zeros if split else torch.empty)(lead + (H,), dtype=torch.float32 if split else out_dtype,
                                                   device=x.device)
     moe_nvfp4_gemm(h, A_FLOAT, None, None, w["w2"], w["w2_sf"], w["w2_s2"], out, counts, offsets, masked=masked,
-                   n=H, k=I, fuse_silu=False, cfg={**cfg, "MAXNREG": cfg.get("MAXNREG_DN", 0)},
+                   n=H, k=I, fuse_silu=False, cfg=cfg,
                    mma_dtype=torch.float16 if cfg.get("MMA_FP16") or (cfg.get("DEQ_ASM") and not interpret)
                    else (torch.float32 if interpret else inter))
     return out.to(out_dtype) if split else out

@@ -403,9 +403,6 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     if num_m == 0 or num_n == 0:
         return out
     grid = (num_m * num_n, split_k)
-    launch = {}
-    if int(cfg.get("MAXNREG", 0) or 0) > 0 and os.environ.get("TRITON_INTERPRET") != "1":
-        launch["maxnreg"] = int(cfg["MAXNREG"])  # register cap per thread (more CTAs per SM, maybe spills)
     _moe_nvfp4_gemm[grid](
         a, a_sf if a_sf is not None else a, a_gs if a_gs is not None else w_s2, w, w_sf, w_s2, out, counts,
         offsets if offsets is not None else counts,
@@ -419,6 +416,6 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
         SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
         UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=perm_k, TILED=tiled,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
