@@ -13,6 +13,7 @@ torch_grouped at the same shape, cosine error against the torch fp32 reference o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--sweep", action="store_true", help="also try a small triton config grid per shape")
     p.add_argument("--sweep-tokens", default="16,64,512", help="tokens per expert where --sweep applies")
+    p.add_argument("--config", action="append", default=[], metavar="JSON",
+                   help="also time the triton runner with this config (repeatable; rows marked 'explicit')")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the torch reference")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             if (args.sweep and r == "triton" and payload == "bf16" and str(m) in args.sweep_tokens.split(",")
                     and kind == ("masked" if phase == "decode" else "contiguous")):
                 configs += [(c, "sweep") for c in sweep_grid.get(phase, [])]
+            if r == "triton":
+                configs += [(json.loads(c), "explicit") for c in args.config]
             err = float("nan")
             if not args.no_check:
                 ref_layout = run_experts(layout, weights, runner="torch", config={"weights": "nvfp4"})
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 form = "nvfp4" if r in ("triton", "cutedsl") else "bf16"
                 rl = roofline(expert_flops(E, m, H, I), weight_bytes(E, H, I, form), t.seconds, facts)
-                if source != "sweep":
+                if source not in ("sweep", "explicit"):
                     backend = registry.get_backend(OP, r)
                     try:
                         from pdlab.kernels.tuned import resolve_config
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print("no rows")
         return 1
-    base = df[(df.runner == "torch_grouped") & (df.config_source != "sweep")].set_index(["tokens_per_expert", "layout"])
+    base = df[(df.runner == "torch_grouped") & ~df.config_source.isin(["sweep", "explicit"])].set_index(["tokens_per_expert", "layout"])
     best = df.groupby(["tokens_per_expert", "layout", "payload", "runner"], as_index=False)["median_us"].min()
     df["speedup_vs_torch_grouped"] = [
         (base.loc[(m, l), "median_us"] if (m, l) in base.index else float("nan")) / us
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     report.print_table(df, f"moe_experts E={E} H={H} I={I} (measured HBM {hbm / 1e9:.0f} GB/s)",
                        ["phase", "tokens_per_expert", "layout", "payload", "runner", "median_us", "weight_gbps",
                         "pct_hbm", "tflops", "speedup_vs_torch_grouped", "cos_err", "config_source", "config"])
-    plain = df[df.config_source != "sweep"].copy()
+    plain = df[~df.config_source.isin(["sweep", "explicit"])].copy()
     plain["series"] = plain.runner + "/" + plain.layout + "/" + plain.payload
     for phase, y, ylabel in (("decode", "weight_gbps", "weight GB/s"), ("prefill", "tflops", "TFLOPS")):
         part = plain[plain.phase == phase]
