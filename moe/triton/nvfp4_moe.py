@@ -15,6 +15,10 @@ contiguous in shared memory; weights and activations get the same permutation, t
 The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's handful of tokens is the MMA's
 narrow side.
 
+TILED: the weights (and scales) come in the layout of `tile_nvfp4`, each 16-row × 128-element tile stored as
+1024 contiguous bytes (scales: 128), so a program's loads are 1 KiB runs instead of 64-byte pieces of rows
+K/2 bytes apart; the tile's values and their K order are the same, only the addresses change.
+
 Rows: masked layout → expert e, row m at a + e·stride_ae + m·stride_am, m < masked_m[e]; contiguous
 layout → rows offsets[e] + m, m < counts[e], the tile → expert map computed in-kernel from counts
 (no host sync; the grid is cdiv(N, BLOCK_M) + E tiles, extra programs exit). Rows past the valid
@@ -229,7 +233,7 @@ def _moe_nvfp4_gemm(
         k_len = K // SPLIT_K
         k_begin = pid_k * k_len
         a_rows = a_ptr + e64 * stride_ae + rows[:, None] * stride_am
-        if TILED:  # tiled_nvfp4 layout: rows in groups of 16, K in chunks of 128 (module docstring)
+        if TILED:  # tile_nvfp4 layout: rows in groups of 16, K in chunks of 128 (module docstring)
             n64 = offs_n.to(tl.int64)
             w_rows = w_ptr + e64 * stride_we + ((n64 // 16) * (8 * K) + (n64 % 16) * 64)[:, None]
             wsf_rows = w_sf_ptr + e64 * stride_wsf_e + ((n64 // 16) * K + (n64 % 16) * 8)[:, None]
