@@ -317,13 +317,14 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     xf = x.float()
     I = weights.intermediate_size
     local = topk_ids.long() - expert_offset
+    plain = weights.plain_nvfp4() if weights.has_nvfp4 and weight_form != "bf16" else None
     for e in torch.unique(local).tolist():
         if not 0 <= e < weights.num_experts:
             continue
-        if weights.has_nvfp4 and weight_form != "bf16":
-            w13 = nvfp4.dequantize_nvfp4(weights.w13_weight[e], weights.w13_weight_scale[e],
+        if plain is not None:
+            w13 = nvfp4.dequantize_nvfp4(plain["w13_weight"][e], plain["w13_weight_scale"][e],
                                          1.0 / weights.w13_weight_scale_2[e])
-            w2 = nvfp4.dequantize_nvfp4(weights.w2_weight[e], weights.w2_weight_scale[e],
+            w2 = nvfp4.dequantize_nvfp4(plain["w2_weight"][e], plain["w2_weight_scale"][e],
                                         1.0 / weights.w2_weight_scale_2[e])
         else:
             w13, w2 = weights.w13[e].float(), weights.w2[e].float()

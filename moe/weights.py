@@ -14,6 +14,11 @@ Tensors (E experts, hidden H, intermediate I):
 
 Runner-specific layouts (swizzled scales, alphas, ...) are computed once by `prepare` and cached in
 ``prepared[runner]``; never per call.
+
+Tiled NVFP4 (`tile_nvfp4`, `ExpertWeights.tile_`): the Triton runner's decode kernels read the weights in
+16-row × 128-element tiles stored contiguously. `tile_()` converts the stored tensors in place (one expert
+at a time), so a server holds one copy; everything that needs the modelopt layout reads it through
+`plain_nvfp4()` (a copy while tiled).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class ExpertWeights:
     w2_weight_scale_2: torch.Tensor | None = None
     w2_input_scale: torch.Tensor | None = None
     prepared: dict[str, Any] = field(default_factory=dict, repr=False)
+    nvfp4_tiled: bool = False
 
     @property
     def has_bf16(self) -> bool:
@@ -157,6 +163,50 @@ class ExpertWeights:
               if k != "prepared"}
         return ExpertWeights(**kw)
 
+    # ---- NVFP4 storage layout
+
+    @property
+    def can_tile(self) -> bool:
+        """NVFP4 weights whose H and I are multiples of 128 (the tiled layout's K chunk)."""
+        return self.has_nvfp4 and self.hidden_size % 128 == 0 and self.intermediate_size % 128 == 0
+
+    def tile_(self) -> "ExpertWeights":
+        """Store the NVFP4 weights and block scales in the tiled layout (`tile_nvfp4`), in place, one expert at
+        a time (transient memory: one expert's tensors). Drops the prepared repacks. No-op when already tiled.
+        Raises ValueError when the shapes do not tile (H and I must be multiples of 128)."""
+        if self.nvfp4_tiled:
+            return self
+        if not self.can_tile:
+            raise ValueError(f"tile_: needs NVFP4 weights with H and I multiples of 128 (H={self.hidden_size}, "
+                             f"I={self.intermediate_size}, nvfp4={self.has_nvfp4})")
+        for wname, sname in (("w13_weight", "w13_weight_scale"), ("w2_weight", "w2_weight_scale")):
+            # a view (e.g. this rank's experts sliced from all of them) is copied first: the tensor it views
+            # may still be read in the plain layout by its owner
+            w, sf = (t.clone() if t._base is not None or not t.is_contiguous() else t
+                     for t in (getattr(self, wname), getattr(self, sname)))
+            sb = sf.view(torch.uint8)
+            for e in range(self.num_experts):
+                wt, st = tile_nvfp4(w[e:e + 1], sb[e:e + 1])
+                w[e:e + 1].copy_(wt)
+                sb[e:e + 1].copy_(st)
+            setattr(self, wname, w)
+            setattr(self, sname, sf)
+        self.nvfp4_tiled = True
+        self.prepared.clear()
+        return self
+
+    def plain_nvfp4(self) -> dict[str, torch.Tensor]:
+        """The four NVFP4 tensors in the modelopt layout: w13_weight [E, 2I, H/2] uint8, w13_weight_scale
+        [E, 2I, H/16] e4m3, w2_weight [E, H, I/2] uint8, w2_weight_scale [E, H, I/16] e4m3 (untiled copies
+        when the weights are stored tiled)."""
+        names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+        if not self.nvfp4_tiled:
+            return {k: getattr(self, k) for k in names}
+        w13, s13 = untile_nvfp4(self.w13_weight, self.w13_weight_scale.view(torch.uint8))
+        w2, s2 = untile_nvfp4(self.w2_weight, self.w2_weight_scale.view(torch.uint8))
+        return {"w13_weight": w13, "w13_weight_scale": s13.view(torch.float8_e4m3fn),
+                "w2_weight": w2, "w2_weight_scale": s2.view(torch.float8_e4m3fn)}
+
     # ---- views used by runners
 
     def prepare(self, key: str, build: Callable[["ExpertWeights"], Any]) -> Any:
@@ -169,8 +219,9 @@ class ExpertWeights:
         """(w13 [E, 2I, H], w2 [E, H, I]) as real values of `dtype`: the NVFP4 tensors dequantised
         when present (what the NVFP4 runners compute with), else the bf16 ones."""
         if self.has_nvfp4:
-            return (nvfp4.dequantize_nvfp4(self.w13_weight, self.w13_weight_scale, 1.0 / self.w13_weight_scale_2, dtype),
-                    nvfp4.dequantize_nvfp4(self.w2_weight, self.w2_weight_scale, 1.0 / self.w2_weight_scale_2, dtype))
+            p = self.plain_nvfp4()
+            return (nvfp4.dequantize_nvfp4(p["w13_weight"], p["w13_weight_scale"], 1.0 / self.w13_weight_scale_2, dtype),
+                    nvfp4.dequantize_nvfp4(p["w2_weight"], p["w2_weight_scale"], 1.0 / self.w2_weight_scale_2, dtype))
         return self.w13.to(dtype), self.w2.to(dtype)
 
     def bf16(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +229,30 @@ class ExpertWeights:
         if self.has_bf16:
             return self.w13.to(torch.bfloat16), self.w2.to(torch.bfloat16)
         return self.prepare("bf16_dequantized", lambda w: w.dequantized(torch.bfloat16))
+
+
+def tile_nvfp4(w: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Modelopt NVFP4 weights → the tiled layout: each 16-row × 128-element tile stored contiguously.
+
+    w: [E, N, K/2] uint8 → [E, N, K/2] uint8 whose row-group g (rows 16g..16g+15), K chunk c holds the
+    1024 bytes w[:, 16g:16g+16, 64c:64c+64] row by row; sf: [E, N, K/16] uint8 → likewise 16 × 8 bytes per
+    chunk. N a multiple of 16, K of 128. The Triton decode GEMM then streams 1 KiB runs instead of 64-byte
+    pieces of rows K/2 bytes apart."""
+    E, N, KH = w.shape
+    if N % 16 or KH % 64 or sf.shape != (E, N, KH // 8):
+        raise ValueError(f"tile_nvfp4: need w [E, N, K/2] with N % 16 == 0, K % 128 == 0 and sf [E, N, K/16]; "
+                         f"got w {tuple(w.shape)}, sf {tuple(sf.shape)}")
+    wt = w.reshape(E, N // 16, 16, KH // 64, 64).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH)
+    st = sf.reshape(E, N // 16, 16, KH // 64, 8).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH // 8)
+    return wt, st
+
+
+def untile_nvfp4(wt: torch.Tensor, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `tile_nvfp4`: tiled w [E, N, K/2] uint8, sf [E, N, K/16] uint8 → modelopt layout (copies)."""
+    E, N, KH = wt.shape
+    w = wt.reshape(E, N // 16, KH // 64, 16, 64).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH)
+    sf = st.reshape(E, N // 16, KH // 64, 16, 8).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH // 8)
+    return w, sf
 
 
 def _as_e4m3(t: torch.Tensor) -> torch.Tensor:

@@ -60,10 +60,11 @@ def prepare_weights(w) -> dict:
                          "from_bf16(quantize=True))")
     E = w.num_experts
     a13_gs = w.activation_global_scale.expand(E).contiguous().float()
+    p = w.plain_nvfp4()
     return {
-        "w13": w.w13_weight, "w2": w.w2_weight,
-        "w13_sf": swizzle_scales_128x4(w.w13_weight_scale.view(torch.float8_e4m3fn)),
-        "w2_sf": swizzle_scales_128x4(w.w2_weight_scale.view(torch.float8_e4m3fn)),
+        "w13": p["w13_weight"], "w2": p["w2_weight"],
+        "w13_sf": swizzle_scales_128x4(p["w13_weight_scale"].view(torch.float8_e4m3fn)),
+        "w2_sf": swizzle_scales_128x4(p["w2_weight_scale"].view(torch.float8_e4m3fn)),
         "a13_gs": a13_gs,
         "alpha1": (w.w13_weight_scale_2.float() / a13_gs).contiguous(),
         "a2_gs": (1.0 / w.w2_input_scale.float()).contiguous(),

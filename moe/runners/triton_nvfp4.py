@@ -23,10 +23,11 @@ DENSE_MIN_M (bf16 activations, contiguous layout): at ≥ DENSE_MIN_M expected t
 (moe/triton/nvfp4_dequant.py) and both GEMMs run in torch._grouped_mm (one host read of the
 offsets per call: while a CUDA graph is being captured the in-loop kernel runs instead);
 `dense_path_taken` says whether it runs.
-TILED=1 runs the in-loop kernel over a tiled copy of the weights (moe/triton/nvfp4_moe.py `tile_nvfp4`:
-each 16-row × 128-element tile contiguous, built once per ExpertWeights and cached beside the plain
-layout, so it costs a second copy of the NVFP4 weights while both are in use); it needs H and I multiples
-of 128 and BLOCK_K a multiple of 128, and is ignored otherwise.
+TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
+16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
+is ignored otherwise. Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
+as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
+copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from pdlab.kernels import registry
 from pdlab.moe.layouts import Masked
+from pdlab.moe.weights import tile_nvfp4
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
@@ -87,9 +89,17 @@ def run_triton(layout, weights, *, config):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = dict(config)
     expected_m = cfg.pop("_expected_m", 16)
+    auto_tiled = int(cfg.get("TILED", -1)) == -1
     cfg = resolve_config(cfg, expected_m, interpret)
     if _dense_path(layout, cfg, expected_m):
-        return _run_dense(layout, weights.prepare("triton", _repack), weights, cfg)
+        return _run_dense(layout, weights, cfg)
+    if weights.nvfp4_tiled and auto_tiled:
+        # weights stored tiled (ExpertWeights.tile_): every in-loop call reads them as they are; a plain copy
+        # would double the experts' memory. The tiled kernels need BLOCK_K a multiple of 128.
+        cfg["TILED"] = 1
+        cfg["BLOCK_K"] = max(128, int(cfg["BLOCK_K"]) // 128 * 128)
+        if cfg.get("SPLIT_K", 1) > 1 and weights.intermediate_size % (cfg["BLOCK_K"] * cfg["SPLIT_K"]):
+            cfg["SPLIT_K"] = 1
     cfg["TILED"] = int(bool(cfg.get("TILED")) and _tileable(weights, cfg))
     w = weights.prepare("triton_tiled", _repack_tiled) if cfg["TILED"] else weights.prepare("triton", _repack)
     x = layout.hidden
@@ -130,16 +140,23 @@ def run_triton(layout, weights, *, config):
     return out.to(out_dtype) if split else out
 
 
-def _repack(w) -> dict:
-    return {"w13": w.w13_weight.contiguous(), "w13_sf": w.w13_weight_scale.contiguous().view(torch.uint8),
+def _pack(w13, s13, w2, s2, w) -> dict:
+    return {"w13": w13.contiguous(), "w13_sf": s13.contiguous().view(torch.uint8),
             "w13_s2": w.w13_weight_scale_2.float().contiguous(),
-            "w2": w.w2_weight.contiguous(), "w2_sf": w.w2_weight_scale.contiguous().view(torch.uint8),
+            "w2": w2.contiguous(), "w2_sf": s2.contiguous().view(torch.uint8),
             "w2_s2": w.w2_weight_scale_2.float().contiguous()}
 
 
-def _repack_tiled(w) -> dict:
-    from pdlab.moe.triton.nvfp4_moe import tile_nvfp4
+def _repack(w) -> dict:
+    """The modelopt layout (a copy when the weights are stored tiled)."""
+    p = w.plain_nvfp4()
+    return _pack(p["w13_weight"], p["w13_weight_scale"], p["w2_weight"], p["w2_weight_scale"], w)
 
+
+def _repack_tiled(w) -> dict:
+    """The tiled layout: the stored tensors when ExpertWeights.tile_ ran, else a tiled copy."""
+    if w.nvfp4_tiled:
+        return _pack(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale, w)
     plain = _repack(w)
     w13, w13_sf = tile_nvfp4(plain["w13"], plain["w13_sf"])
     w2, w2_sf = tile_nvfp4(plain["w2"], plain["w2_sf"])
@@ -178,12 +195,16 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _run_dense(layout, w: dict, weights, cfg: dict) -> torch.Tensor:
+def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
     """Contiguous bf16 rows [N, H]: per chunk of experts, NVFP4 → bf16 weights (one pass), then
-    gate_up and down through torch._grouped_mm with SiLU·mul between (as the torch_grouped runner)."""
+    gate_up and down through torch._grouped_mm with SiLU·mul between (as the torch_grouped runner).
+    Weights stored tiled are dequantised from the tiled layout (no plain copy)."""
     import torch.nn.functional as F
 
     from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
+
+    tiled = weights.nvfp4_tiled
+    w = weights.prepare("triton_tiled", _repack_tiled) if tiled else weights.prepare("triton", _repack)
 
     x = layout.hidden
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
@@ -198,8 +219,8 @@ def _run_dense(layout, w: dict, weights, cfg: dict) -> torch.Tensor:
         if r1 == r0:
             continue
         n = e1 - e0
-        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[:n])
-        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[:n])
+        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[:n], tiled=tiled)
+        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[:n], tiled=tiled)
         ends = (layout.offsets[e0 + 1:e1 + 1] - r0).to(torch.int32)
         xs = x[r0:r1].to(torch.bfloat16)
         gu = torch._grouped_mm(xs, w13[:n].transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)

@@ -15,15 +15,21 @@ import triton.language as tl
 
 @triton.jit
 def _nvfp4_to_bf16(w_ptr, sf_ptr, s2_ptr, out_ptr, R, rows_per_expert, KH,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILED: tl.constexpr = False):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c0 = tl.program_id(1) * BLOCK_C
     c = c0 + tl.arange(0, BLOCK_C)
     cs = c0 // 8 + tl.arange(0, BLOCK_C // 8)
     r_mask = r < R
     r64 = r.to(tl.int64)
-    b = tl.load(w_ptr + r64[:, None] * KH + c[None, :], mask=r_mask[:, None], other=0)
-    sf = tl.load(sf_ptr + r64[:, None] * (KH // 8) + cs[None, :], mask=r_mask[:, None], other=0)
+    if TILED:  # tile_nvfp4 layout: 16-row groups, 64-byte (128-element) chunks of 16 rows contiguous
+        w_off = ((r64 // 16) * (16 * KH) + (r64 % 16) * 64)[:, None] + ((c // 64) * 1024 + c % 64)[None, :]
+        sf_off = ((r64 // 16) * (2 * KH) + (r64 % 16) * 8)[:, None] + ((cs // 8) * 128 + cs % 8)[None, :]
+    else:
+        w_off = r64[:, None] * KH + c[None, :]
+        sf_off = r64[:, None] * (KH // 8) + cs[None, :]
+    b = tl.load(w_ptr + w_off, mask=r_mask[:, None], other=0)
+    sf = tl.load(sf_ptr + sf_off, mask=r_mask[:, None], other=0)
     s2 = tl.load(s2_ptr + r // rows_per_expert, mask=r_mask, other=0.0)
     x = b.to(tl.int32)
     # code → fp16 bits s<<15 | e<<10 | m<<9 = value · 2^-14 (exact), e4m3 → fp16 bits = scale · 2^-8
@@ -39,13 +45,17 @@ def _nvfp4_to_bf16(w_ptr, sf_ptr, s2_ptr, out_ptr, R, rows_per_expert, KH,
     tl.store(out_ptr + r64[:, None] * (2 * KH) + cc[None, :], v, mask=r_mask[:, None])
 
 
-def nvfp4_to_bf16(w: torch.Tensor, sf: torch.Tensor, s2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_to_bf16(w: torch.Tensor, sf: torch.Tensor, s2: torch.Tensor, out: torch.Tensor | None = None, *,
+                  tiled: bool = False) -> torch.Tensor:
     """Dequantise NVFP4 expert weights to bf16.
 
     w: [E, N, K/2] uint8 (low nibble = even k), contiguous; sf: [E, N, K/16] uint8 (e4m3 bits), contiguous;
     s2: [E] fp32 (weight_scale_2); out: [E, N, K] bf16 (allocated when None). K/2 a multiple of 16.
-    Returns out. Graph-safe (no host sync)."""
+    tiled: w and sf are in the layout of `pdlab.moe.weights.tile_nvfp4` (N % 16 == 0, K % 128 == 0).
+    Returns out (always the plain [E, N, K] order). Graph-safe (no host sync)."""
     E, N, KH = w.shape
+    if tiled and (N % 16 or KH % 64):
+        raise ValueError(f"nvfp4_to_bf16: tiled weights need N % 16 == 0 and K % 128 == 0, got N={N}, K={2 * KH}")
     if out is None:
         out = torch.empty((E, N, 2 * KH), dtype=torch.bfloat16, device=w.device)
     bc = 256
@@ -55,5 +65,6 @@ def nvfp4_to_bf16(w: torch.Tensor, sf: torch.Tensor, s2: torch.Tensor, out: torc
         raise ValueError(f"nvfp4_to_bf16: K/2={KH} must be a multiple of 16")
     R = E * N
     br = 16
-    _nvfp4_to_bf16[(triton.cdiv(R, br), KH // bc)](w, sf, s2, out, R, N, KH, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+    _nvfp4_to_bf16[(triton.cdiv(R, br), KH // bc)](w, sf, s2, out, R, N, KH, BLOCK_R=br, BLOCK_C=bc, TILED=tiled,
+                                                   num_warps=4)
     return out

@@ -15,7 +15,7 @@ contiguous in shared memory; weights and activations get the same permutation, t
 The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's handful of tokens is the MMA's
 narrow side.
 
-TILED: the weights (and scales) come in the layout of `tile_nvfp4`, each 16-row × 128-element tile stored as
+TILED: the weights (and scales) come in the layout of `pdlab.moe.weights.tile_nvfp4`, each 16-row × 128-element tile stored as
 1024 contiguous bytes (scales: 128), so a program's loads are 1 KiB runs instead of 64-byte pieces of rows
 K/2 bytes apart; the tile's values and their K order are the same, only the addresses change.
 
@@ -337,22 +337,6 @@ def _moe_nvfp4_gemm(
             tl.atomic_add(o_ptrs, res, mask=o_mask)
         else:
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-def tile_nvfp4(w: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain NVFP4 weights → the tiled layout (TILED=1): each 16-row × 128-element tile stored contiguously.
-
-    w: [E, N, K/2] uint8 → [E, N, K/2] uint8 whose row-group g (rows 16g..16g+15), K chunk c holds the
-    1024 bytes w[:, 16g:16g+16, 64c:64c+64] row by row; sf: [E, N, K/16] uint8 → likewise 16 × 8 bytes per
-    chunk. N a multiple of 16, K of 128. The decode GEMM then streams 1 KiB runs instead of 64-byte pieces of
-    rows K/2 bytes apart."""
-    E, N, KH = w.shape
-    if N % 16 or KH % 64 or sf.shape != (E, N, KH // 8):
-        raise ValueError(f"tile_nvfp4: need w [E, N, K/2] with N % 16 == 0, K % 128 == 0 and sf [E, N, K/16]; "
-                         f"got w {tuple(w.shape)}, sf {tuple(sf.shape)}")
-    wt = w.reshape(E, N // 16, 16, KH // 64, 64).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH)
-    st = sf.reshape(E, N // 16, 16, KH // 64, 8).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH // 8)
-    return wt, st
 
 
 _MMA = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

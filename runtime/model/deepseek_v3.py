@@ -136,10 +136,11 @@ class MoEBlock(nn.Module):
 
     def set_experts(self, weights, *, runner: str | None = None, dispatcher: str = "local",
                     decode_mode: str = "normal", ep_size: int = 1, ep_rank: int = 0, group=None,
-                    **moe_kwargs) -> None:
+                    tile_weights: bool | None = None, **moe_kwargs) -> None:
         """Build the MoELayer over `weights` (pdlab.moe.weights.ExpertWeights, [E, 2I, H] / [E, H, I]).
         Prefill/extend steps dispatch in "normal" mode, decode steps in `decode_mode`; `moe_kwargs`
-        go to MoELayer as they are."""
+        go to MoELayer as they are. tile_weights: store the layer's NVFP4 weights in the Triton runner's
+        tiled layout, in place (None = when the weights are on CUDA, tile, and every mode runs "triton")."""
         from pdlab.moe.layer import MoELayer
 
         self.decode_mode = decode_mode
@@ -148,6 +149,11 @@ class MoEBlock(nn.Module):
             self.moe_config, weights, self.gate.weight, self.gate.e_score_correction_bias, self.shared_experts,
             dispatcher=dispatcher, runner=runner, mode="normal", modes=modes, ep_rank=ep_rank, ep_size=ep_size,
             group=group, **moe_kwargs))
+        w = self.moe.weights
+        if tile_weights is None:
+            tile_weights = w.can_tile and w.device.type == "cuda" and set(self.moe.runners.values()) == {"triton"}
+        if tile_weights:  # the Triton runner's kernels read the tiled layout; in place keeps one copy of the experts
+            w.tile_()
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.moe is None:

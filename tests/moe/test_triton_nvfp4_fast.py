@@ -98,7 +98,7 @@ def test_dense_path_steps_aside_while_a_cuda_graph_is_captured(monkeypatch):
 
 def test_tile_nvfp4_known_layout():
     # element (n, byte j) of expert e lands at row-group n//16, chunk j//64, row n%16, byte j%64
-    from pdlab.moe.triton.nvfp4_moe import tile_nvfp4
+    from pdlab.moe.weights import tile_nvfp4
 
     E, N, KH = 2, 32, 128
     w = torch.arange(E * N * KH, dtype=torch.int64).remainder(251).to(torch.uint8).view(E, N, KH)
@@ -114,12 +114,14 @@ def test_tile_nvfp4_known_layout():
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
-@pytest.mark.parametrize("payload", ["bf16", "nvfp4"])
-def test_tiled_weights_give_the_plain_layouts_result(kind, payload):
+@pytest.mark.parametrize("payload,extra", [("bf16", {}), ("nvfp4", {}), ("fp8", {}), ("bf16", {"SPLIT_NIBBLES": 1}),
+                                           ("bf16", {"SPLIT_K": 2, "BLOCK_K": 128})],
+                         ids=["bf16", "nvfp4", "fp8", "bf16-split-nibbles", "bf16-split-k"])
+def test_tiled_weights_give_the_plain_layouts_result(kind, payload, extra):
     # same tiles, same arithmetic, other addresses: equal to the plain layout's output, and to the reference
-    layout, weights = _problem(3, 256, 128, 10, 2, payload, x_dtype=torch.bfloat16)
+    layout, weights = _problem(3, 256, 256, 10, 2, payload, x_dtype=torch.bfloat16)
     layout = _as(kind, layout)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, **extra}
     plain = run_experts(layout, weights, runner="triton", config={**cfg, "TILED": 0}).hidden
     tiled = run_experts(layout, weights, runner="triton", config={**cfg, "TILED": 1}).hidden
     assert "triton_tiled" in weights.prepared
@@ -135,6 +137,86 @@ def test_tiled_is_ignored_where_it_does_not_fit():
     layout, weights = _problem(2, 128, 96, 6, 1, "bf16", x_dtype=torch.bfloat16)
     _check(layout, weights, 2e-4, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "TILED": 1})
     assert "triton_tiled" not in weights.prepared
+
+
+def test_untile_inverts_tile():
+    from pdlab.moe.weights import tile_nvfp4, untile_nvfp4
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 256, (3, 48, 192), dtype=torch.uint8, generator=g)
+    sf = torch.randint(0, 256, (3, 48, 24), dtype=torch.uint8, generator=g)
+    back_w, back_sf = untile_nvfp4(*tile_nvfp4(w, sf))
+    assert torch.equal(back_w, w) and torch.equal(back_sf, sf)
+
+
+def _tiled_copy(weights):
+    """An independent copy of `weights` stored tiled in place (the original stays plain)."""
+    from pdlab.moe.layer import slice_experts
+
+    copy = slice_experts(weights, 0, weights.num_experts)  # views: tile_ must copy, not tile the original
+    return copy.tile_()
+
+
+def test_tile_in_place_keeps_values_and_leaves_viewed_tensors_alone():
+    layout, weights = _problem(3, 256, 128, 10, 2, "bf16", x_dtype=torch.bfloat16)
+    before = {k: getattr(weights, k).clone() for k in ("w13_weight", "w13_weight_scale", "w2_weight")}
+    tiled = _tiled_copy(weights)
+    assert tiled.nvfp4_tiled and not weights.nvfp4_tiled
+    for k, v in before.items():  # the sliced-from tensors were not tiled under their owner
+        assert torch.equal(getattr(weights, k).view(torch.uint8), v.view(torch.uint8))
+    assert not torch.equal(tiled.w13_weight, weights.w13_weight)  # stored tiled
+    plain = tiled.plain_nvfp4()
+    assert torch.equal(plain["w13_weight"], weights.w13_weight)
+    assert torch.equal(plain["w2_weight_scale"].view(torch.uint8), weights.w2_weight_scale.view(torch.uint8))
+    a, b = tiled.dequantized(), weights.dequantized()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert tiled.tile_() is tiled  # idempotent
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _problem(2, 128, 96, 4, 1, "bf16")[1].tile_()
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "masked"])
+def test_runner_reads_weights_stored_tiled_without_a_plain_copy(kind):
+    # decode (TILED by heuristic) and an in-loop prefill config with BLOCK_K 64 (raised to 128 for tiled
+    # weights): equal to the plain weights' results, and no plain repack is ever built
+    layout, weights = _problem(3, 256, 256, 30, 2, "bf16", x_dtype=torch.bfloat16)
+    layout = _as(kind, layout)
+    tiled = _tiled_copy(weights)
+    for cfg in ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 1},
+                {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 1, "SPLIT_K": 2}):
+        ref = run_experts(layout, weights, runner="triton", config={**cfg, "TILED": 0}).hidden
+        out = run_experts(layout, tiled, runner="triton", config=cfg).hidden
+        if isinstance(layout, Masked):
+            keep = torch.arange(layout.hidden.shape[1], device=DEV)[None, :] < layout.masked_m[:, None]
+            ref, out = ref[keep], out[keep]
+        assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+        assert cosine_error(out.float(), ref.float()) < 1e-5
+    assert "triton" not in tiled.prepared
+    # the torch reference reads the plain layout through plain_nvfp4()
+    _check(layout, tiled, 2e-4, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 1})
+
+
+def test_dense_path_reads_weights_stored_tiled():
+    layout, weights = _problem(5, 256, 128, 12, 2, "bf16", x_dtype=torch.bfloat16)
+    tiled = _tiled_copy(weights)
+    cfg = {"DENSE_MIN_M": 1, "DENSE_CHUNK": 2}
+    assert dense_path_taken(layout, cfg, 4)
+    ref = run_experts(layout, weights, runner="triton", config=cfg).hidden
+    out = run_experts(layout, tiled, runner="triton", config=cfg).hidden
+    assert torch.equal(out, ref)
+    assert "triton" not in tiled.prepared
+
+
+@pytest.mark.parametrize("K", [128, 1024])
+def test_nvfp4_to_bf16_reads_the_tiled_layout(K):
+    from pdlab.moe.weights import tile_nvfp4
+
+    w, sf, s2 = _dequant_case(3, 48, K)
+    plain = nvfp4_to_bf16(w, sf.view(torch.uint8), s2)
+    wt, st = tile_nvfp4(w, sf.view(torch.uint8))
+    assert torch.equal(nvfp4_to_bf16(wt, st, s2, tiled=True), plain)
+    with pytest.raises(ValueError, match="tiled weights need"):
+        nvfp4_to_bf16(w[:, :40], sf.view(torch.uint8)[:, :40], s2, tiled=True)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
