@@ -271,3 +271,17 @@ def test_gpu_fast_path_cuda_graph_capture():
     torch.cuda.synchronize()
     keep = torch.arange(masked.hidden.shape[1], device=DEV)[None, :] < masked.masked_m[:, None]
     assert torch.equal(out.hidden[keep], ref[keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,cfg", [(24, FAST), (600, {"DENSE_MIN_M": 1, "DENSE_CHUNK": 3})],
+                         ids=["decode", "dense"])
+def test_gpu_weights_stored_tiled_deepseek_dims(tokens, cfg):
+    # what the runtime serves on CUDA: ExpertWeights.tile_() in place, in-loop decode and the dense path
+    layout, weights = _problem(4, 7168, 2048, tokens, 2, "bf16", x_dtype=torch.bfloat16)
+    tiled = _tiled_copy(weights)
+    ref = run_experts(layout, weights, runner="triton", config=cfg).hidden
+    out = run_experts(layout, tiled, runner="triton", config=cfg).hidden
+    n = int(layout.offsets[-1])
+    assert cosine_error(out[:n].float(), ref[:n].float()) < 1e-5
+    _check(layout, tiled, 2e-4, config=cfg)
