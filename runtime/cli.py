@@ -32,3 +32,9 @@ def main(argv: list[str] | None = None, prog: str = "runtime") -> int:
 def _wants_disagg(args: list[str]) -> bool:
     """`serve --disagg` or `serve --role ...` go to the disaggregation launcher."""
     return any(a == "--disagg" or a == "--role" or a.startswith("--role=") for a in args)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

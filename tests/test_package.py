@@ -34,7 +34,12 @@ def test_no_top_level_kernels_module_in_a_clean_process(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["pdlab", "--help"], ["pdlab", "bench", "--help"], ["bench", "--help"],
-                                  ["tune", "--help"], ["runtime", "--help"]])
+                                  ["tune", "--help"], ["runtime", "--help"],
+                                  # each tool as a module too, package or cli module (no silent no-op)
+                                  [sys.executable, "-m", "pdlab.bench", "--help"],
+                                  [sys.executable, "-m", "pdlab.bench.cli", "--help"],
+                                  [sys.executable, "-m", "pdlab.tuning", "--help"],
+                                  [sys.executable, "-m", "pdlab.runtime.cli", "--help"]])
 def test_help_works(argv, tmp_path):
     proc = _run(argv, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
