@@ -3,7 +3,7 @@
 #   cuda:0 — MLA GPU tests + `bench attention` at the goal shapes (B=128, page 64, S_q=1, seqlen 8192,
 #            16/128 heads, bf16/fp8) with the backend defaults and with fp8_upcast=once (IGNORE_TUNED=1
 #            hides the shipped tuned configs so that the defaults themselves are measured);
-#   cuda:1 — MoE expert runner GPU tests;
+#   cuda:1 — MoE expert runner GPU tests, then the runtime GPU tests;
 #   then both — `bench/gpu/moe_ep.sh 2` (EP2 tests incl. the graph-captured low-latency exchange, and
 #            `bench moe --ep 2` in both modes).
 # Results: $OUT/validate.tgz (+ the moe_ep files). Run from the repository root after `pip install -e .`.
@@ -38,10 +38,13 @@ ATT=$!
   timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_runners.py tests/moe/test_triton_nvfp4_fast.py \
     > "$OUT/moe/pytest_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/moe/pytest_gpu.txt"
+  # the runtime on CUDA (experts stored tiled in place, CUDA-graph decode == eager, retraction on GPU)
+  timeout 150 $PY -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/runtime > "$OUT/moe/pytest_runtime_gpu.txt" 2>&1
+  echo "rc=$?" >> "$OUT/moe/pytest_runtime_gpu.txt"
 ) &
 MOE=$!
 wait $ATT $MOE
-tail -3 "$OUT/attention/pytest_gpu.txt" "$OUT/moe/pytest_gpu.txt"
+tail -n 3 "$OUT/attention/pytest_gpu.txt" "$OUT/moe/pytest_gpu.txt" "$OUT/moe/pytest_runtime_gpu.txt"
 grep -E "triton|shape" "$OUT/attention/defaults_h16.txt" "$OUT/attention/defaults_h128.txt" | head -12
 
 OUT="$OUT/moe_ep" TEST_TIMEOUT=${EP_TEST_TIMEOUT:-120} NORMAL_TIMEOUT=${NORMAL_TIMEOUT:-70} bash bench/gpu/moe_ep.sh 2 \
