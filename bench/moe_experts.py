@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print("no rows")
         return 1
-    base = df[(df.runner == "torch_grouped") & ~df.config_source.isin(["sweep", "explicit"])].set_index(["tokens_per_expert", "layout"])
+    base = df[(df.runner == "torch_grouped") & ~df.config_source.isin(["sweep", "explicit"])]
+    base = base.set_index(["tokens_per_expert", "layout"])
     best = df.groupby(["tokens_per_expert", "layout", "payload", "runner"], as_index=False)["median_us"].min()
     df["speedup_vs_torch_grouped"] = [
         (base.loc[(m, l), "median_us"] if (m, l) in base.index else float("nan")) / us

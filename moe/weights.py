@@ -220,7 +220,8 @@ class ExpertWeights:
         when present (what the NVFP4 runners compute with), else the bf16 ones."""
         if self.has_nvfp4:
             p = self.plain_nvfp4()
-            return (nvfp4.dequantize_nvfp4(p["w13_weight"], p["w13_weight_scale"], 1.0 / self.w13_weight_scale_2, dtype),
+            return (nvfp4.dequantize_nvfp4(p["w13_weight"], p["w13_weight_scale"], 1.0 / self.w13_weight_scale_2,
+                                           dtype),
                     nvfp4.dequantize_nvfp4(p["w2_weight"], p["w2_weight_scale"], 1.0 / self.w2_weight_scale_2, dtype))
         return self.w13.to(dtype), self.w2.to(dtype)
 

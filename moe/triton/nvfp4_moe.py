@@ -15,9 +15,10 @@ contiguous in shared memory; weights and activations get the same permutation, t
 The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's handful of tokens is the MMA's
 narrow side.
 
-TILED: the weights (and scales) come in the layout of `pdlab.moe.weights.tile_nvfp4`, each 16-row × 128-element tile stored as
-1024 contiguous bytes (scales: 128), so a program's loads are 1 KiB runs instead of 64-byte pieces of rows
-K/2 bytes apart; the tile's values and their K order are the same, only the addresses change.
+TILED: the weights (and scales) come in the layout of `pdlab.moe.weights.tile_nvfp4`, each 16-row ×
+128-element tile stored as 1024 contiguous bytes (scales: 128), so a program's loads are 1 KiB runs instead of
+64-byte pieces of rows K/2 bytes apart; the tile's values and their K order are the same, only the addresses
+change.
 
 Rows: masked layout → expert e, row m at a + e·stride_ae + m·stride_am, m < masked_m[e]; contiguous
 layout → rows offsets[e] + m, m < counts[e], the tile → expert map computed in-kernel from counts
