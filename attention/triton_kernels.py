@@ -135,17 +135,59 @@ def _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i
         k_pe = k_pe.to(q_nope.dtype)
     s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
     s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
-    s = s * row_scale[:, None]
     visible = n_ok[None, :] & (n[None, :] < limit[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_base)
-    p = tl.exp2(s - m_base[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(s * row_scale[:, None], visible, m_i, l_i, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _softmax_step(s, visible, m_i, l_i, AXIS: tl.constexpr):
+    """One online-softmax step over base-2 logits s whose KV positions run along AXIS ([M, BLOCK_N] with
+    AXIS 1, [BLOCK_N, M] with AXIS 0); positions not `visible` are dropped. Returns (p, the factor alpha [M]
+    the running sums must be rescaled by, the new max [M], the new sum [M])."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    if AXIS == 1:
+        p = tl.exp2(s - m_base[:, None])
+    else:
+        p = tl.exp2(s - m_base[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
+def _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
+               stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
+               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
+               FINAL: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
+    """Normalise the accumulator ([M, D_NOPE], or [D_NOPE, M] when TOKEN_MAJOR) and write the output and
+    lse: the final ones, or this split's fp32 partials for `_mla_combine`. Rows with nothing visible get
+    lse -inf and a zero output."""
+    empty = l_i == 0.0
+    inv = kv_scale / tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    t = (q_start + j).to(tl.int64)
+    if FINAL:
+        row = t * stride_o_t + h * stride_o_h
+    else:
+        row = t * stride_op_t + h * stride_op_h + split * stride_op_s
+    if TOKEN_MAJOR:
+        out = acc * inv[None, :]
+        off = row[None, :] + d[:, None]
+        mask = row_ok[None, :]
+    else:
+        out = acc * inv[:, None]
+        off = row[:, None] + d[None, :]
+        mask = row_ok[:, None]
+    if FINAL:
+        tl.store(O + off, out.to(O.dtype.element_ty), mask=mask)
+        tl.store(LSE + q_start.to(tl.int64) * stride_lse_t + j * stride_lse_j + h * stride_lse_h, lse, mask=row_ok)
+    else:
+        tl.store(O_PART + off, out, mask=mask)
+        tl.store(LSE_PART + t * stride_lp_t + h * stride_lp_h + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -187,13 +229,13 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     if FP8_FP16:  # fp8 pools: compute in fp16 (e4m3 -> fp16 is one conversion), q scaled per row
         q_nope, q_pe, q_scale = _q_to_fp16(q_nope, q_pe, 1)
         row_scale = scale2 * q_scale
+    else:
+        row_scale = scale2 + tl.zeros([M], tl.float32)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D_NOPE], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt_b
-    if not FP8_FP16:
-        row_scale = scale2 + tl.zeros([M], tl.float32)
     if PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
         nx_nope, nx_pe, nx_n, nx_ok = _kv_tile(KV, bt_row, lo, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
                                                TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
@@ -210,19 +252,9 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
             m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                          FP8, FP8_ONCE, PREC)
 
-    empty = l_i == 0.0
-    out = acc * (kv_scale / tl.where(empty, 1.0, l_i))[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    t = (q_start + j).to(tl.int64)
-    if FINAL:
-        o_off = t * stride_o_t + h * stride_o_h
-        tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        lse_off = q_start.to(tl.int64) * stride_lse_t + j * stride_lse_j + h * stride_lse_h
-        tl.store(LSE + lse_off, lse, mask=row_ok)
-    else:
-        op_off = t * stride_op_t + h * stride_op_h + split * stride_op_s
-        tl.store(O_PART + op_off[:, None] + d[None, :], out, mask=row_ok[:, None])
-        tl.store(LSE_PART + t * stride_lp_t + h * stride_lp_h + split, lse, mask=row_ok)
+    _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
+               stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
+               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h, FINAL, False)
 
 
 @triton.jit
@@ -251,6 +283,8 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     if FP8_FP16:
         qt_nope, qt_pe, q_scale = _q_to_fp16(qt_nope, qt_pe, 0)
         row_scale = scale2 * q_scale
+    else:
+        row_scale = scale2 + tl.zeros([M], tl.float32)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -274,34 +308,14 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
             v = k_nope
         s = tl.dot(k_nope, qt_nope, input_precision=PREC)  # [BLOCK_N, M]
         s = tl.dot(k_pe, qt_pe, s, input_precision=PREC)
-        if FP8_FP16:
-            s = s * row_scale[None, :]
-        else:
-            s = s * scale2
         visible = n_ok[:, None] & (n[:, None] < limit[None, :])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
+        p, alpha, m_i, l_i = _softmax_step(s * row_scale[None, :], visible, m_i, l_i, 0)
         acc = acc * alpha[None, :]
         acc = tl.dot(tl.trans(v), p.to(v.dtype), acc, input_precision=PREC)  # [D_NOPE, M]
-        m_i = m_new
 
-    empty = l_i == 0.0
-    out = acc * (kv_scale / tl.where(empty, 1.0, l_i))[None, :]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    t = (q_start + j).to(tl.int64)
-    if FINAL:
-        o_off = t * stride_o_t + h * stride_o_h
-        tl.store(O + o_off[None, :] + d[:, None], out.to(O.dtype.element_ty), mask=row_ok[None, :])
-        lse_off = q_start.to(tl.int64) * stride_lse_t + j * stride_lse_j + h * stride_lse_h
-        tl.store(LSE + lse_off, lse, mask=row_ok)
-    else:
-        op_off = t * stride_op_t + h * stride_op_h + split * stride_op_s
-        tl.store(O_PART + op_off[None, :] + d[:, None], out, mask=row_ok[None, :])
-        tl.store(LSE_PART + t * stride_lp_t + h * stride_lp_h + split, lse, mask=row_ok)
+    _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
+               stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
+               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h, FINAL, True)
 
 
 @triton.jit
