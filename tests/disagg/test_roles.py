@@ -35,6 +35,30 @@ def _colocated(prompts, params=GREEDY, **kw):
     return [r["token_ids"] for r in LLM(**_settings(**kw)).generate(prompts, params)]
 
 
+def _submit_long(d, tid, results, n=150):
+    """One request of n prompt tokens (several prefill chunks) submitted to both roles of `d`."""
+    long = [3] * n
+    d.decode_role.submit(Req(long, GREEDY, rid=tid), tid, "prefill-0", lambda out: results.setdefault("out", out))
+    d.prefill_role.submit(Req(long, GREEDY, rid=tid), tid)
+
+
+def _pump_until(d, done, seconds=10.0):
+    """Run both servers' loops until done() or the deadline."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        d.decode.loop.run_once()
+        d.prefill.loop.run_once()
+        time.sleep(0.001)
+
+
+def _assert_all_pages_free(d):
+    for _ in range(5):
+        d.prefill.loop.run_once()
+    for side in (d.decode, d.prefill):
+        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
+        side.scheduler.check_invariants()
+
+
 def _free_pages(llm):
     return llm.scheduler.pool.num_free_pages
 
@@ -155,10 +179,8 @@ def test_prefill_failure_is_reported_to_decode(disagg, monkeypatch):
 def test_client_abort_frees_pages_on_both_sides(disagg):
     d = disagg()
     results = {}
-    long = [3] * 150  # several prefill chunks: still computing when the client goes away
     tid = "abort-me"
-    d.decode_role.submit(Req(long, GREEDY, rid=tid), tid, "prefill-0", lambda out: results.setdefault("out", out))
-    d.prefill_role.submit(Req(long, GREEDY, rid=tid), tid)
+    _submit_long(d, tid, results)  # several prefill chunks: still computing when the client goes away
     for _ in range(3):
         d.decode.loop.run_once()
         d.prefill.loop.run_once()
@@ -166,17 +188,9 @@ def test_client_abort_frees_pages_on_both_sides(disagg):
     d.decode.loop.run_once()
     assert d.decode_role.records[tid].state in (State.WAITING, State.TRANSFERRING, State.BOOTSTRAPPING)
     d.decode_role.abort(tid)
-    deadline = time.monotonic() + 10
-    while "out" not in results and time.monotonic() < deadline:
-        d.decode.loop.run_once()
-        d.prefill.loop.run_once()
-        time.sleep(0.001)
+    _pump_until(d, lambda: "out" in results)
     assert results["out"].finished and results["out"].error == "client disconnected"
-    for _ in range(5):
-        d.prefill.loop.run_once()
-    for side in (d.decode, d.prefill):
-        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
-        side.scheduler.check_invariants()
+    _assert_all_pages_free(d)
     assert d.prefill_role.records[tid].state is State.FAILED
     # and the servers keep serving
     assert d.generate([[1, 2]], GREEDY)[0]["token_ids"] == _colocated([[1, 2]])[0]
@@ -187,15 +201,9 @@ def test_direct_scheduler_abort_keeps_pages_until_the_prefill_stops_writing(disa
     must not free its pages while the prefill may still write them: the role hook defers it."""
     d = disagg()
     results = {}
-    long = [3] * 150
     tid = "direct-abort"
-    d.decode_role.submit(Req(long, GREEDY, rid=tid), tid, "prefill-0", lambda out: results.setdefault("out", out))
-    d.prefill_role.submit(Req(long, GREEDY, rid=tid), tid)
-    deadline = time.monotonic() + 10
-    while tid not in d.decode.scheduler.parked and time.monotonic() < deadline:
-        d.decode.loop.run_once()
-        d.prefill.loop.run_once()
-        time.sleep(0.001)
+    _submit_long(d, tid, results)
+    _pump_until(d, lambda: tid in d.decode.scheduler.parked)
     assert d.decode_role.records[tid].state in (State.WAITING, State.TRANSFERRING)
     held = list(d.decode.scheduler.parked[tid].pages)
     assert held
@@ -203,16 +211,9 @@ def test_direct_scheduler_abort_keeps_pages_until_the_prefill_stops_writing(disa
     assert tid in d.decode.scheduler.parked and d.decode.scheduler.parked[tid].pages == held, \
         "pages freed while the prefill may still write them"
     assert "out" not in results
-    while "out" not in results and time.monotonic() < deadline:
-        d.decode.loop.run_once()
-        d.prefill.loop.run_once()
-        time.sleep(0.001)
+    _pump_until(d, lambda: "out" in results)
     assert results["out"].finished and results["out"].error == "operator abort"
-    for _ in range(5):
-        d.prefill.loop.run_once()
-    for side in (d.decode, d.prefill):
-        assert _free_pages(side) == side.scheduler.pool.allocator.capacity
-        side.scheduler.check_invariants()
+    _assert_all_pages_free(d)
 
 
 def test_layout_mismatch_rejected_unless_converted(disagg):
