@@ -205,6 +205,27 @@ def _q_to_fp16(q_nope, q_pe, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE: tl.constexpr, M: tl.constexpr,
+            FP8_FP16: tl.constexpr, AXIS: tl.constexpr):
+    """This program's query rows: (q_nope, q_pe) as [M, D] (AXIS 1) or [D, M] (AXIS 0, token-major) and the
+    per-row factor [M] fp32 the base-2 logits are multiplied by. FP8_FP16 (fp8 pools computed in fp16): q
+    goes to fp16 divided per row by a power of two (_q_to_fp16), folded into that factor."""
+    q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
+    if AXIS == 1:
+        q_nope = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        q_pe = tl.load(Q + q_off[:, None] + D_NOPE + dp[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        q_nope = tl.load(Q + q_off[None, :] + d[:, None], mask=row_ok[None, :], other=0.0)
+        q_pe = tl.load(Q + q_off[None, :] + D_NOPE + dp[:, None], mask=row_ok[None, :], other=0.0)
+    if FP8_FP16:  # e4m3 -> fp16 is one conversion
+        q_nope, q_pe, q_scale = _q_to_fp16(q_nope, q_pe, AXIS)
+        row_scale = scale2 * q_scale
+    else:
+        row_scale = scale2 + tl.zeros([M], tl.float32)
+    return q_nope, q_pe, row_scale
+
+
+@triton.jit
 def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              kv_scale, KV_SCALE_PTR, qk_scale,
              stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
@@ -223,14 +244,8 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     M: tl.constexpr = BLOCK_T * BLOCK_H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
-    q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
-    q_nope = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    q_pe = tl.load(Q + q_off[:, None] + D_NOPE + dp[None, :], mask=row_ok[:, None], other=0.0)
-    if FP8_FP16:  # fp8 pools: compute in fp16 (e4m3 -> fp16 is one conversion), q scaled per row
-        q_nope, q_pe, q_scale = _q_to_fp16(q_nope, q_pe, 1)
-        row_scale = scale2 * q_scale
-    else:
-        row_scale = scale2 + tl.zeros([M], tl.float32)
+    q_nope, q_pe, row_scale = _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE, M,
+                                      FP8_FP16, 1)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -277,14 +292,8 @@ def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     M: tl.constexpr = BLOCK_T * BLOCK_H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
-    q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
-    qt_nope = tl.load(Q + q_off[None, :] + d[:, None], mask=row_ok[None, :], other=0.0)  # [D_NOPE, M]
-    qt_pe = tl.load(Q + q_off[None, :] + D_NOPE + dp[:, None], mask=row_ok[None, :], other=0.0)
-    if FP8_FP16:
-        qt_nope, qt_pe, q_scale = _q_to_fp16(qt_nope, qt_pe, 0)
-        row_scale = scale2 * q_scale
-    else:
-        row_scale = scale2 + tl.zeros([M], tl.float32)
+    qt_nope, qt_pe, row_scale = _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE, M,
+                                        FP8_FP16, 0)  # [D_NOPE, M], [D_PE, M]
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
