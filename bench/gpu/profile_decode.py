@@ -33,7 +33,7 @@ def _time_us(fn, args) -> float | None:
 
 def _moe(args) -> list[dict]:
     from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights
-    from pdlab.moe.runners.triton_nvfp4 import _DEFAULT, _repack, _repack_tiled, resolve_config
+    from pdlab.moe.runners.triton_nvfp4 import _DEFAULT, _packed, resolve_config
     from pdlab.moe.triton.nvfp4_moe import A_FLOAT, moe_nvfp4_gemm
 
     E, H, I = args.experts, 7168, 2048
@@ -48,7 +48,7 @@ def _moe(args) -> list[dict]:
         out = torch.empty(E, m, H, dtype=torch.bfloat16, device=dev)
         for raw in configs:
             cfg = resolve_config({**_DEFAULT, **raw}, m, False)
-            pw = w.prepare("triton_tiled", _repack_tiled) if cfg.get("TILED") else w.prepare("triton", _repack)
+            pw = _packed(w, cfg.get("TILED"))
             def gate_up(c=cfg, pw=pw):
                 moe_nvfp4_gemm(x, A_FLOAT, None, None, pw["w13"], pw["w13_sf"], pw["w13_s2"], h, counts, None,
                                masked=True, n=I, k=H, fuse_silu=True, mma_dtype=torch.float16, cfg=c)

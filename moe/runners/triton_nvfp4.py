@@ -101,7 +101,7 @@ def run_triton(layout, weights, *, config):
         if cfg.get("SPLIT_K", 1) > 1 and weights.intermediate_size % (cfg["BLOCK_K"] * cfg["SPLIT_K"]):
             cfg["SPLIT_K"] = 1
     cfg["TILED"] = int(bool(cfg.get("TILED")) and _tileable(weights, cfg))
-    w = weights.prepare("triton_tiled", _repack_tiled) if cfg["TILED"] else weights.prepare("triton", _repack)
+    w = _packed(weights, cfg["TILED"])
     x = layout.hidden
     masked = isinstance(layout, Masked)
     counts = layout.masked_m if masked else layout.counts
@@ -163,11 +163,16 @@ def _repack_tiled(w) -> dict:
     return {**plain, "w13": w13, "w13_sf": w13_sf, "w2": w2, "w2_sf": w2_sf}
 
 
+def _packed(weights, tiled) -> dict:
+    """The kernels' weight tensors in the tiled or the plain layout, built once per ExpertWeights."""
+    return weights.prepare("triton_tiled", _repack_tiled) if tiled else weights.prepare("triton", _repack)
+
+
 def _tileable(weights, cfg: dict) -> bool:
-    """The tiled layout fits: H, I multiples of 128 and BLOCK_K a multiple of 128 that divides both K's."""
+    """The tiled layout fits (`ExpertWeights.can_tile`) and BLOCK_K is a multiple of 128 dividing both K's."""
     H, I, bk = weights.hidden_size, weights.intermediate_size, int(cfg["BLOCK_K"])
     split = max(1, int(cfg.get("SPLIT_K", 1)))
-    return H % 128 == 0 and I % 128 == 0 and bk % 128 == 0 and H % bk == 0 and I % (bk * split) == 0
+    return weights.can_tile and bk % 128 == 0 and H % bk == 0 and I % (bk * split) == 0
 
 
 def resolve_config(config: dict, expected_m: int, interpret: bool = False) -> dict:
@@ -204,8 +209,7 @@ def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
     from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
 
     tiled = weights.nvfp4_tiled
-    w = weights.prepare("triton_tiled", _repack_tiled) if tiled else weights.prepare("triton", _repack)
-
+    w = _packed(weights, tiled)
     x = layout.hidden
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     chunk = max(1, min(E, int(cfg.get("DENSE_CHUNK", 16))))
