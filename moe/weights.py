@@ -232,6 +232,23 @@ class ExpertWeights:
         return self.prepare("bf16_dequantized", lambda w: w.dequantized(torch.bfloat16))
 
 
+def quantize_in_chunks(make_chunk: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], experts: int,
+                       chunk: int = 16) -> ExpertWeights:
+    """NVFP4-only ExpertWeights of `experts` experts quantized `chunk` at a time.
+
+    make_chunk(e0, n) → (w13 [n, 2I, H], w2 [n, H, I]) bf16/fp32 for experts e0..e0+n-1. weight_scale_2 is
+    per expert, so the result equals quantizing the stacked tensors at once, at a fraction of the peak
+    memory (one chunk of the high-precision experts and its fp32 quantizer temporaries)."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in NVFP4_KEYS}
+    for e0 in range(0, experts, chunk):
+        w13, w2 = make_chunk(e0, min(chunk, experts - e0))
+        w = ExpertWeights.from_bf16(w13, w2, quantize=True, keep_bf16=False)
+        del w13, w2
+        for k in NVFP4_KEYS:
+            parts[k].append(getattr(w, k))
+    return ExpertWeights.from_modelopt({k: torch.cat(v) for k, v in parts.items()})
+
+
 def tile_nvfp4(w: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Modelopt NVFP4 weights → the tiled layout: each 16-row × 128-element tile stored contiguously.
 

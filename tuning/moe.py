@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from pdlab.bench.harness import cosine_error
+from pdlab.moe.weights import quantize_in_chunks
 from pdlab.tuning.command import add_common_arguments, run_tune
 from pdlab.tuning.models import ModelShape
 from pdlab.tuning.target import TuneTarget, register_target
@@ -40,24 +41,6 @@ def experts_buckets(model: ModelShape) -> list[dict]:
                                 "hidden": model.hidden_size, "intermediate": model.moe_intermediate_size,
                                 "layout": layout, "payload": payload})
     return out
-
-
-def quantize_in_chunks(make_chunk, experts: int, chunk: int = 16):
-    """NVFP4 ExpertWeights of `experts` experts quantized `chunk` at a time.
-
-    make_chunk(e0, n) → (w13 [n, 2I, H], w2 [n, H, I]) bf16 for experts e0..e0+n-1. weight_scale_2 is
-    per expert, so the result equals quantizing the stacked tensors at once, at a fraction of the
-    peak memory (the bf16 chunk and its fp32 quantizer temporaries)."""
-    from pdlab.moe.weights import NVFP4_KEYS, ExpertWeights
-
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in NVFP4_KEYS}
-    for e0 in range(0, experts, chunk):
-        w13, w2 = make_chunk(e0, min(chunk, experts - e0))
-        w = ExpertWeights.from_bf16(w13, w2, quantize=True, keep_bf16=False)
-        del w13, w2
-        for k in NVFP4_KEYS:
-            parts[k].append(getattr(w, k))
-    return ExpertWeights.from_modelopt({k: torch.cat(v) for k, v in parts.items()})
 
 
 def expert_weights(experts: int, hidden: int, inter: int, device: torch.device):

@@ -393,7 +393,7 @@ class _Loader:
         return int(was_quantized)
 
     def _experts(self, layer: int, found: dict[tuple[int, str], dict[str, str]]):
-        from pdlab.moe.weights import ExpertWeights
+        from pdlab.moe.weights import ExpertWeights, quantize_in_chunks
 
         E = self.cfg.n_routed_experts
         missing = [f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for e in range(E)
@@ -408,9 +408,7 @@ class _Loader:
             return ExpertWeights.from_bf16(*self._bf16_experts(found, range(E)), quantize=False)
         # Quantizing at load goes EXPERT_CHUNK experts at a time, so a full-width layer never holds
         # all its bf16 experts (and their fp32 quantization temporaries) at once.
-        return _concat_experts([
-            ExpertWeights.from_bf16(*self._bf16_experts(found, range(s, min(s + EXPERT_CHUNK, E))), quantize=True,
-                                    keep_bf16=False) for s in range(0, E, EXPERT_CHUNK)])
+        return quantize_in_chunks(lambda e0, n: self._bf16_experts(found, range(e0, e0 + n)), E, EXPERT_CHUNK)
 
     def _bf16_experts(self, found, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts `experts` of a bf16/fp32 checkpoint → (w13 [e, 2I, H], w2 [e, H, I]) on the device."""
@@ -475,17 +473,3 @@ class _Loader:
         if d_in is not None:
             out["w2_input_scale"] = d_in
         return out
-
-
-def _concat_experts(pieces: list):
-    """Concatenate NVFP4-only ExpertWeights of consecutive expert ranges into one."""
-    from pdlab.moe.weights import ExpertWeights
-
-    if len(pieces) == 1:
-        return pieces[0]
-    first = pieces[0]
-    out = ExpertWeights(sum(p.num_experts for p in pieces), first.hidden_size, first.intermediate_size)
-    for k in ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
-              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale"):
-        setattr(out, k, torch.cat([getattr(p, k) for p in pieces]))
-    return out
