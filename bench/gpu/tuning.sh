@@ -18,6 +18,8 @@ TOTAL_BUDGET=${TOTAL_BUDGET:-180}
 RUN_TESTS=${RUN_TESTS:-0}
 ATT_BATCH=${ATT_BATCH:-1,32,128}        # mla_decode batch buckets (seqlen 4096, heads 16/128, bf16/fp8)
 ATT_SEQLEN=${ATT_SEQLEN:-4096}         # mla_decode seqlen buckets
+ATT_HEADS=${ATT_HEADS:-16,128}         # mla_decode heads and cache dtype buckets
+ATT_KV=${ATT_KV:-bf16,fp8}
 MOE_TPE=${MOE_TPE:-4,64,256,1024}       # tokens-per-expert buckets (nvfp4, contiguous)
 MOE_EXPERTS=${MOE_EXPERTS:-256,64}      # local experts: EP1 and EP4 of DeepSeek-R1
 PY=${PY:-python3}
@@ -59,7 +61,7 @@ tune_resuming() {  # LOG BUDGET_S ARGS...
 
 tune_attention() {
   tune_resuming "$OUT/attention.log" $ATT attention --op mla_decode --backends triton --storage "$OUT/tuning_att.db" \
-    --only batch=$ATT_BATCH --only seqlen=$ATT_SEQLEN --only heads=16,128 --only kv_dtype=bf16,fp8 --out "$OUT/attention"
+    --only batch=$ATT_BATCH --only seqlen=$ATT_SEQLEN --only heads=$ATT_HEADS --only kv_dtype=$ATT_KV --out "$OUT/attention"
 }
 tune_experts() {
   tune_resuming "$OUT/moe.log" $MOE moe --backends triton --storage "$OUT/tuning_moe.db" \
@@ -67,7 +69,7 @@ tune_experts() {
     --out "$OUT/moe"
 }
 START=$(date +%s)
-# mla_decode: ATT_BATCH x ATT_SEQLEN x {16, 128} heads x {bf16, fp8}; Triton NVFP4 experts: EP1 (256
+# mla_decode: ATT_BATCH x ATT_SEQLEN x ATT_HEADS x ATT_KV; Triton NVFP4 experts: EP1 (256
 # local experts) and EP4 (64) x MOE_TPE
 if [[ $ONLY == att ]]; then
   tune_attention > /dev/null; MID=$(date +%s)

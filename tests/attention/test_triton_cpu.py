@@ -198,7 +198,7 @@ def test_token_major_kernel_matches_reference(page, q_len, heads, kv, cfg, seed)
 
 def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     # the defaults were picked on an H200 (132 SMs) at B=128, seqlen 8192: 16 heads -> 8 splits, 4 warps,
-    # BLOCK_N 32; 128 heads -> 64-head programs, 2 splits, 8 warps, BLOCK_N 64
+    # BLOCK_N 32, fp8 pools in fp16; 128 heads -> 64-head programs, 2 splits, 8 warps, BLOCK_N 64, fp8 pools in bf16
     from pdlab.attention import triton_kernels as tk
     from pdlab.attention.backends.triton_mla import DECODE_DEFAULT, _warps
 
@@ -206,9 +206,10 @@ def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     c16 = _warps(DECODE_DEFAULT, min(DECODE_DEFAULT["BLOCK_H"], 16))
     assert c16["num_warps"] == 4 and tk._tile(16, 1, c16["BLOCK_H"], True) == (1, 16)
     assert tk.auto_splits(128, 1, 1, 8192, torch.device("cpu"), c16["waves"]) == 8
-    assert c16["BLOCK_N"] == 32 and c16["tile_in_page"] == 1
+    assert c16["BLOCK_N"] == 32 and c16["tile_in_page"] == 1 and c16["fp8_compute"] == "fp16"
     c128 = _warps(DECODE_DEFAULT, min(DECODE_DEFAULT["BLOCK_H"], 128))
-    assert c128["BLOCK_N"] == 64
+    assert c128["BLOCK_N"] == 64 and c128["fp8_compute"] == "bf16"
+    assert _warps({**DECODE_DEFAULT, "fp8_compute": "fp16"}, 64)["fp8_compute"] == "fp16"  # explicit stays
     assert c128["num_warps"] == 8 and tk._tile(128, 1, c128["BLOCK_H"], True) == (1, 64)
     assert tk.auto_splits(128, 2, 1, 8192, torch.device("cpu"), c128["waves"]) == 2
     assert tk._tile(128, 2, 64, True) == (2, 32)  # S_q = 2 keeps 64 rows per program
