@@ -9,7 +9,7 @@ into the softmax scale and the output. Tokens at positions >= the split end are 
 loads, so pages past a sequence's length are never read. With one split the program writes the
 final output and lse; with several it writes fp32 partials that `_mla_combine` merges by lse.
 
-`_mla_fwd_t` is the same computation token-major ("swap AB"): s^T = K·q^T [BLOCK_N, M] and
+With TOKEN_MAJOR the same kernel runs the computation token-major ("swap AB"): s^T = K·q^T [BLOCK_N, M] and
 o^T += V^T·p^T [512, M], so the tile's tokens (and the 512 latent columns) fill the MMA's M side,
 which on sm90 must be 64 per warpgroup for wgmma; q^T and p^T are the small N side. With few heads per
 program (M = 16) this runs wgmma with K/V straight from the pipelined shared-memory tile instead of
@@ -226,6 +226,28 @@ def _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_N
 
 
 @triton.jit
+def _attend_tile_t(qt_nope, qt_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m_i, l_i, acc, FP8: tl.constexpr,
+                   PREC: tl.constexpr):
+    """`_attend_tile` token-major: s^T = K·q^T [BLOCK_N, M], acc [D_NOPE, M] += V^T·p^T; v is the V bytes of
+    the tile (k_nope itself, or its second load with FP8_RELOAD)."""
+    if FP8:
+        k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
+        k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
+        v = v.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
+    else:
+        k_nope = k_nope.to(qt_nope.dtype)
+        k_pe = k_pe.to(qt_nope.dtype)
+        v = k_nope
+    s = tl.dot(k_nope, qt_nope, input_precision=PREC)  # [BLOCK_N, M]
+    s = tl.dot(k_pe, qt_pe, s, input_precision=PREC)
+    visible = n_ok[:, None] & (n[:, None] < limit[None, :])
+    p, alpha, m_new, l_i = _softmax_step(s * row_scale[None, :], visible, m_i, l_i, 0)
+    acc = acc * alpha[None, :]
+    acc = tl.dot(tl.trans(v), p.to(v.dtype), acc, input_precision=PREC)  # [D_NOPE, M]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              kv_scale, KV_SCALE_PTR, qk_scale,
              stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
@@ -235,7 +257,10 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
              BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
              PREC: tl.constexpr, FP8_FP16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, D_NOPE: tl.constexpr,
-             D_PE: tl.constexpr, FP8_ONCE: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+             D_PE: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False, FP8_ONCE: tl.constexpr = False,
+             PREFETCH: tl.constexpr = False, FP8_RELOAD: tl.constexpr = False):
+    """Row-major (q rows as the MMA's M side) or, with TOKEN_MAJOR, token-major (module docstring); FP8_ONCE
+    and PREFETCH apply to the first, FP8_RELOAD to the second."""
     b = tl.program_id(2)
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
@@ -244,14 +269,27 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     M: tl.constexpr = BLOCK_T * BLOCK_H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
+    # [M, D] row-major, [D, M] token-major
     q_nope, q_pe, row_scale = _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE, M,
-                                      FP8_FP16, 1)
+                                      FP8_FP16, 0 if TOKEN_MAJOR else 1)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D_NOPE], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt_b
-    if PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
+    if TOKEN_MAJOR:
+        acc = tl.zeros([D_NOPE, M], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
+                                             TILE_IN_PAGE, BLOCK_N, D_NOPE)
+            if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
+                row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
+                v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+            else:
+                v = k_nope
+            m_i, l_i, acc = _attend_tile_t(q_nope, q_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m_i, l_i, acc,
+                                           FP8, PREC)
+    elif PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
+        acc = tl.zeros([M, D_NOPE], tl.float32)
         nx_nope, nx_pe, nx_n, nx_ok = _kv_tile(KV, bt_row, lo, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
                                                TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
         for start in range(lo, hi, BLOCK_N):
@@ -261,6 +299,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
             m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                          FP8, FP8_ONCE, PREC)
     else:
+        acc = tl.zeros([M, D_NOPE], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
                                              TILE_IN_PAGE, BLOCK_N, D_NOPE)
@@ -269,62 +308,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
 
     _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
                stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
-               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h, FINAL, False)
-
-
-@triton.jit
-def _mla_fwd_t(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
-               kv_scale, KV_SCALE_PTR, qk_scale,
-               stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
-               stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
-               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
-               H, num_splits,
-               Q_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
-               PREC: tl.constexpr, FP8_FP16: tl.constexpr, FP8_RELOAD: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-               D_NOPE: tl.constexpr, D_PE: tl.constexpr):
-    """`_mla_fwd` token-major: the same arguments, results and masking, everything transposed."""
-    b = tl.program_id(2)
-    split = tl.program_id(1) % num_splits
-    q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
-                                                         BLOCK_H, BLOCK_N)
-    kv_scale, scale2 = _scales(kv_scale, KV_SCALE_PTR, qk_scale, SCALE_FROM_PTR)
-    M: tl.constexpr = BLOCK_T * BLOCK_H
-    d = tl.arange(0, D_NOPE)
-    dp = tl.arange(0, D_PE)
-    qt_nope, qt_pe, row_scale = _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE, M,
-                                        FP8_FP16, 0)  # [D_NOPE, M], [D_PE, M]
-
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([D_NOPE, M], tl.float32)
-    bt_row = BT + b.to(tl.int64) * stride_bt_b
-    for start in range(lo, hi, BLOCK_N):
-        k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE,
-                                         BLOCK_N, D_NOPE)
-        if FP8:
-            if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
-                row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
-                v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-            else:
-                v = k_nope
-            k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
-            k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
-            v = v.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
-        else:
-            k_nope = k_nope.to(qt_nope.dtype)
-            k_pe = k_pe.to(qt_nope.dtype)
-            v = k_nope
-        s = tl.dot(k_nope, qt_nope, input_precision=PREC)  # [BLOCK_N, M]
-        s = tl.dot(k_pe, qt_pe, s, input_precision=PREC)
-        visible = n_ok[:, None] & (n[:, None] < limit[None, :])
-        p, alpha, m_i, l_i = _softmax_step(s * row_scale[None, :], visible, m_i, l_i, 0)
-        acc = acc * alpha[None, :]
-        acc = tl.dot(tl.trans(v), p.to(v.dtype), acc, input_precision=PREC)  # [D_NOPE, M]
-
-    _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
-               stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
-               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h, FINAL, True)
+               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h, FINAL, TOKEN_MAJOR)
 
 
 @triton.jit
@@ -467,7 +451,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         extra = {"FP8_ONCE": fp16 and upcast in ("once", "prefetch") and dev.type == "cuda"
                  and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(dev) >= (8, 9),
                  "PREFETCH": fp8 and upcast == "prefetch"}
-    (_mla_fwd_t if token_major else _mla_fwd)[grid](
+    _mla_fwd[grid](
         q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
         out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
         q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
@@ -476,7 +460,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         BLOCK_N=block_n, FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
         FP8_FP16=fp16,
         TILE_IN_PAGE=page % block_n == 0 and bool(int(config.get("tile_in_page", 1))),
-        D_NOPE=512, D_PE=64, num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]), **extra)
+        D_NOPE=512, D_PE=64, TOKEN_MAJOR=token_major, num_warps=int(config["num_warps"]),
+        num_stages=int(config["num_stages"]), **extra)
     if not final:
         sq = max(q_per_seq, 1)
         # combine addresses lse by (token // SQ, token % SQ, head)
