@@ -9,9 +9,7 @@ down. Weights stay NVFP4 in HBM (0.5625 B/param) and are dequantised in the main
 
 and the 2^14 (and weight_scale_2, and 1/global_scale of NVFP4 activations) go into the per-expert
 alpha of the epilogue. DEQ_ASM (GPU, sm89+): 8 nibbles per 32-bit register to e4m3 bytes, hardware
-e4m3x2 → f16x2 conversion, scale in f16x2 (value·scale·2^-6, alpha ·64); DEQ_ASM=2 hands the e4m3 scale
-bytes to the same PTX, which converts them with the same hardware instruction (one per two scales instead of
-Triton's shift/mask/multiply per scale). PERM_K: the MMA's K order is
+e4m3x2 → f16x2 conversion, scale in f16x2 (value·scale·2^-6, alpha ·64). PERM_K: the MMA's K order is
 permuted within each 32-element group (_perm_bytes / _perm_k) so that each thread's weight bytes are
 contiguous in shared memory; weights and activations get the same permutation, the sum is unchanged.
 The MMA runs swapped (acc[BLOCK_N, BLOCK_M] = W' · Aᵀ) so that decode's handful of tokens is the MMA's
@@ -110,38 +108,6 @@ mul.rn.f16x2 $3, $3, $6;
 """)
 
 
-# _DEQ_ASM with the block scales as e4m3 bytes ($5: the scale byte of each of the 4 weight bytes), converted
-# to f16x2 in place: bytes 0-1 and 2-3 of the word pair with scale bytes 0-1 and 2-3.
-_DEQ_ASM_SF = tl.constexpr("""
-{
-.reg .b32 t, u, lo, hi, s01, s23;
-.reg .b16 l0, l1, h0, h1, sl, sh;
-shl.b32 t, $4, 2;
-shl.b32 u, $4, 4;
-and.b32 t, t, 0x1C1C1C1C;
-and.b32 u, u, 0x80808080;
-or.b32 lo, t, u;
-shr.b32 t, $4, 2;
-and.b32 t, t, 0x1C1C1C1C;
-and.b32 u, $4, 0x80808080;
-or.b32 hi, t, u;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-mov.b32 {sl, sh}, $5;
-cvt.rn.f16x2.e4m3x2 s01, sl;
-cvt.rn.f16x2.e4m3x2 s23, sh;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
-mul.rn.f16x2 $0, $0, s01;
-mul.rn.f16x2 $1, $1, s23;
-mul.rn.f16x2 $2, $2, s01;
-mul.rn.f16x2 $3, $3, s23;
-}
-""")
-
-
 @triton.jit
 def _dequant_nvfp4_asm(b, sf, R: tl.constexpr, C: tl.constexpr):
     """b uint8 [R, C/2], sf uint8 e4m3 [R, C/16] → (even, odd) fp16 [R, C/2] = value·scale·2^-6 (exact).
@@ -172,16 +138,8 @@ def _perm_k(x, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: tl.constexpr, ASM: tl.constexpr,
                PERM: tl.constexpr):
-    """Weight tile [R, C] = value·scale·2^-6 (ASM 1/2) or ·2^-14 (integer unpack), K in natural or PERM_K order."""
-    if ASM == 2:  # the scale bytes go to the PTX as they are
-        s = tl.reshape(tl.broadcast_to(sf[:, :, None], (R, C // 16, 8)), (R, C // 2))
-        if PERM:
-            b = _perm_bytes(b, R, C)
-            s = _perm_bytes(s, R, C)
-        even, odd = tl.inline_asm_elementwise(_DEQ_ASM_SF, "=r,=r,=r,=r,r,r", [b, s],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        return tl.reshape(tl.join(even, odd), (R, C)).to(OUT)
-    elif ASM or PERM:
+    """Weight tile [R, C] = value·scale·2^-6 (ASM) or ·2^-14 (integer unpack), K in natural or PERM_K order."""
+    if ASM or PERM:
         s = _e4m3_to_f32(sf).to(tl.float16)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
         if PERM:
@@ -238,7 +196,7 @@ def _moe_nvfp4_gemm(
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr, UNPACK16: tl.constexpr,
-    DEQ_ASM: tl.constexpr = 0, PERM_K: tl.constexpr = False, TILED: tl.constexpr = False,
+    DEQ_ASM: tl.constexpr = False, PERM_K: tl.constexpr = False, TILED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -403,7 +361,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     # values up to 1.6e7 fit fp16; the weights are exact in fp16 either way.
     a_down = bool(mma_dtype == torch.float16 and a_kind != A_NVFP4 and a.dtype != torch.float16)
     # the PTX unpack needs a real GPU (sm89+) and an fp16 MMA; the interpreter runs the integer unpack
-    deq_asm = int(cfg.get("DEQ_ASM", 0)) if mma_dtype == torch.float16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
+    deq_asm = bool(cfg.get("DEQ_ASM", 0)) and mma_dtype == torch.float16 and os.environ.get("TRITON_INTERPRET") != "1"
     # NOTE: triton 3.6 fails to compile the permuted fp8-activation tile (TritonGPUOptimizeDotOperands)
     perm_k = bool(cfg.get("PERM_K", 0)) and a_kind != A_FP8
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

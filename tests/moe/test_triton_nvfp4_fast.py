@@ -252,21 +252,6 @@ def test_gpu_fast_paths_deepseek_dims(kind, tiled):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiled", [0, 1])
-@pytest.mark.parametrize("payload", ["bf16", "nvfp4"])
-def test_gpu_scale_bytes_in_ptx_equal_triton_scales(tiled, payload):
-    # DEQ_ASM=2 converts the e4m3 block scales inside the PTX: the same exact products as DEQ_ASM=1, so the
-    # same bits out
-    layout, weights = _problem(8, 512, 256, 40, 4, payload, x_dtype=torch.bfloat16)
-    masked = _as("masked", layout)
-    one = run_experts(masked, weights, runner="triton", config=dict(FAST, TILED=tiled, DEQ_ASM=1)).hidden
-    two = run_experts(masked, weights, runner="triton", config=dict(FAST, TILED=tiled, DEQ_ASM=2)).hidden
-    keep = torch.arange(masked.hidden.shape[1], device=DEV)[None, :] < masked.masked_m[:, None]
-    assert torch.equal(one[keep], two[keep])
-    _check(masked, weights, 2e-4, config=dict(FAST, TILED=tiled, DEQ_ASM=2))
-
-
-@pytest.mark.gpu
 def test_gpu_dense_path_deepseek_dims():
     layout, weights = _problem(4, 7168, 2048, 600, 2, "bf16", x_dtype=torch.bfloat16)
     cfg = {"DENSE_MIN_M": 1, "DENSE_CHUNK": 3}
