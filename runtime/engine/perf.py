@@ -32,9 +32,10 @@ def _sync(device: torch.device) -> None:
 
 
 def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20, warmup: int = 3,
-                      overlap: bool = False, on_row=None) -> list[dict]:
+                      overlap: bool = False, on_row=None, profiler=None) -> list[dict]:
     """Rows: batch, context, overlap, step_ms (median), tok_per_s, gpu_ms, host_share, sched_share.
-    host_share = 1 - GPU time of forward+sampling / step wall time (the part of a step the GPU idles)."""
+    host_share = 1 - GPU time of forward+sampling / step wall time (the part of a step the GPU idles).
+    profiler: a cProfile.Profile enabled around each measured step (where the host time goes)."""
     sched, eng = llm.scheduler, llm.engine
     sched.overlap = overlap
     vocab = eng.vocab_size
@@ -58,8 +59,12 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
         for k in range(warmup + steps):
             _sync(eng.device)
             t0 = time.perf_counter()
+            if profiler is not None and k >= warmup:
+                profiler.enable()
             sched.step()
             _sync(eng.device)
+            if profiler is not None and k >= warmup:
+                profiler.disable()
             wall = (time.perf_counter() - t0) * 1e3
             if k >= warmup:
                 walls.append(wall)
@@ -80,6 +85,24 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
         if on_row is not None:
             on_row(rows[-1])
     return rows
+
+
+def _profile_host(llm, batch: int, context: int, steps: int, overlap: bool, path: Path) -> None:
+    """cProfile of `steps` decode steps at `batch`: the 40 functions with the most own time, then by
+    cumulative time, written to `path` (the step times of the profiled run are inflated by the profiler)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    row = decode_throughput(llm, [batch], context, steps, overlap=overlap, profiler=prof)[0]
+    buf = io.StringIO()
+    buf.write(f"decode steps at batch {batch}, context {context}, overlap {overlap}, under cProfile: {json.dumps(row)}\n")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.write_text(buf.getvalue())
+    print(f"host profile: {path}", flush=True)
 
 
 def ttft(llm, prompt_len: int, repeats: int = 3) -> dict:
@@ -113,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--overlap-too", action="store_true", help="repeat the decode sweep with the overlap schedule")
+    p.add_argument("--profile-host", type=int, default=0, metavar="BATCH",
+                   help="also run BATCH-sized decode steps under cProfile (both schedules with --overlap-too) "
+                        "and write the hottest functions to OUT/host_profile*.txt")
     p.add_argument("--out", default="perf_out")
     a = p.parse_args(argv)
     os.environ.setdefault("PDLAB_STEP_PROFILE", "1")
@@ -141,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     decode_throughput(llm, sizes, a.context, a.steps, on_row=save_row)
     if a.overlap_too:
         decode_throughput(llm, sizes, a.context, a.steps, overlap=True, on_row=save_row)
+    if a.profile_host:
+        for overlap in ([False, True] if a.overlap_too else [False]):
+            _profile_host(llm, a.profile_host, a.context, a.steps, overlap,
+                          out / f"host_profile{'_overlap' if overlap else ''}.txt")
     tt = [ttft(llm, n) for n in ttft_lens]
     for row in tt:
         print(json.dumps(row), flush=True)

@@ -134,6 +134,17 @@ def test_perf_helpers_run_and_leave_no_pages():
     assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity and not llm.scheduler.by_rid
 
 
+def test_host_profile_names_the_scheduler_step(tmp_path):
+    from pdlab.runtime.engine import perf
+    m, tok, cfg = load_toy(max_position_embeddings=128)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=1024,
+              max_context_len=128, max_running_requests=4)
+    perf._profile_host(llm, 3, 20, 2, False, tmp_path / "p.txt")
+    text = (tmp_path / "p.txt").read_text()
+    assert text.startswith("decode steps at batch 3") and "scheduler.py" in text and "(step)" in text
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity and not llm.scheduler.by_rid
+
+
 def test_synthetic_spec_is_validated():
     from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic, r1_config
     assert is_synthetic("synthetic:deepseek-r1:4") and not is_synthetic("/models/r1")
