@@ -82,7 +82,7 @@ class SchedulerConfig(EngineConfig):
     decode_reserve_tokens: int = Field(16, ge=0, description="tokens of headroom kept per running decode when admitting new requests")
     retract_mode: Literal["backup", "recompute"] = Field("backup", description="retracted KV: copy to CPU, or drop and recompute")
     role: Literal["colocated", "prefill", "decode"] = Field("colocated", description="which phases this server runs")
-    overlap_schedule: bool = Field(False, description="launch the next decode step before post-processing the "
+    overlap_schedule: bool = Field(True, description="launch the next decode step before post-processing the "
                                    "current one (hides host time; a finished request costs one discarded token)")
 
     @model_validator(mode="after")
@@ -151,8 +151,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel], 
         flag = "--" + name.replace("_", "-")
         ann = field.annotation
         help_ = f"{field.description or ''} (default: {field.default})"
-        if ann is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=help_)
+        if ann is bool:  # --flag / --no-flag
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
             continue
         base, choices, nargs = _arg_type(ann)
         parser.add_argument(flag, type=base, choices=choices, nargs=nargs, default=None, help=help_)

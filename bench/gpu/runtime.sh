@@ -32,7 +32,7 @@ fi
 if [[ " $STAGES " == *" perf "* ]]; then
   stamp "perf (graphs)"
   PDLAB_STEP_PROFILE=1 timeout 300 $PY -m pdlab.runtime.engine.perf --model-path "$MODEL" --device cuda \
-    --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 --steps 20 --ttft-lens 1024,8192 --overlap-too \
+    --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 --steps 20 --ttft-lens 1024,8192 --overlap-too --profile-host 64 \
     --out "$OUT/perf" > "$OUT/perf.txt" 2>&1
   stamp "perf rc=$?"; tail -15 "$OUT/perf.txt"
 fi

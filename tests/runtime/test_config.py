@@ -34,6 +34,16 @@ def test_flags_override_file(tmp_path):
     assert c.chunked_prefill_size == 512 and c.disable_cuda_graph and c.cuda_graph_bs == [1, 8]
 
 
+def test_boolean_flags_switch_both_ways(tmp_path):
+    # the overlap schedule is on by default; --no-overlap-schedule turns it off, also over a file that sets it
+    assert ServerConfig().overlap_schedule and _parse([]).overlap_schedule
+    assert not _parse(["--no-overlap-schedule"]).overlap_schedule
+    f = tmp_path / "c.yaml"
+    f.write_text("overlap_schedule: false\n")
+    assert not _parse(["--config", str(f)]).overlap_schedule
+    assert _parse(["--config", str(f), "--overlap-schedule"]).overlap_schedule
+
+
 @pytest.mark.parametrize("settings,needle", [
     ({"allocator": "token", "page_size": 16}, "--allocator paged"),
     ({"chunked_prefill_size": 4096, "max_prefill_tokens": 1024}, "--max-prefill-tokens"),
