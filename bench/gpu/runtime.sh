@@ -8,7 +8,7 @@
 #  3. `runtime serve` with that model + `bench serving` (2k in / 512 out, concurrency 32, ~3 minutes).
 # Results go to $OUT (default /tmp/pdlab_runtime). Run from the repository root. Every stage has
 # its own timeout; STAGES="tests perf serve" (default; add "eager" for the graph-less comparison) picks
-# stages; SERVE_EXTRA="--overlap-schedule" adds serve flags. Expect ~7-8 minutes for the default stages
+# stages; SERVE_EXTRA="--no-overlap-schedule" adds serve flags (the overlap schedule is the default). Expect ~7-8 minutes for the default stages
 # (model build ~1 min per stage that loads it); split across calls with STAGES if a call is capped.
 set -u
 OUT=${OUT:-/tmp/pdlab_runtime}
