@@ -127,6 +127,21 @@ def resolve_backend(op: str, bucket: Mapping[str, int | str], device=None) -> st
     return None
 
 
+def tuned_summary(op: str, backend: str, device=None) -> str | None:
+    """Where `op`[`backend`] gets tuned configs on `device`: "tuned by shape: N buckets in FILE" for the first
+    usable file with entries for this backend, else None. No lookup happens (no bucket, no once-only log)."""
+    name, key, _arch = _device(device)
+    for root in config_roots():
+        path = root / key / f"{op}.json"
+        data = _load(path, name)
+        if data is None:
+            continue
+        n = sum(1 for e in data.get("entries", {}).values() if backend in e.get("backends", {}))
+        if n:
+            return f"tuned by shape: {n} buckets in {_label(root, path)}"
+    return None
+
+
 def config_roots() -> list[Path]:
     """Folders searched, first wins: $PDLAB_CONFIG_DIR (if set), then the shipped folder."""
     roots = []

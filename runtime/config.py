@@ -85,6 +85,11 @@ class SchedulerConfig(EngineConfig):
     overlap_schedule: bool = Field(True, description="launch the next decode step before post-processing the "
                                    "current one (hides host time; a finished request costs one discarded token)")
 
+    @property
+    def use_cuda_graph(self) -> bool:
+        """A prefill server runs no decode steps (it hands requests off after their first token): no graphs."""
+        return super().use_cuda_graph and self.role != "prefill"
+
     @model_validator(mode="after")
     def _check_sched(self):
         if self.chunked_prefill_size > self.max_prefill_tokens:

@@ -256,7 +256,9 @@ class Engine:
                  f"{p.allocator.capacity} pages = {p.max_tokens} tokens over {p.num_layers} layers "
                  f"({type(p.allocator).__name__}), max context {self.max_context_len}",
                  "cuda graphs: " + (f"batch sizes {self.graphs.batch_sizes}" if self.graphs else
-                                    f"off (capture failed: {self.graph_error})" if self.graph_error else "off (eager)")]
+                                    f"off (capture failed: {self.graph_error})" if self.graph_error else
+                                    "off (prefill server: no decode steps)" if getattr(self.cfg, "role", "") == "prefill"
+                                    else "off (eager)")]
         lines += _with_model_choices(describe_ops(self.device), self.model)
         return lines
 
@@ -293,9 +295,9 @@ def describe_ops(device: torch.device) -> list[str]:
         except Exception as exc:  # an op package that fails to import is reported, not fatal
             log.warning("cannot import %s: %s", pkg, exc)
     try:
-        from pdlab.kernels.tuned import resolve_config
+        from pdlab.kernels.tuned import tuned_summary
     except ImportError:
-        resolve_config = None
+        tuned_summary = None
     lines = []
     for op in registry.ops():
         try:
@@ -303,14 +305,15 @@ def describe_ops(device: torch.device) -> list[str]:
         except Exception as exc:
             lines.append(f"op {op}: no usable backend ({exc})")
             continue
-        source = "default"
+        # configs are looked up per call shape; here only whether a tuned file covers the op
         cfg = b.config()
-        if resolve_config is not None:
+        source = f"default {dict(cfg)}" if cfg else "default"
+        if tuned_summary is not None:
             try:
-                cfg, source = resolve_config(op, b.name, {}, device=device)
+                source = (tuned_summary(op, b.name, device) or "no tuned file for this device") + f", else {source}"
             except Exception as exc:
-                source = f"default (tuned lookup failed: {exc})"
-        lines.append(f"op {op}: backend {b.name}, config {source} {dict(cfg) if cfg else ''}".rstrip())
+                source = f"{source} (tuned lookup failed: {exc})"
+        lines.append(f"op {op}: backend {b.name}, config {source}")
     return lines
 
 

@@ -34,6 +34,16 @@ def test_flags_override_file(tmp_path):
     assert c.chunked_prefill_size == 512 and c.disable_cuda_graph and c.cuda_graph_bs == [1, 8]
 
 
+def test_prefill_server_captures_no_decode_graphs(monkeypatch):
+    # a prefill server hands each request off after its first token: capturing decode graphs there only cost
+    # start-up time and, with the normal-mode MoE it loads, failed with a warning
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not ServerConfig(device="cuda", role="prefill").use_cuda_graph
+    assert ServerConfig(device="cuda", role="decode").use_cuda_graph and ServerConfig(device="cuda").use_cuda_graph
+    assert not ServerConfig(device="cuda", disable_cuda_graph=True).use_cuda_graph
+
+
 def test_boolean_flags_switch_both_ways(tmp_path):
     # the overlap schedule is on by default; --no-overlap-schedule turns it off, also over a file that sets it
     assert ServerConfig().overlap_schedule and _parse([]).overlap_schedule

@@ -92,6 +92,21 @@ def test_no_entry_default_logged_once(toy, isolated, caplog):
     assert len(msgs) == 1
 
 
+def test_summary_names_the_file_and_leaves_the_once_log_alone(toy, isolated, caplog):
+    # the start-up report says whether a tuned file covers the op without a shape-less lookup, so the first
+    # real miss is still logged
+    assert tuned.tuned_summary("toy_matmul", "blocked", "cpu") is None
+    _write(isolated / "configs", [({"m": 16, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 8, "skip_last": False}),
+                                  ({"m": 64, "k": 256, "dtype": "fp32"}, {"BLOCK_K": 32, "skip_last": False})])
+    tuned.clear_cache()
+    caplog.set_level(logging.INFO, logger="pdlab.tuned")
+    summary = tuned.tuned_summary("toy_matmul", "blocked", "cpu")
+    assert summary == f"tuned by shape: 2 buckets in {isolated / 'configs' / 'cpu' / 'toy_matmul.json'}"
+    assert tuned.tuned_summary("toy_matmul", "wide", "cpu") is None  # no entry for this backend
+    assert resolve("toy_matmul", "blocked", {"m": 16, "k": 256, "dtype": "bf16"})[1] == "default"
+    assert [r for r in caplog.records if "no tuned config for toy_matmul[blocked]" in r.getMessage()]
+
+
 def test_metadata_other_device_skipped(toy, isolated, caplog):
     bucket = {"m": 16, "k": 256, "dtype": "fp32"}
     _write(isolated / "configs", [(bucket, {"BLOCK_K": 128, "skip_last": False})], device="NVIDIA H200")
