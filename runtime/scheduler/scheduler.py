@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from pdlab.runtime.config import SchedulerConfig
-from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, StepOutput
+from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, SamplingParams, StepOutput
 from pdlab.runtime.env import ENV
 from pdlab.runtime.scheduler.decode import DecodeManager
 from pdlab.runtime.scheduler.output import TextCodec, process_token
@@ -156,6 +156,51 @@ class Scheduler:
             self._free_pages(req)
             req.status = ReqStatus.FINISHED
             self.by_rid.pop(rid, None)
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def warmup_lengths(self) -> tuple[list[int], int, int]:
+        """(single prompt lengths, prompts in the full batch, their length) of `warmup`: 1, 16, 64, 256, 1024, …
+        up to chunked_prefill_size, then as many chunk-long prompts as fill max_prefill_tokens (as many as the
+        running-request limit and the free pages allow)."""
+        cfg = self.cfg
+        longest = max(1, min(cfg.chunked_prefill_size, self.max_context_len - 2))
+        lengths = sorted({n for n in (1, 16, 64, 256, 1024, 4096, 16384) if n < longest} | {longest})
+        per = self.pool.allocator.pages_for(longest + 2)
+        fit = max(1, self.pool.num_free_pages // max(per, 1))
+        batch = max(1, min(cfg.max_prefill_tokens // longest, cfg.max_running_requests, fit))
+        return lengths, batch, longest
+
+    def warmup(self) -> dict:
+        """Run prompts of `warmup_lengths()` through prefill (and, colocated, one decode step) before serving,
+        so that kernels compiled on first use (Triton specialises on the token counts' tile counts and picks
+        configs by tokens per expert) compile now instead of stalling the first requests for seconds.
+        Role hooks, metrics and outputs are switched off meanwhile: nothing is handed off, counted or sent,
+        and nothing is left behind (no request, no page). A decode-role server is skipped: its decode steps
+        are the captured CUDA graphs. Returns {"requests", "tokens", "seconds"}."""
+        if self.cfg.role == "decode":
+            return {"requests": 0, "tokens": 0, "seconds": 0.0}
+        if self.has_work or self.by_rid:
+            raise RuntimeError("warmup runs before the first request; this scheduler already has work")
+        t0 = time.perf_counter()
+        saved = self.hooks, self.metrics, self.on_output
+        self.hooks, self.metrics, self.on_output = RoleHooks(), None, (lambda out: None)
+        lengths, batch, longest = self.warmup_lengths()
+        vocab = max(3, self.engine.vocab_size)
+        steps = 2 if self.cfg.role == "colocated" else 1
+        n_req = n_tok = 0
+        try:
+            for group in [[n] for n in lengths] + [[longest] * batch]:
+                for n in group:
+                    ids = [(7 * j + n) % (vocab - 2) + 2 for j in range(n)]
+                    self.add_request(Req(ids, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))
+                    n_req, n_tok = n_req + 1, n_tok + n
+                while self.has_work:
+                    self.step()
+        finally:
+            self.hooks, self.metrics, self.on_output = saved
+        if self.by_rid:
+            raise RuntimeError(f"warmup left {len(self.by_rid)} request(s) behind")
+        return {"requests": n_req, "tokens": n_tok, "seconds": time.perf_counter() - t0}
 
     # ---- the step ------------------------------------------------------------------------------
     @property

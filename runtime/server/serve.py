@@ -43,6 +43,11 @@ class Server:
         self.codec = make_codec(self.engine.tokenizer, self.engine.model_config)
         self.metrics = RuntimeMetrics()
         self.scheduler = Scheduler(cfg, self.engine, self.codec, hooks=hooks, metrics=self.metrics)
+        self.warmup: dict | None = None
+        if cfg.warmup and self.engine.device.type == "cuda":
+            self.warmup = self.scheduler.warmup()
+            log.info("warm-up: %d prompts, %d tokens in %.1f s", self.warmup["requests"], self.warmup["tokens"],
+                     self.warmup["seconds"])
         self.loop = EngineLoop(self.scheduler)
         self.app = create_app(self.loop, self.codec, self.metrics, model_name=cfg.served_model_name,
                               api_key=cfg.api_key, max_queue=cfg.max_queue)
@@ -56,7 +61,11 @@ class Server:
                 *self.engine.describe(),
                 f"scheduler: max_running_requests {c.max_running_requests}, chunked_prefill_size "
                 f"{c.chunked_prefill_size}, max_prefill_tokens {c.max_prefill_tokens}, decode_reserve_tokens "
-                f"{c.decode_reserve_tokens}, retract_mode {c.retract_mode}"]
+                f"{c.decode_reserve_tokens}, retract_mode {c.retract_mode}",
+                "warm-up: " + (f"{self.warmup['requests']} prompts, {self.warmup['tokens']} tokens in "
+                               f"{self.warmup['seconds']:.1f} s" if self.warmup and self.warmup["requests"] else
+                               "none (decode role: the CUDA graphs)" if self.warmup is not None else
+                               "off" if not c.warmup else "none (not on CUDA)")]
 
     def start(self) -> int:
         """Start the engine loop and uvicorn in background threads; returns the bound port."""
