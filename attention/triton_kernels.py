@@ -247,7 +247,7 @@ def _attend_tile_t(qt_nope, qt_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # auto splits follow the batch: no recompile per value class
 def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              kv_scale, KV_SCALE_PTR, qk_scale,
              stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
@@ -311,7 +311,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
                stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h, FINAL, TOKEN_MAJOR)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_combine(O_PART, LSE_PART, O, LSE, stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
                  stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h, num_splits,
                  SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):

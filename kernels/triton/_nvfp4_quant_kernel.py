@@ -107,7 +107,7 @@ def e4m3_e2m1_probe_kernel(v_ptr, sf_val_ptr, sf_byte_ptr, code_ptr, pair_ptr, N
     tl.store(pair_ptr + N // 2 + half, _quant_pairs(w16, even, odd, one, 2), mask=pmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows follow the token count: no recompile per count class
 def nvfp4_quant_kernel(
     x_ptr, gs_ptr, mm_ptr, q_ptr, sf_ptr,
     M, K, stride_xw, sw_k_tiles,

@@ -185,7 +185,8 @@ def _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, kk, A_KIND: tl.constexpr, MM
     return a
 
 
-@triton.jit
+# num_m_tiles follows the token count: not specialised (== 1, % 16), or a new count class would compile anew
+@triton.jit(do_not_specialize=["num_m_tiles"])
 def _moe_nvfp4_gemm(
     a_ptr, a_sf_ptr, a_gs_ptr, w_ptr, w_sf_ptr, w_s2_ptr, out_ptr, cnt_ptr, off_ptr,
     N, K, up_offset, M_MAX, num_m_tiles, num_n_tiles,

@@ -158,20 +158,30 @@ class Scheduler:
             self.by_rid.pop(rid, None)
 
     # ---- start-up ------------------------------------------------------------------------------
-    def warmup_lengths(self) -> tuple[list[int], int, int]:
-        """(single prompt lengths, prompts in the full batch, their length) of `warmup`: 1, 16, 64, 256, 1024, …
-        up to chunked_prefill_size, then as many chunk-long prompts as fill max_prefill_tokens (as many as the
-        running-request limit and the free pages allow)."""
+    def warmup_batches(self) -> list[list[int]]:
+        """The prompt lengths of `warmup`, one list per prefill batch: totals of 1, 2, 4, … tokens up to
+        max_prefill_tokens (and max_prefill_tokens itself), each as few prompts of at most chunked_prefill_size
+        tokens as add up to it. Kernel configs are picked by tokens per expert at powers of two, so every
+        config a prefill batch can take is compiled. Batches are capped by the running-request limit and the
+        free pages."""
         cfg = self.cfg
-        longest = max(1, min(cfg.chunked_prefill_size, self.max_context_len - 2))
-        lengths = sorted({n for n in (1, 16, 64, 256, 1024, 4096, 16384) if n < longest} | {longest})
-        per = self.pool.allocator.pages_for(longest + 2)
-        fit = max(1, self.pool.num_free_pages // max(per, 1))
-        batch = max(1, min(cfg.max_prefill_tokens // longest, cfg.max_running_requests, fit))
-        return lengths, batch, longest
+        chunk = max(1, min(cfg.chunked_prefill_size, self.max_context_len - 2))
+        top = max(1, cfg.max_prefill_tokens)
+        totals = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top})
+        free = self.pool.num_free_pages
+        batches = []
+        for total in totals:
+            n = -(-total // chunk)
+            sizes = [total // n + (1 if i < total % n else 0) for i in range(n)]
+            while sizes and (len(sizes) > cfg.max_running_requests
+                             or sum(self.pool.allocator.pages_for(x + 2) for x in sizes) > free):
+                sizes.pop()
+            if sizes and sizes not in batches:
+                batches.append(sizes)
+        return batches
 
     def warmup(self) -> dict:
-        """Run prompts of `warmup_lengths()` through prefill (and, colocated, one decode step) before serving,
+        """Run the prompts of `warmup_batches()` through prefill (and, colocated, one decode step) before serving,
         so that kernels compiled on first use (Triton specialises on the token counts' tile counts and picks
         configs by tokens per expert) compile now instead of stalling the first requests for seconds.
         Role hooks, metrics and outputs are switched off meanwhile: nothing is handed off, counted or sent,
@@ -184,12 +194,11 @@ class Scheduler:
         t0 = time.perf_counter()
         saved = self.hooks, self.metrics, self.on_output
         self.hooks, self.metrics, self.on_output = RoleHooks(), None, (lambda out: None)
-        lengths, batch, longest = self.warmup_lengths()
         vocab = max(3, self.engine.vocab_size)
         steps = 2 if self.cfg.role == "colocated" else 1
         n_req = n_tok = 0
         try:
-            for group in [[n] for n in lengths] + [[longest] * batch]:
+            for group in self.warmup_batches():
                 for n in group:
                     ids = [(7 * j + n) % (vocab - 2) + 2 for j in range(n)]
                     self.add_request(Req(ids, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))

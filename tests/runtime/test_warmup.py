@@ -27,21 +27,23 @@ class _Count:
 
 def _llm(role, **kw):
     m, tok, cfg = load_toy(max_position_embeddings=256)
-    return LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=4096,
-               max_context_len=256, max_running_requests=8, chunked_prefill_size=100, max_prefill_tokens=350,
-               role=role, **kw)
+    settings = dict(device="cpu", page_size=16, max_total_tokens=4096, max_context_len=256, max_running_requests=8,
+                    chunked_prefill_size=100, max_prefill_tokens=350, role=role)
+    return LLM(model=m, tokenizer=tok, model_config=cfg, **{**settings, **kw})
 
 
 @pytest.mark.parametrize("role", ["colocated", "prefill"])
 def test_warmup_runs_the_ladder_and_leaves_nothing(role):
     llm = _llm(role)
     sched = llm.scheduler
-    assert sched.warmup_lengths() == ([1, 16, 64, 100], 3, 100)  # 350 // 100 chunk-long prompts
+    # totals 1, 2, 4, … 256 and 350 tokens, as prompts of at most the 100-token chunk
+    assert sched.warmup_batches() == [[1], [2], [4], [8], [16], [32], [64], [64, 64], [86, 85, 85],
+                                      [88, 88, 87, 87]]
     original = sched.hooks, sched.metrics, sched.on_output
     hooks, metrics, sent = _Refuse(), _Count(), []
     sched.hooks, sched.metrics, sched.on_output = hooks, metrics, sent.append
     res = sched.warmup()
-    assert (res["requests"], res["tokens"]) == (7, 1 + 16 + 64 + 100 + 3 * 100)
+    assert (res["requests"], res["tokens"]) == (16, 1 + 2 + 4 + 8 + 16 + 32 + 64 + 128 + 256 + 350)
     assert sched.hooks is hooks and sched.metrics is metrics and sched.on_output == sent.append
     assert metrics.calls == 0 and sent == []
     assert not sched.by_rid and not sched.has_work
@@ -59,13 +61,15 @@ def test_warmup_skips_decode_role_and_refuses_a_busy_scheduler():
         llm.scheduler.warmup()
 
 
-def test_warmup_batch_shrinks_to_the_free_pages():
+def test_warmup_batches_shrink_to_the_free_pages_and_request_limit():
     llm = _llm("colocated")
     sched = llm.scheduler
-    held = llm.engine.pool.allocate(llm.engine.pool.num_free_pages - 2 * sched.pool.allocator.pages_for(102))
-    lengths, batch, longest = sched.warmup_lengths()
-    assert batch == 2 and longest == 100
-    llm.engine.pool.free(held)
+    pool = llm.engine.pool
+    held = pool.allocate(pool.num_free_pages - 2 * pool.allocator.pages_for(90))
+    assert sched.warmup_batches()[-2:] == [[86, 85], [88, 88]]  # two prompts' pages left
+    pool.free(held)
+    few = _llm("colocated", max_running_requests=2).scheduler.warmup_batches()
+    assert max(len(b) for b in few) == 2
 
 
 def test_server_reports_its_warmup():
