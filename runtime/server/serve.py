@@ -46,6 +46,7 @@ class Server:
         self.warmup: dict | None = None
         if cfg.warmup and self.engine.device.type == "cuda":
             self.warmup = self.scheduler.warmup()
+        if self.warmup and self.warmup["requests"]:
             log.info("warm-up: %d prompts, %d tokens in %.1f s", self.warmup["requests"], self.warmup["tokens"],
                      self.warmup["seconds"])
         self.loop = EngineLoop(self.scheduler)
