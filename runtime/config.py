@@ -109,9 +109,9 @@ class ServerConfig(SchedulerConfig):
     served_model_name: str = Field("pdlab", min_length=1, description="model id reported by /v1/models")
     max_queue: int = Field(4096, ge=1, description="requests waiting before new ones get 503")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    warmup: bool = Field(True, description="on CUDA, before serving: prefill prompts of 1 … chunked_prefill_size "
-                         "tokens and one max_prefill_tokens batch, so that kernels compile at start-up instead of "
-                         "stalling the first requests")
+    warmup: bool = Field(True, description="on CUDA, before serving: prefill batches of 1, 2, 4, … tokens up to "
+                         "max_prefill_tokens, so that kernels compile at start-up instead of stalling the first "
+                         "requests")
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

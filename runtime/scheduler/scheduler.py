@@ -182,18 +182,21 @@ class Scheduler:
 
     def warmup(self) -> dict:
         """Run the prompts of `warmup_batches()` through prefill (and, colocated, one decode step) before serving,
-        so that kernels compiled on first use (Triton specialises on the token counts' tile counts and picks
-        configs by tokens per expert) compile now instead of stalling the first requests for seconds.
+        so that kernels compiled on first use (Triton compiles per config, and the MoE experts pick configs by
+        tokens per expert) compile now instead of stalling the first requests for seconds.
         Role hooks, metrics and outputs are switched off meanwhile: nothing is handed off, counted or sent,
         and nothing is left behind (no request, no page). A decode-role server is skipped: its decode steps
-        are the captured CUDA graphs. Returns {"requests", "tokens", "seconds"}."""
+        are the captured CUDA graphs. A warm-up step that fails raises RuntimeError with the step's error: a
+        server whose prefill fails at start would fail every request. Returns {"requests", "tokens", "seconds"}."""
         if self.cfg.role == "decode":
             return {"requests": 0, "tokens": 0, "seconds": 0.0}
         if self.has_work or self.by_rid:
             raise RuntimeError("warmup runs before the first request; this scheduler already has work")
         t0 = time.perf_counter()
         saved = self.hooks, self.metrics, self.on_output
-        self.hooks, self.metrics, self.on_output = RoleHooks(), None, (lambda out: None)
+        errors: list[str] = []
+        self.hooks, self.metrics = RoleHooks(), None
+        self.on_output = lambda out: errors.append(out.error) if out.error else None
         vocab = max(3, self.engine.vocab_size)
         steps = 2 if self.cfg.role == "colocated" else 1
         n_req = n_tok = 0
@@ -203,8 +206,14 @@ class Scheduler:
                     ids = [(7 * j + n) % (vocab - 2) + 2 for j in range(n)]
                     self.add_request(Req(ids, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))
                     n_req, n_tok = n_req + 1, n_tok + n
-                while self.has_work:
+                while self.has_work and not errors:
                     self.step()
+                if errors:
+                    for rid in list(self.by_rid):
+                        self.abort(rid, "warm-up failed")
+                    raise RuntimeError(f"the start-up warm-up (a {sum(group)}-token prefill batch) failed: {errors[0]}; "
+                                       "this server would fail the same way on requests (--no-warmup skips the "
+                                       "warm-up)")
         finally:
             self.hooks, self.metrics, self.on_output = saved
         if self.by_rid:

@@ -85,3 +85,16 @@ def test_server_reports_its_warmup():
     assert "warm-up: 5 prompts, 400 tokens in 0.5 s" in srv.describe()
     off = Server(ServerConfig(**kw, warmup=False), model=m, tokenizer=tok, model_config=cfg)
     assert "warm-up: off" in off.describe()
+
+
+def test_a_failing_warmup_says_so_and_leaves_nothing(monkeypatch):
+    llm = _llm("colocated")
+    eng = llm.engine
+
+    def broken(batch, *a, **k):
+        raise RuntimeError("out of memory in the MoE layer")
+
+    monkeypatch.setattr(eng, "forward", broken)
+    with pytest.raises(RuntimeError, match="warm-up .* failed: internal error: RuntimeError: out of memory"):
+        llm.scheduler.warmup()
+    assert not llm.scheduler.by_rid and eng.pool.num_free_pages == eng.pool.allocator.capacity
