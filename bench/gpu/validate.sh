@@ -41,6 +41,9 @@ ATT=$!
   # the runtime on CUDA (experts stored tiled in place, CUDA-graph decode == eager, retraction on GPU)
   timeout 150 $PY -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/runtime > "$OUT/moe/pytest_runtime_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/moe/pytest_runtime_gpu.txt"
+  # served MoE layers with experts tiled in place vs plain, on CUDA (CPU CI runs them in the interpreter)
+  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_tiled_experts.py >> "$OUT/moe/pytest_runtime_gpu.txt" 2>&1
+  echo "rc=$?" >> "$OUT/moe/pytest_runtime_gpu.txt"
 ) &
 MOE=$!
 wait $ATT $MOE
