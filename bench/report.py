@@ -124,12 +124,7 @@ def plot_bars(df: pd.DataFrame, x: str, y: str, group: str, path: str | os.PathL
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_stacked(df: pd.DataFrame, index: str, stages: Iterable[str], path: str | os.PathLike,
@@ -146,6 +141,13 @@ def plot_stacked(df: pd.DataFrame, index: str, stages: Iterable[str], path: str 
     data.plot.bar(stacked=True, ax=ax)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | os.PathLike) -> Path:
+    """Write a matplotlib figure as PNG (parent folders created) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

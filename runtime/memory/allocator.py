@@ -51,9 +51,17 @@ class BaseAllocator(ABC):
     def allocate(self, n: int) -> list[int]:
         """Take n free pages; raise OutOfPages when fewer are free."""
 
-    @abstractmethod
     def free(self, pages: list[int]) -> None:
         """Give pages back; raise ValueError for a page that is not allocated (double free)."""
+        if not pages:
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        self._mark(idx, False)
+        self._release(pages, idx)
+
+    @abstractmethod
+    def _release(self, pages: list[int], idx: np.ndarray) -> None:
+        """Put checked, unmarked pages (also as an int64 array) back on the free list."""
 
     def _check_request(self, n: int, free: int, unit: str) -> None:
         if n < 0:
@@ -114,11 +122,7 @@ class TokenAllocator(BaseAllocator):
         self._mark(np.asarray(out, dtype=np.int64), True)
         return out
 
-    def free(self, pages: list[int]) -> None:
-        if not pages:
-            return
-        idx = np.asarray(pages, dtype=np.int64)
-        self._mark(idx, False)
+    def _release(self, pages: list[int], idx: np.ndarray) -> None:
         n = idx.size
         self._stack[self._top:self._top + n] = torch.from_numpy(idx[::-1].copy())
         self._top += n
@@ -144,11 +148,7 @@ class PagedAllocator(BaseAllocator):
         self._mark(np.asarray(out, dtype=np.int64), True)
         return out
 
-    def free(self, pages: list[int]) -> None:
-        if not pages:
-            return
-        idx = np.asarray(pages, dtype=np.int64)
-        self._mark(idx, False)
+    def _release(self, pages: list[int], idx: np.ndarray) -> None:
         self._free.extend(reversed(pages))
 
 
