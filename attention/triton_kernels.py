@@ -120,6 +120,14 @@ def _e4m3_to_f16_once(x):
 
 
 @triton.jit
+def _upcast(x, FP8: tl.constexpr, dtype: tl.constexpr):
+    """A raw cache tile (e4m3 bytes when FP8) as `dtype` values."""
+    if FP8:
+        return x.to(tl.float8e4nv, bitcast=True).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc, FP8: tl.constexpr,
                  FP8_ONCE: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step of rows q [M, 576] over a raw cache tile k [BLOCK_N, 576] at positions n:
@@ -127,12 +135,9 @@ def _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i
     if FP8_ONCE:  # fp16 compute only (checked by the launcher)
         k_nope = _e4m3_to_f16_once(k_nope)
         k_pe = _e4m3_to_f16_once(k_pe)
-    elif FP8:
-        k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
-        k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(q_nope.dtype)
     else:
-        k_nope = k_nope.to(q_nope.dtype)
-        k_pe = k_pe.to(q_nope.dtype)
+        k_nope = _upcast(k_nope, FP8, q_nope.dtype)
+        k_pe = _upcast(k_pe, FP8, q_nope.dtype)
     s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
     s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PREC)
     visible = n_ok[None, :] & (n[None, :] < limit[:, None])
@@ -230,14 +235,9 @@ def _attend_tile_t(qt_nope, qt_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m
                    PREC: tl.constexpr):
     """`_attend_tile` token-major: s^T = K·q^T [BLOCK_N, M], acc [D_NOPE, M] += V^T·p^T; v is the V bytes of
     the tile (k_nope itself, or its second load with FP8_RELOAD)."""
-    if FP8:
-        k_nope = k_nope.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
-        k_pe = k_pe.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
-        v = v.to(tl.float8e4nv, bitcast=True).to(qt_nope.dtype)
-    else:
-        k_nope = k_nope.to(qt_nope.dtype)
-        k_pe = k_pe.to(qt_nope.dtype)
-        v = k_nope
+    k_nope = _upcast(k_nope, FP8, qt_nope.dtype)
+    k_pe = _upcast(k_pe, FP8, qt_nope.dtype)
+    v = _upcast(v, FP8, qt_nope.dtype) if FP8 else k_nope  # bf16 V is the same tile
     s = tl.dot(k_nope, qt_nope, input_precision=PREC)  # [BLOCK_N, M]
     s = tl.dot(k_pe, qt_pe, s, input_precision=PREC)
     visible = n_ok[:, None] & (n[:, None] < limit[None, :])
@@ -361,16 +361,20 @@ def _store_kv(KV, SLOTS, LAT, scale, SCALE_PTR, stride_kv_p, stride_kv_o, stride
 # ---------------------------------------------------------------------------------------------
 # launchers
 
-_SM_COUNT: dict[int, int] = {}
+_DEVICE: dict[int, tuple[int, bool]] = {}
+
+
+def _device_facts(device: torch.device) -> tuple[int, bool]:
+    """(SM count, has the e4m3x2 → f16x2 conversion (sm89+)) of a CUDA device, read once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE:
+        props = torch.cuda.get_device_properties(idx)
+        _DEVICE[idx] = (props.multi_processor_count, (props.major, props.minor) >= (8, 9))
+    return _DEVICE[idx]
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _device_facts(device)[0] if device.type == "cuda" else 4
 
 
 def _pow2_at_least(x: int) -> int:
@@ -449,7 +453,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     else:  # the PTX conversion needs a GPU (sm89+): the interpreter runs the plain upcast
         upcast = config.get("fp8_upcast", "inline")
         extra = {"FP8_ONCE": fp16 and upcast in ("once", "prefetch") and dev.type == "cuda"
-                 and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(dev) >= (8, 9),
+                 and os.environ.get("TRITON_INTERPRET") != "1" and _device_facts(dev)[1],
                  "PREFETCH": fp8 and upcast == "prefetch"}
     _mla_fwd[grid](
         q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
