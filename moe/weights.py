@@ -260,17 +260,20 @@ def tile_nvfp4(w: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if N % 16 or KH % 64 or sf.shape != (E, N, KH // 8):
         raise ValueError(f"tile_nvfp4: need w [E, N, K/2] with N % 16 == 0, K % 128 == 0 and sf [E, N, K/16]; "
                          f"got w {tuple(w.shape)}, sf {tuple(sf.shape)}")
-    wt = w.reshape(E, N // 16, 16, KH // 64, 64).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH)
-    st = sf.reshape(E, N // 16, 16, KH // 64, 8).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH // 8)
-    return wt, st
+    return _swap_blocks(w, 64, to_tiled=True), _swap_blocks(sf, 8, to_tiled=True)
 
 
 def untile_nvfp4(wt: torch.Tensor, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `tile_nvfp4`: tiled w [E, N, K/2] uint8, sf [E, N, K/16] uint8 → modelopt layout (copies)."""
-    E, N, KH = wt.shape
-    w = wt.reshape(E, N // 16, KH // 64, 16, 64).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH)
-    sf = st.reshape(E, N // 16, KH // 64, 16, 8).permute(0, 1, 3, 2, 4).contiguous().view(E, N, KH // 8)
-    return w, sf
+    return _swap_blocks(wt, 64, to_tiled=False), _swap_blocks(st, 8, to_tiled=False)
+
+
+def _swap_blocks(t: torch.Tensor, width: int, to_tiled: bool) -> torch.Tensor:
+    """[E, N, C] bytes: swap the order of (16-row group member, `width`-byte chunk), i.e. rows-then-chunks ↔
+    chunks-then-rows within each group of 16 rows (a copy)."""
+    E, N, C = t.shape
+    inner = (16, C // width) if to_tiled else (C // width, 16)
+    return t.reshape(E, N // 16, *inner, width).permute(0, 1, 3, 2, 4).contiguous().view(E, N, C)
 
 
 def _as_e4m3(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdlab.moe.triton.tiled import tiled_cols, tiled_rows
+
 
 @triton.jit
 def _nvfp4_to_bf16(w_ptr, sf_ptr, s2_ptr, out_ptr, R, rows_per_expert, KH,
@@ -22,9 +24,11 @@ def _nvfp4_to_bf16(w_ptr, sf_ptr, s2_ptr, out_ptr, R, rows_per_expert, KH,
     cs = c0 // 8 + tl.arange(0, BLOCK_C // 8)
     r_mask = r < R
     r64 = r.to(tl.int64)
-    if TILED:  # tile_nvfp4 layout: 16-row groups, 64-byte (128-element) chunks of 16 rows contiguous
-        w_off = ((r64 // 16) * (16 * KH) + (r64 % 16) * 64)[:, None] + ((c // 64) * 1024 + c % 64)[None, :]
-        sf_off = ((r64 // 16) * (2 * KH) + (r64 % 16) * 8)[:, None] + ((cs // 8) * 128 + cs % 8)[None, :]
+    if TILED:  # tile_nvfp4 layout (moe/triton/tiled.py)
+        w_row, sf_row = tiled_rows(r64, KH)
+        w_col, sf_col = tiled_cols(c, cs)
+        w_off = w_row[:, None] + w_col[None, :]
+        sf_off = sf_row[:, None] + sf_col[None, :]
     else:
         w_off = r64[:, None] * KH + c[None, :]
         sf_off = r64[:, None] * (KH // 8) + cs[None, :]

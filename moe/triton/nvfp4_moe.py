@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdlab.moe.triton.tiled import tiled_chunk, tiled_cols, tiled_rows
+
 A_FLOAT, A_FP8, A_NVFP4 = 0, 1, 2
 
 
@@ -236,11 +238,11 @@ def _moe_nvfp4_gemm(
         k_begin = pid_k * k_len
         a_rows = a_ptr + e64 * stride_ae + rows[:, None] * stride_am
         if TILED:  # tile_nvfp4 layout: rows in groups of 16, K in chunks of 128 (module docstring)
-            n64 = offs_n.to(tl.int64)
-            w_rows = w_ptr + e64 * stride_we + ((n64 // 16) * (8 * K) + (n64 % 16) * 64)[:, None]
-            wsf_rows = w_sf_ptr + e64 * stride_wsf_e + ((n64 // 16) * K + (n64 % 16) * 8)[:, None]
-            up_w = (up_offset // 16).to(tl.int64) * (8 * K)
-            up_sf = (up_offset // 16).to(tl.int64) * K
+            w_off, sf_off = tiled_rows(offs_n.to(tl.int64), K // 2)
+            w_rows = w_ptr + e64 * stride_we + w_off[:, None]
+            wsf_rows = w_sf_ptr + e64 * stride_wsf_e + sf_off[:, None]
+            # up_offset is a whole number of row groups: its row start is a multiple of one group's bytes
+            up_w, up_sf = tiled_rows((up_offset // 16).to(tl.int64) * 16, K // 2)
         else:
             w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
             wsf_rows = w_sf_ptr + e64 * stride_wsf_e + offs_n[:, None].to(tl.int64) * stride_wsf_n
@@ -258,11 +260,11 @@ def _moe_nvfp4_gemm(
             ks = k // 16 + tl.arange(0, BLOCK_K // 16)
             if PERM_K:  # BLOCK_K-aligned tiles: vector (cp.async) loads of the scale rows too
                 ks = tl.max_contiguous(tl.multiple_of(ks, BLOCK_K // 16), BLOCK_K // 16)
-            if TILED:  # weight byte j of the tile's row → chunk j // 64 (1024 B apart), offset j % 64
-                jb = tl.arange(0, BLOCK_K // 2)
-                wkh = tl.max_contiguous(tl.multiple_of((k // 128) * 1024 + (jb // 64) * 1024 + jb % 64, 64), 64)
-                js = tl.arange(0, BLOCK_K // 16)
-                wks = tl.max_contiguous(tl.multiple_of((k // 128) * 128 + (js // 8) * 128 + js % 8, 8), 8)
+            if TILED:  # this K block's bytes in the row: 64-byte (weights) / 8-byte (scales) runs, 1 KiB apart
+                jb, js = tiled_cols(tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 16))
+                w0, s0 = tiled_chunk(k // 128)  # k is a multiple of 128: the block starts a chunk
+                wkh = tl.max_contiguous(tl.multiple_of(jb + w0, 64), 64)
+                wks = tl.max_contiguous(tl.multiple_of(js + s0, 8), 8)
             else:
                 wkh = kh
                 wks = ks
