@@ -17,3 +17,8 @@ SUBCOMMANDS = {
 def main(argv: list[str] | None = None, prog: str = "bench") -> int:
     return run_tool(prog, __doc__.split(":", 1)[1].strip(), SUBCOMMANDS, argv)
 
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

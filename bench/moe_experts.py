@@ -32,6 +32,7 @@ from pdlab.moe.weights import ExpertWeights
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = (512, 1024, 2048)
 NVFP4_BYTES_PER_PARAM = 0.5625
+EXTRA_ROWS = ("sweep", "explicit")  # config sources of the extra triton rows (--sweep, --config): not the baseline
 
 
 @dataclass
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 form = "nvfp4" if r in ("triton", "cutedsl") else "bf16"
                 rl = roofline(expert_flops(E, m, H, I), weight_bytes(E, H, I, form), t.seconds, facts)
-                if source not in ("sweep", "explicit"):
+                if source not in EXTRA_ROWS:
                     backend = registry.get_backend(OP, r)
                     try:
                         from pdlab.kernels.tuned import resolve_config
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print("no rows")
         return 1
-    base = df[(df.runner == "torch_grouped") & ~df.config_source.isin(["sweep", "explicit"])]
+    base = df[(df.runner == "torch_grouped") & ~df.config_source.isin(EXTRA_ROWS)]
     base = base.set_index(["tokens_per_expert", "layout"])
     best = df.groupby(["tokens_per_expert", "layout", "payload", "runner"], as_index=False)["median_us"].min()
     df["speedup_vs_torch_grouped"] = [
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     report.print_table(df, f"moe_experts E={E} H={H} I={I} (measured HBM {hbm / 1e9:.0f} GB/s)",
                        ["phase", "tokens_per_expert", "layout", "payload", "runner", "median_us", "weight_gbps",
                         "pct_hbm", "tflops", "speedup_vs_torch_grouped", "cos_err", "config_source", "config"])
-    plain = df[~df.config_source.isin(["sweep", "explicit"])].copy()
+    plain = df[~df.config_source.isin(EXTRA_ROWS)].copy()
     plain["series"] = plain.runner + "/" + plain.layout + "/" + plain.payload
     for phase, y, ylabel in (("decode", "weight_gbps", "weight GB/s"), ("prefill", "tflops", "TFLOPS")):
         part = plain[plain.phase == phase]

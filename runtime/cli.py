@@ -33,3 +33,8 @@ def _wants_disagg(args: list[str]) -> bool:
     """`serve --disagg` or `serve --role ...` go to the disaggregation launcher."""
     return any(a == "--disagg" or a == "--role" or a.startswith("--role=") for a in args)
 
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

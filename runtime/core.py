@@ -174,3 +174,9 @@ class StepOutput:
     completion_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)  # per new token: (logprob, [(id, logprob), ...])
     error: str | None = None
+
+
+def filler_ids(n: int, vocab: int, stride: int = 7, salt: int = 0) -> list[int]:
+    """n token ids in [2, vocab) (ids 0 and 1 are usually special) that vary along the prompt: prompts for
+    warm-up and measurements, whose values do not matter. Different `salt`s give different prompts."""
+    return [(stride * j + salt) % (vocab - 2) + 2 for j in range(n)]

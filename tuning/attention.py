@@ -113,7 +113,8 @@ def _tolerance(bucket) -> float:
 
 
 def _resolve_decode(backend: str, config: dict, bucket) -> dict:
-    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N) as it resolves them for this bucket."""
+    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N, fp8_compute) as it resolves them for
+    this bucket."""
     if backend != "triton":
         return dict(config)
     from pdlab.attention.backends.triton_mla import resolve_decode_config

@@ -15,3 +15,8 @@ SUBCOMMANDS = {
 def main(argv: list[str] | None = None, prog: str = "tune") -> int:
     return run_tool(prog, __doc__.split(":", 1)[1].strip(), SUBCOMMANDS, argv)
 
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -32,7 +32,7 @@ def _time_us(fn, args) -> float | None:
 
 
 def _moe(args) -> list[dict]:
-    from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights
+    from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
     from pdlab.moe.runners.triton_nvfp4 import _DEFAULT, _packed, resolve_config
     from pdlab.moe.triton.nvfp4_moe import A_FLOAT, moe_nvfp4_gemm
 
@@ -63,7 +63,7 @@ def _moe(args) -> list[dict]:
                 if us is None:
                     continue
                 rows.append({"what": "moe", "stage": name, "tokens_per_expert": m, "config": json.dumps(raw),
-                             "median_us": round(us, 1), "weight_gbps": round(E * params * 0.5625 / us / 1e3, 1)})
+                             "median_us": round(us, 1), "weight_gbps": round(E * params * NVFP4_BYTES_PER_PARAM / us / 1e3, 1)})
                 print(rows[-1], flush=True)
     return rows
 

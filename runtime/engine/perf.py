@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdlab.runtime.core import Req, ReqStatus, SamplingParams
+from pdlab.runtime.core import Req, ReqStatus, SamplingParams, filler_ids
 
 
 def _sync(device: torch.device) -> None:
@@ -43,7 +43,7 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
     for bs in batch_sizes:
         reqs = []
         for i in range(bs):
-            r = Req([(7 * i + j) % (vocab - 2) + 2 for j in range(context)],
+            r = Req(filler_ids(context, vocab, stride=1, salt=7 * i),
                     SamplingParams(temperature=0.0, max_tokens=steps + warmup + 2, ignore_eos=True))
             r.seed = i + 1
             r.output_ids = [3]
@@ -110,7 +110,7 @@ def ttft(llm, prompt_len: int, repeats: int = 3) -> dict:
     vocab = llm.engine.vocab_size
     times = []
     for k in range(repeats + 1):
-        ids = [(11 * j + k) % (vocab - 2) + 2 for j in range(prompt_len)]
+        ids = filler_ids(prompt_len, vocab, stride=11, salt=k)
         req = Req(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         _sync(llm.engine.device)
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ import time
 from typing import Callable
 
 from pdlab.runtime.config import SchedulerConfig
-from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, SamplingParams, StepOutput
+from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, SamplingParams, StepOutput, filler_ids
 from pdlab.runtime.env import ENV
 from pdlab.runtime.scheduler.decode import DecodeManager
 from pdlab.runtime.scheduler.output import TextCodec, process_token
@@ -203,8 +203,8 @@ class Scheduler:
         try:
             for group in self.warmup_batches():
                 for n in group:
-                    ids = [(7 * j + n) % (vocab - 2) + 2 for j in range(n)]
-                    self.add_request(Req(ids, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))
+                    self.add_request(Req(filler_ids(n, vocab, salt=n),
+                                         SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))
                     n_req, n_tok = n_req + 1, n_tok + n
                 while self.has_work and not errors:
                     self.step()
