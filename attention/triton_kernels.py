@@ -17,6 +17,11 @@ mma.sync re-reading q from shared memory in every warp. fp8 pools: with FP8_RELO
 loaded a second time (an L2 hit) so that V is upcast once in registers and stored to shared memory as
 16-bit for the transposed operand, instead of gathering single bytes; K keeps its own pipelined copy.
 
+D_QUARTERS (row-major): q, the tile and the accumulator in four column quarters of 128, each quarter loaded,
+converted and multiplied on its own, so that a quarter of each is live at a time (fewer registers for an fp8
+pool computed in fp16). PAGE_AHEAD (with one page per tile): each tile's page id is read one iteration
+before the tile, which lets Triton's pipeliner keep num_stages - 1 tiles in flight instead of one.
+
 Decode is the uniform case (S_q tokens per sequence, q_start = b*S_q); prefill/extend is ragged
 (q_start from qo_indptr). Token j of a sequence with n new tokens sits at seqlen - n + j and sees
 positions <= its own.
@@ -32,6 +37,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634
 
@@ -82,11 +88,14 @@ def _scales(kv_scale, KV_SCALE_PTR, qk_scale, SCALE_FROM_PTR: tl.constexpr):
 
 @triton.jit
 def _tile_rows(bt_row, start, n, n_ok, tile_ok, stride_kv_p, stride_kv_o, PAGE: tl.constexpr,
-               TILE_IN_PAGE: tl.constexpr, GUARD: tl.constexpr = False):
+               TILE_IN_PAGE: tl.constexpr, GUARD: tl.constexpr = False, page=0, PAGE_GIVEN: tl.constexpr = False):
     """Element offsets [BLOCK_N] int64 of the cache rows of positions n (tile starting at `start`).
     GUARD: the tile may start past the range (a prefetch of the tile after the last one): its page id is
-    read only when tile_ok (scalar)."""
-    if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
+    read only when tile_ok (scalar). PAGE_GIVEN (TILE_IN_PAGE): the tile's page id is `page`, read by the
+    caller one iteration ahead (_next_page)."""
+    if PAGE_GIVEN:
+        pass
+    elif TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
         if GUARD:
             page = tl.load(bt_row + start // PAGE, mask=tile_ok, other=0)
         else:
@@ -98,15 +107,25 @@ def _tile_rows(bt_row, start, n, n_ok, tile_ok, stride_kv_p, stride_kv_o, PAGE: 
 
 @triton.jit
 def _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-             BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, GUARD: tl.constexpr = False):
+             BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, GUARD: tl.constexpr = False, page=0,
+             PAGE_GIVEN: tl.constexpr = False):
     """The raw cache tile at positions [start, start+BLOCK_N) ∩ [.., hi): (k_nope [BLOCK_N, D_NOPE],
     k_pe [BLOCK_N, D_PE]) in the cache's dtype (0 where masked), positions n and their mask."""
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < hi
-    row = _tile_rows(bt_row, start, n, n_ok, start < hi, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE, GUARD)
+    row = _tile_rows(bt_row, start, n, n_ok, start < hi, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE, GUARD, page,
+                     PAGE_GIVEN)
     k_nope = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
     k_pe = tl.load(KV + row[:, None] + D_NOPE + dp[None, :], mask=n_ok[:, None], other=0.0)
     return k_nope, k_pe, n, n_ok
+
+
+@triton.jit
+def _next_page(bt_row, start, hi, PAGE: tl.constexpr):
+    """The page id of the tile starting at `start` (0 when the range ends before it). Read one iteration
+    before its tile (PAGE_AHEAD), so that the tile's address does not wait on a load of the same iteration:
+    Triton's pipeliner then gives the tile num_stages - 1 shared buffers instead of one."""
+    return tl.load(bt_row + start // PAGE, mask=start < hi, other=0)
 
 
 @triton.jit
@@ -247,6 +266,75 @@ def _attend_tile_t(qt_nope, qt_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m
     return m_new, l_i, acc
 
 
+@triton.jit
+def _split4(x, R: tl.constexpr, D: tl.constexpr):
+    """[R, D] → its four column quarters [R, D/4] (register relabelling, done once per program)."""
+    x = tl.reshape(tl.permute(tl.reshape(x, (R, 4, D // 4)), (0, 2, 1)), (R, D // 4, 2, 2))
+    even, odd = tl.split(x)  # quarters (0, 2) and (1, 3)
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(x0, x1, x2, x3, R: tl.constexpr, D: tl.constexpr):
+    """Four column quarters [R, D/4] → [R, D] (the inverse of _split4)."""
+    x = tl.join(tl.join(x0, x2), tl.join(x1, x3))  # [R, D/4, 2, 2]: quarter 2·i + o at [.., i, o]
+    return tl.reshape(tl.permute(tl.reshape(x, (R, D // 4, 4)), (0, 2, 1)), (R, D))
+
+
+@triton.jit
+def _kv_quarters(KV, bt_row, start, hi, stride_kv_p, stride_kv_o, PAGE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr, FP8: tl.constexpr,
+                 FP8_ONCE: tl.constexpr, dtype: tl.constexpr, page, PAGE_GIVEN: tl.constexpr):
+    """The cache tile at positions [start, start+BLOCK_N) ∩ [.., hi) as five separately loaded and upcast
+    pieces: the four quarters of k_nope [BLOCK_N, D_NOPE/4] and k_pe [BLOCK_N, D_PE] (0 where masked),
+    with the positions n and their mask."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    row = _tile_rows(bt_row, start, n, n_ok, start < hi, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE, False, page,
+                     PAGE_GIVEN)
+    W: tl.constexpr = D_NOPE // 4
+    c = tl.arange(0, W)
+    k0 = tl.load(KV + row[:, None] + c[None, :], mask=n_ok[:, None], other=0.0)
+    k1 = tl.load(KV + row[:, None] + W + c[None, :], mask=n_ok[:, None], other=0.0)
+    k2 = tl.load(KV + row[:, None] + 2 * W + c[None, :], mask=n_ok[:, None], other=0.0)
+    k3 = tl.load(KV + row[:, None] + 3 * W + c[None, :], mask=n_ok[:, None], other=0.0)
+    kp = tl.load(KV + row[:, None] + D_NOPE + tl.arange(0, D_PE)[None, :], mask=n_ok[:, None], other=0.0)
+    if FP8_ONCE:
+        return (_e4m3_to_f16_once(k0), _e4m3_to_f16_once(k1), _e4m3_to_f16_once(k2), _e4m3_to_f16_once(k3),
+                _e4m3_to_f16_once(kp), n, n_ok)
+    return (_upcast(k0, FP8, dtype), _upcast(k1, FP8, dtype), _upcast(k2, FP8, dtype), _upcast(k3, FP8, dtype),
+            _upcast(kp, FP8, dtype), n, n_ok)
+
+
+@triton.jit
+def _attend_quarters(q0, q1, q2, q3, qp, k0, k1, k2, k3, kp, n, n_ok, limit, row_scale, m_i, l_i, a0, a1, a2, a3,
+                     PREC: tl.constexpr, PARTIALS: tl.constexpr):
+    """`_attend_tile` with q, the tile and the accumulator each in four column quarters (D_QUARTERS): one
+    dot per quarter, so a quarter of q and of the tile is live at a time instead of all of it."""
+    if PARTIALS:
+        # five independent products summed after: five short accumulation chains of mma.sync instead of one
+        # long one (programs of <= 32 rows; wgmma's bigger tiles would hold five accumulators)
+        s = (tl.dot(q0, tl.trans(k0), input_precision=PREC) + tl.dot(q1, tl.trans(k1), input_precision=PREC)) \
+            + (tl.dot(q2, tl.trans(k2), input_precision=PREC) + tl.dot(q3, tl.trans(k3), input_precision=PREC)) \
+            + tl.dot(qp, tl.trans(kp), input_precision=PREC)
+    else:
+        s = tl.dot(q0, tl.trans(k0), input_precision=PREC)
+        s = tl.dot(q1, tl.trans(k1), s, input_precision=PREC)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=PREC)
+        s = tl.dot(q3, tl.trans(k3), s, input_precision=PREC)
+        s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
+    visible = n_ok[None, :] & (n[None, :] < limit[:, None])
+    p, alpha, m_new, l_i = _softmax_step(s * row_scale[:, None], visible, m_i, l_i, 1)
+    p = p.to(k0.dtype)
+    a0 = tl.dot(p, k0, a0 * alpha[:, None], input_precision=PREC)
+    a1 = tl.dot(p, k1, a1 * alpha[:, None], input_precision=PREC)
+    a2 = tl.dot(p, k2, a2 * alpha[:, None], input_precision=PREC)
+    a3 = tl.dot(p, k3, a3 * alpha[:, None], input_precision=PREC)
+    return m_new, l_i, a0, a1, a2, a3
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # auto splits follow the batch: no recompile per value class
 def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              kv_scale, KV_SCALE_PTR, qk_scale,
@@ -258,7 +346,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
              PREC: tl.constexpr, FP8_FP16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, D_NOPE: tl.constexpr,
              D_PE: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False, FP8_ONCE: tl.constexpr = False,
-             PREFETCH: tl.constexpr = False, FP8_RELOAD: tl.constexpr = False):
+             PREFETCH: tl.constexpr = False, FP8_RELOAD: tl.constexpr = False, D_QUARTERS: tl.constexpr = False, PAGE_AHEAD: tl.constexpr = False):
     """Row-major (q rows as the MMA's M side) or, with TOKEN_MAJOR, token-major (module docstring); FP8_ONCE
     and PREFETCH apply to the first, FP8_RELOAD to the second."""
     b = tl.program_id(2)
@@ -276,18 +364,26 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt_b
+    page = 0
+    if PAGE_AHEAD:  # TILE_IN_PAGE (launcher): the first tile's page id, then each next one a tile ahead
+        page = _next_page(bt_row, lo, hi, PAGE)
     if TOKEN_MAJOR:
         acc = tl.zeros([D_NOPE, M], tl.float32)
         for start in range(lo, hi, BLOCK_N):
+            if PAGE_AHEAD:
+                page_nx = _next_page(bt_row, start + BLOCK_N, hi, PAGE)
             k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
-                                             TILE_IN_PAGE, BLOCK_N, D_NOPE)
+                                             TILE_IN_PAGE, BLOCK_N, D_NOPE, False, page, PAGE_AHEAD)
             if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
-                row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE)
+                row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE, False,
+                                 page, PAGE_AHEAD)
                 v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
             else:
                 v = k_nope
             m_i, l_i, acc = _attend_tile_t(q_nope, q_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                            FP8, PREC)
+            if PAGE_AHEAD:
+                page = page_nx
     elif PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
         acc = tl.zeros([M, D_NOPE], tl.float32)
         nx_nope, nx_pe, nx_n, nx_ok = _kv_tile(KV, bt_row, lo, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
@@ -298,13 +394,34 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
                                                    PAGE, TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
             m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                          FP8, FP8_ONCE, PREC)
+    elif D_QUARTERS:  # q, the tile and the accumulator in four column quarters (_attend_quarters)
+        q0, q1, q2, q3 = _split4(q_nope, M, D_NOPE)
+        a0 = tl.zeros([M, D_NOPE // 4], tl.float32)
+        a1 = tl.zeros([M, D_NOPE // 4], tl.float32)
+        a2 = tl.zeros([M, D_NOPE // 4], tl.float32)
+        a3 = tl.zeros([M, D_NOPE // 4], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            if PAGE_AHEAD:
+                page_nx = _next_page(bt_row, start + BLOCK_N, hi, PAGE)
+            k0, k1, k2, k3, kp, n, n_ok = _kv_quarters(KV, bt_row, start, hi, stride_kv_p, stride_kv_o, PAGE,
+                                                       TILE_IN_PAGE, BLOCK_N, D_NOPE, D_PE, FP8, FP8_ONCE,
+                                                       q_nope.dtype, page, PAGE_AHEAD)
+            m_i, l_i, a0, a1, a2, a3 = _attend_quarters(q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kp, n, n_ok, limit,
+                                                        row_scale, m_i, l_i, a0, a1, a2, a3, PREC, M <= 32)
+            if PAGE_AHEAD:
+                page = page_nx
+        acc = _join4(a0, a1, a2, a3, M, D_NOPE)
     else:
         acc = tl.zeros([M, D_NOPE], tl.float32)
         for start in range(lo, hi, BLOCK_N):
+            if PAGE_AHEAD:
+                page_nx = _next_page(bt_row, start + BLOCK_N, hi, PAGE)
             k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
-                                             TILE_IN_PAGE, BLOCK_N, D_NOPE)
+                                             TILE_IN_PAGE, BLOCK_N, D_NOPE, False, page, PAGE_AHEAD)
             m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                          FP8, FP8_ONCE, PREC)
+            if PAGE_AHEAD:
+                page = page_nx
 
     _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
                stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
@@ -455,17 +572,29 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         extra = {"FP8_ONCE": fp16 and upcast in ("once", "prefetch") and dev.type == "cuda"
                  and os.environ.get("TRITON_INTERPRET") != "1" and _device_facts(dev)[1],
                  "PREFETCH": fp8 and upcast == "prefetch"}
-    _mla_fwd[grid](
-        q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
-        out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
-        q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out3.stride(0), out3.stride(1), *lse_strides, *sp, H, splits,
-        Q_PER_SEQ=q_per_seq, PAGE=page, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_N=block_n, FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
-        FP8_FP16=fp16,
-        TILE_IN_PAGE=page % block_n == 0 and bool(int(config.get("tile_in_page", 1))),
-        D_NOPE=512, D_PE=64, TOKEN_MAJOR=token_major, num_warps=int(config["num_warps"]),
-        num_stages=int(config["num_stages"]), **extra)
+        extra["D_QUARTERS"] = not extra["PREFETCH"] and bool(int(config.get("d_quarters", 0) or 0))
+    tile_in_page = page % block_n == 0 and bool(int(config.get("tile_in_page", 1)))
+    # the page id a tile ahead: row-major without the register prefetch (which has its own), or token-major
+    extra["PAGE_AHEAD"] = (tile_in_page and bool(int(config.get("page_ahead", 0) or 0))
+                           and not extra.get("PREFETCH", False))
+    try:
+        _mla_fwd[grid](
+            q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
+            out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
+            q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            out3.stride(0), out3.stride(1), *lse_strides, *sp, H, splits,
+            Q_PER_SEQ=q_per_seq, PAGE=page, BLOCK_T=block_t, BLOCK_H=block_h,
+            BLOCK_N=block_n, FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,
+            FP8_FP16=fp16,
+            TILE_IN_PAGE=tile_in_page,
+            D_NOPE=512, D_PE=64, TOKEN_MAJOR=token_major, num_warps=int(config["num_warps"]),
+            num_stages=int(config["num_stages"]), **extra)
+    except OutOfResources as e:
+        raise ValueError(f"mla triton: the config needs more shared memory than the GPU has ({e}); "
+                         f"{block_n} KV tokens per tile, {block_t * block_h} rows per program, num_stages "
+                         f"{config['num_stages']}, page_ahead {int(extra.get('PAGE_AHEAD', False))} (which keeps "
+                         "num_stages - 1 tiles in flight): lower num_stages, BLOCK_N or BLOCK_H, "
+                         "or set page_ahead=0") from None
     if not final:
         sq = max(q_per_seq, 1)
         # combine addresses lse by (token // SQ, token % SQ, head)

@@ -113,13 +113,14 @@ def _tolerance(bucket) -> float:
 
 
 def _resolve_decode(backend: str, config: dict, bucket) -> dict:
-    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N, fp8_compute) as it resolves them for
-    this bucket."""
+    """The triton decode kernel's auto knobs (num_warps, waves, BLOCK_N, fp8_compute, d_quarters, page_ahead) as
+    it resolves them for this bucket."""
     if backend != "triton":
         return dict(config)
     from pdlab.attention.backends.triton_mla import resolve_decode_config
 
-    return resolve_decode_config(dict(config), int(bucket["heads"]), int(bucket.get("q_len", 1)))
+    return resolve_decode_config(dict(config), int(bucket["heads"]), int(bucket.get("q_len", 1)),
+                                 bucket.get("kv_dtype", "bf16") == "fp8")
 
 
 MLA_DECODE = register_target(TuneTarget(

@@ -19,7 +19,15 @@ kernel, sm89+: "inline" lets Triton convert each dot's operand after its shared-
 is then read byte by byte and converted twice; "once" converts the loaded tile once with a PTX conversion
 so both dots read it as fp16 with ldmatrix, like a bf16 cache — the default, 0.444 against 0.546 ms on an
 H200 at B=128, 8k, 16 heads; "prefetch" is "once" with the next tile's bytes loaded into registers while
-the current tile is computed, software pipelining that Triton does not do for a tile consumed in registers).
+the current tile is computed, software pipelining that Triton does not do for a tile consumed in registers),
+d_quarters (row-major: q, the KV tile and the accumulator in four column quarters of 128, one dot per quarter,
+so that a quarter of each is live at a time — 241 → 191 registers for a 16-head program over an fp8 pool; at
+<= 32 rows the five q·k products are independent MMA chains summed after, instead of one chain of 36 MMAs),
+page_ahead (the page id of the next tile is read one iteration early, so the tile's address no longer waits
+on a load of its own iteration and Triton's pipeliner gives the KV tile num_stages - 1 shared buffers
+instead of one; it costs shared memory: at 128 heads over a 16-bit cache with 3 stages it does not fit).
+"auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
+fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
 
 from __future__ import annotations
@@ -36,15 +44,17 @@ _PREFILL_OPTIONS = {k: v for k, v in _DECODE_OPTIONS.items() if k != "q_lens"}
 DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0],
-                "fp8_upcast": ["inline", "once", "prefetch"]}
+                "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1]}
 # Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
 # programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
 # BLOCK_N 64 (BLOCK_N 0 = auto: 32 / 64 by the same rows rule); one page id per tile (tile_in_page);
-# fp8 pools computed in fp16 at <= 32 rows (0.51-0.54 ms against 0.63 ms in bf16 at 16 heads), the tile
-# converted once, and in bf16 at 64 rows (the 2026-11-30 tuning: 1.34-1.66x faster at 128 heads).
+# fp8 pools: the tile converted once, in column quarters with the page id a tile ahead and fp16 compute
+# (bench/results/NVIDIA_H200/attention/2026-11-30_fp8_quarters, B=128, 8k: 16 heads 0.419 → 0.360 ms,
+# 128 heads 1.649 → 1.196 ms); without quarters fp16 compute only pays at <= 32 rows.
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
-                  "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once"}
+                  "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
+                  "d_quarters": "auto", "page_ahead": "auto"}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}
@@ -58,12 +68,16 @@ def _probe() -> str | None:
     return None
 
 
-def _warps(config: dict, rows: int) -> dict:
+def _warps(config: dict, rows: int, fp8: bool = False) -> dict:
     """Resolve the auto knobs from the rows per program (<= 32 / more): warps 4 / 8, waves 7.5 / 2,
-    BLOCK_N 32 / 64, fp8_compute fp16 / bf16."""
+    BLOCK_N 32 / 64; and from the cache dtype: d_quarters and page_ahead on for an fp8 pool, off otherwise;
+    fp8_compute fp16 when the program has <= 32 rows or runs in quarters, bf16 otherwise."""
     cfg = dict(config)
+    for knob in ("d_quarters", "page_ahead"):
+        if cfg.get(knob, 0) == "auto":
+            cfg[knob] = int(fp8)
     if cfg.get("fp8_compute", "auto") == "auto":
-        cfg["fp8_compute"] = "fp16" if rows <= 32 else "bf16"
+        cfg["fp8_compute"] = "fp16" if rows <= 32 or int(cfg.get("d_quarters", 0)) else "bf16"
     if not int(cfg.get("BLOCK_N") or 0):
         cfg["BLOCK_N"] = 32 if rows <= 32 else 64
     if not int(cfg.get("num_warps") or 0):
@@ -73,12 +87,13 @@ def _warps(config: dict, rows: int) -> dict:
     return cfg
 
 
-def resolve_decode_config(config: dict, heads: int, q_len: int) -> dict:
+def resolve_decode_config(config: dict, heads: int, q_len: int, fp8: bool = False) -> dict:
     """The decode config with its auto knobs resolved for programs of min(BLOCK_H, pow2(q_len)·heads)
-    rows (what `mla_decode_triton` runs; the tuner starts its search from it)."""
+    rows over a bf16/fp16/fp32 or (fp8) an fp8 pool: what `mla_decode_triton` runs; the tuner starts its
+    search from it."""
     from pdlab.attention import triton_kernels as tk
 
-    return _warps(config, min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * heads))
+    return _warps(config, min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * heads), fp8)
 
 
 @register_backend("mla_decode", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
@@ -93,7 +108,7 @@ def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_sc
     if B == 0:
         return out, lse
     cfg = config or DECODE_DEFAULT
-    cfg = resolve_decode_config(cfg, H, Sq)
+    cfg = resolve_decode_config(cfg, H, Sq, kv_cache.dtype == torch.uint8)
     tk.mla_attention(q.reshape(B * Sq, H, 576), kv_cache, block_table, seqlens, None, out.view(B * Sq, H, 512),
                      lse, (H, 1, Sq), softmax_scale, kv_scale, q_per_seq=Sq, q_blocks=1, config=cfg)
     return out, lse
@@ -113,7 +128,7 @@ def mla_prefill_triton(q, kv_cache, block_table, seqlens, qo_indptr, softmax_sca
         return out, lse
     cfg = config or PREFILL_DEFAULT
     block_t = int(cfg.get("BLOCK_T", 1))
-    cfg = _warps(cfg, block_t * min(int(cfg["BLOCK_H"]), H))
+    cfg = _warps(cfg, block_t * min(int(cfg["BLOCK_H"]), H), kv_cache.dtype == torch.uint8)
     q_blocks = -(-int(max_q_len if max_q_len is not None else T) // block_t)
     tk.mla_attention(q, kv_cache, block_table, seqlens, qo_indptr, out, lse, (lse.stride(0), lse.stride(0), 1),
                      softmax_scale, kv_scale, q_per_seq=0, q_blocks=q_blocks, config=cfg)

@@ -41,7 +41,10 @@ def test_decode_bf16(heads, q_len, seed):
 
 
 @pytest.mark.parametrize("page,cfg", [(1, {"BLOCK_N": 16}), (16, {"num_splits": 1}), (128, {"BLOCK_N": 64}),
-                                      (32, {"BLOCK_H": 32, "BLOCK_N": 16}), (8, {"num_splits": 7})])
+                                      (32, {"BLOCK_H": 32, "BLOCK_N": 16}), (8, {"num_splits": 7}),
+                                      (64, {"page_ahead": 1, "num_splits": 3, "BLOCK_N": 32}), (16, {"page_ahead": 1, "BLOCK_N": 16}),
+                                      (64, {"page_ahead": 1, "swap_ab": 1, "BLOCK_N": 32, "BLOCK_H": 16,
+                                             "num_stages": 2, "num_splits": 2})])
 def test_decode_pages_and_configs(page, cfg, seed):
     rng = random.Random(seed)
     p = decode_problem(_lens(8, 2000, 1, rng), 128, 1, page, torch.bfloat16, device=DEV, seed=seed)
@@ -83,7 +86,12 @@ def test_decode_token_major_bf16(heads, q_len, cfg, seed):
                                        (128, {"fp8_upcast": "once"}),
                                        (16, {"fp8_upcast": "once", "num_stages": 2, "num_splits": 4}),
                                        (16, {"fp8_upcast": "prefetch", "num_warps": 8}),
-                                       (128, {"fp8_upcast": "prefetch"})])
+                                       (128, {"fp8_upcast": "prefetch"}),
+                                       (16, {"fp8_upcast": "once", "d_quarters": 1, "BLOCK_N": 16}),
+                                       (16, {"fp8_upcast": "once", "page_ahead": 1, "num_stages": 4}),
+                                       (16, {"fp8_upcast": "once", "d_quarters": 1, "page_ahead": 1}),
+                                       (128, {"fp8_upcast": "once", "d_quarters": 1}),
+                                       (128, {"fp8_upcast": "once", "d_quarters": 1, "page_ahead": 1})])
 def test_decode_fp8_upcast_once(heads, cfg, seed):
     # the tile converted once by PTX (fp16 compute) must give the reference's result like the plain upcast
     rng = random.Random(seed)

@@ -209,7 +209,12 @@ def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     assert c16["BLOCK_N"] == 32 and c16["tile_in_page"] == 1 and c16["fp8_compute"] == "fp16"
     c128 = _warps(DECODE_DEFAULT, min(DECODE_DEFAULT["BLOCK_H"], 128))
     assert c128["BLOCK_N"] == 64 and c128["fp8_compute"] == "bf16"
+    assert c128["d_quarters"] == 0 and c128["page_ahead"] == 0  # a 16-bit pool: neither (both slower there)
     assert _warps({**DECODE_DEFAULT, "fp8_compute": "fp16"}, 64)["fp8_compute"] == "fp16"  # explicit stays
+    # an fp8 pool: column quarters, page ids a tile ahead, and fp16 compute at every row count
+    f128 = _warps(DECODE_DEFAULT, 64, fp8=True)
+    assert (f128["d_quarters"], f128["page_ahead"], f128["fp8_compute"]) == (1, 1, "fp16")
+    assert _warps({**DECODE_DEFAULT, "d_quarters": 0}, 64, fp8=True)["fp8_compute"] == "bf16"
     assert c128["num_warps"] == 8 and tk._tile(128, 1, c128["BLOCK_H"], True) == (1, 64)
     assert tk.auto_splits(128, 2, 1, 8192, torch.device("cpu"), c128["waves"]) == 2
     assert tk._tile(128, 2, 64, True) == (2, 32)  # S_q = 2 keeps 64 rows per program
@@ -238,10 +243,49 @@ def test_fp8_register_prefetch_matches_the_reference(page, splits, seed):
     p = decode_problem([1, 16, 17, 63, 100], heads=16, q_len=1, page=page, dtype=torch.bfloat16, kv_dtype="fp8",
                        seed=seed)
     ref_out, ref_lse = _decode(p, "torch")
-    cfg = {"BLOCK_N": 16 if page >= 16 else 8, "fp8_compute": "fp16", "num_splits": splits}
+    # (the whole tile per dot on both sides: the fp8 default's column quarters would sum in another order)
+    cfg = {"BLOCK_N": 16 if page >= 16 else 8, "fp8_compute": "fp16", "num_splits": splits, "d_quarters": 0}
     out, lse = _decode(p, TRITON_DECODE, config={**cfg, "fp8_upcast": "prefetch"})
     plain_out, plain_lse = _decode(p, TRITON_DECODE, config={**cfg, "fp8_upcast": "inline"})
     # the same arithmetic on the same tiles, only loaded one iteration earlier: bit-equal
     assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
     # bf16 output: its rounding alone costs up to ~1e-5 of cosine error on these sizes
     assert cosine_error(out, ref_out) < 3e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
+
+
+@pytest.mark.parametrize("kv_dtype,page,splits,knobs", [
+    ("fp8", 16, 1, {"d_quarters": 1}), ("fp8", 64, 3, {"d_quarters": 1, "page_ahead": 1}),
+    ("same", 16, 2, {"d_quarters": 1}), ("same", 4, 1, {"d_quarters": 1, "page_ahead": 1}),
+    ("fp8", 16, 3, {"page_ahead": 1}), ("same", 64, 2, {"page_ahead": 1}),
+    ("same", 16, 1, {"page_ahead": 1, "swap_ab": 1})])
+def test_decode_in_column_quarters_and_page_ahead_match_the_reference(kv_dtype, page, splits, knobs, seed):
+    # d_quarters=1: q, the tile and the accumulator in four column quarters, one dot per quarter; the
+    # quarters must be joined back in order (a swapped quarter shows up as a large error). page_ahead=1: each
+    # tile's page id is read one iteration early; the read past a split's last tile must not happen and a
+    # late page id would attend the wrong page. Pages past each sequence are NaN and must not be read.
+    # (the interpreter computes bf16 dots wrongly: a bf16 cache is tested as fp16, fp8 in fp16 compute)
+    dtype = torch.bfloat16 if kv_dtype == "fp8" else torch.float16
+    p = decode_problem([1, 16, 17, 63, 100], heads=16, q_len=1, page=page, dtype=dtype, kv_dtype=kv_dtype, seed=seed)
+    ref_out, ref_lse = _decode(p, "torch")
+    cfg = {"BLOCK_N": 16 if page >= 16 else 4, "fp8_compute": "fp16", "num_splits": splits, **knobs}
+    out, lse = _decode(p, TRITON_DECODE, config=cfg)
+    assert cosine_error(out, ref_out) < 3e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
+
+
+def test_a_config_too_big_for_shared_memory_gets_an_error_naming_the_knobs(monkeypatch):
+    # page_ahead keeps num_stages - 1 KV tiles in flight: at 128 heads with a 16-bit cache and 3 stages that is
+    # more shared memory than an H200 has (seen there). The launcher's error names the knobs to lower.
+    from triton.runtime.errors import OutOfResources
+
+    from pdlab.attention import triton_kernels as tk
+
+    class _TooBig:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(294912, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(tk, "_mla_fwd", _TooBig())
+    p = decode_problem([70], heads=16, q_len=1, page=64, dtype=torch.float16, kv_dtype="same", seed=0)
+    with pytest.raises(ValueError, match="lower num_stages, BLOCK_N or BLOCK_H, or set page_ahead=0"):
+        _decode(p, TRITON_DECODE, config={"BLOCK_N": 32, "page_ahead": 1})
