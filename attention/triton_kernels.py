@@ -277,6 +277,18 @@ def _split4(x, R: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _q_quarters(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, D_NOPE: tl.constexpr):
+    """The four column quarters [M, D_NOPE/4] of this program's q_nope rows, each its own load."""
+    off = ((q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h)[:, None] + tl.arange(0, D_NOPE // 4)[None, :]
+    W: tl.constexpr = D_NOPE // 4
+    q0 = tl.load(Q + off, mask=row_ok[:, None], other=0.0)
+    q1 = tl.load(Q + off + W, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(Q + off + 2 * W, mask=row_ok[:, None], other=0.0)
+    q3 = tl.load(Q + off + 3 * W, mask=row_ok[:, None], other=0.0)
+    return q0, q1, q2, q3
+
+
+@triton.jit
 def _join4(x0, x1, x2, x3, R: tl.constexpr, D: tl.constexpr):
     """Four column quarters [R, D/4] → [R, D] (the inverse of _split4)."""
     x = tl.join(tl.join(x0, x2), tl.join(x1, x3))  # [R, D/4, 2, 2]: quarter 2·i + o at [.., i, o]
@@ -395,7 +407,10 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
             m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                          FP8, FP8_ONCE, PREC)
     elif D_QUARTERS:  # q, the tile and the accumulator in four column quarters (_attend_quarters)
-        q0, q1, q2, q3 = _split4(q_nope, M, D_NOPE)
+        if FP8_FP16:  # q was rescaled per row in registers: split it there
+            q0, q1, q2, q3 = _split4(q_nope, M, D_NOPE)
+        else:  # loaded per quarter: Triton keeps loaded operands in shared memory instead of 128 registers
+            q0, q1, q2, q3 = _q_quarters(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, D_NOPE)
         a0 = tl.zeros([M, D_NOPE // 4], tl.float32)
         a1 = tl.zeros([M, D_NOPE // 4], tl.float32)
         a2 = tl.zeros([M, D_NOPE // 4], tl.float32)

@@ -42,7 +42,8 @@ def test_decode_bf16(heads, q_len, seed):
 
 @pytest.mark.parametrize("page,cfg", [(1, {"BLOCK_N": 16}), (16, {"num_splits": 1}), (128, {"BLOCK_N": 64}),
                                       (32, {"BLOCK_H": 32, "BLOCK_N": 16}), (8, {"num_splits": 7}),
-                                      (64, {"page_ahead": 1, "num_splits": 3, "BLOCK_N": 32}), (16, {"page_ahead": 1, "BLOCK_N": 16}),
+                                      (64, {"page_ahead": 1, "num_splits": 3, "BLOCK_N": 32}),
+                                      (64, {"d_quarters": 1, "num_stages": 2}), (16, {"d_quarters": 1, "num_splits": 5}), (16, {"page_ahead": 1, "BLOCK_N": 16}),
                                       (64, {"page_ahead": 1, "swap_ab": 1, "BLOCK_N": 32, "BLOCK_H": 16,
                                              "num_stages": 2, "num_splits": 2})])
 def test_decode_pages_and_configs(page, cfg, seed):
