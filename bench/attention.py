@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill: new tokens per sequence (0 = the whole sequence is new)")
     p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
     p.add_argument("--config", action="append", default=[],
-                   help="JSON config for tunable backends (repeatable: one row per config)")
+                   help="JSON config for tunable backends, 'default' (the backend's default even where a tuned "
+                        "entry exists) or 'tuned' (the nearest tuned entry, else the default); repeatable, one row "
+                        "per config; none given: tuned")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--max-seconds", type=float, default=2.0, help="time budget per row")
     p.add_argument("--cuda-graph", action="store_true", help="time replays of a CUDA graph of calls")
@@ -48,6 +50,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
     p.add_argument("--name", default=None, help="file stem (default mla_<op>)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_configs(texts: list[str]) -> list:
+    """--config values → what each bench row runs: a JSON dict (explicit, merged over the default), "default"
+    (the backend's default even where a tuned file has an entry) or None (the nearest tuned entry, else the
+    default; also what no --config at all means)."""
+    out = []
+    for text in texts:
+        if text in ("default", "tuned"):
+            out.append(None if text == "tuned" else "default")
+            continue
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"bench attention: --config {text!r} is neither JSON nor 'default'/'tuned': {exc}")
+        if not isinstance(cfg, dict):
+            raise SystemExit(f"bench attention: --config {text!r} must be a JSON object, 'default' or 'tuned'")
+        out.append(cfg)
+    return out or [None]
 
 
 def _ints(text: str) -> list[int]:
@@ -75,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     get = lambda name: getattr(args, name) or defaults[name]  # noqa: E731
     op = MLA_DECODE if args.op == "decode" else MLA_PREFILL
     facts = device_facts()
-    configs = [json.loads(c) for c in args.config] or [None]
+    configs = parse_configs(args.config)
 
     usable, missing = [], []
     for name in [b for b in args.backend.split(",") if b]:
@@ -137,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
                         advance(f"{name} skip")
                         continue
                     try:
-                        used, source = resolve_config(op.name, b, bucket, device, cfg)
+                        if cfg == "default":
+                            used, source = b.config(), "default"
+                        else:
+                            used, source = resolve_config(op.name, b, bucket, device, cfg)
                         fn = lambda: call(name, used)  # noqa: E731
                         out, lse = fn()
                         err_out = cosine_error(out, ref[0]) if ref is not None else float("nan")

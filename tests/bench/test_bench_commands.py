@@ -74,3 +74,18 @@ def test_bench_contracts_reports_overhead(capsys):
     assert "5-tensor check:" in out and "us per call" in out
     op, tensors = contracts.five_tensor_op(), contracts.five_tensors()
     assert op.check("x", **tensors) == {"E": 32, "M": 128, "K": 7168, "I": 2048}
+
+
+def test_bench_attention_config_words():
+    # "default" forces the backend default past a tuned entry, "tuned" (and no --config) looks one up,
+    # anything else must be a JSON object: a typo is an error that says so, not a silent default row
+    import pytest
+
+    from pdlab.bench.attention import parse_configs
+
+    assert parse_configs([]) == [None]
+    assert parse_configs(["default", "tuned", '{"BLOCK_N": 32}']) == ["default", None, {"BLOCK_N": 32}]
+    with pytest.raises(SystemExit, match="neither JSON nor 'default'/'tuned'"):
+        parse_configs(["defualt"])
+    with pytest.raises(SystemExit, match="must be a JSON object"):
+        parse_configs(["[1, 2]"])
