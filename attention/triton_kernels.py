@@ -358,9 +358,10 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              BLOCK_N: tl.constexpr, FINAL: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
              PREC: tl.constexpr, FP8_FP16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, D_NOPE: tl.constexpr,
              D_PE: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False, FP8_ONCE: tl.constexpr = False,
-             PREFETCH: tl.constexpr = False, FP8_RELOAD: tl.constexpr = False, D_QUARTERS: tl.constexpr = False, PAGE_AHEAD: tl.constexpr = False):
-    """Row-major (q rows as the MMA's M side) or, with TOKEN_MAJOR, token-major (module docstring); FP8_ONCE
-    and PREFETCH apply to the first, FP8_RELOAD to the second."""
+             PREFETCH: tl.constexpr = False, FP8_RELOAD: tl.constexpr = False, D_QUARTERS: tl.constexpr = False,
+             PAGE_AHEAD: tl.constexpr = False):
+    """Row-major (q rows as the MMA's M side) or, with TOKEN_MAJOR, token-major (module docstring); FP8_ONCE,
+    PREFETCH and D_QUARTERS apply to the first, FP8_RELOAD to the second, PAGE_AHEAD to all but PREFETCH."""
     b = tl.program_id(2)
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,

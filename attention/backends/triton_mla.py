@@ -7,9 +7,10 @@ program (prefill), num_splits (0 = auto: fill the SMs ~`waves` times), num_warps
 num_stages (software pipelining of the page loads), fp8_compute (fp8 pools: upcast to bf16, or to
 fp16 — one conversion instruction instead of several on sm90; q goes to fp16 divided per row by a
 power of two that keeps it under 2^14, folded back into the scores, so no q overflows and nothing is
-lost: fp16 carries more mantissa bits than bf16; "auto", the default: fp16 for programs of <= 32 rows,
-bf16 for bigger ones — at 128 heads the fp16 path's per-row q rescaling and the converted tile cost more
-registers than the cheaper conversion saves: 2.47 → 1.85 ms at B=128, 8k on an H200), swap_ab (decode: 1 runs the token-major kernel, K·q^T and V^T·p^T, so
+lost: fp16 carries more mantissa bits than bf16; "auto", the default: fp16 for programs of <= 32 rows or
+in column quarters, bf16 otherwise — at 128 heads without quarters the fp16 path's per-row q rescaling and
+the converted tile cost more registers than the cheaper conversion saves: 2.47 → 1.85 ms at B=128, 8k on an
+H200), swap_ab (decode: 1 runs the token-major kernel, K·q^T and V^T·p^T, so
 that the KV tile is the MMA's M side — wgmma on sm90 with few heads per program), fp8_reload (fp8
 pools with swap_ab: load the V bytes a second time so V is upcast once into a 16-bit shared tile
 instead of being gathered byte by byte), tile_in_page (1: when the page size is a multiple of BLOCK_N a
