@@ -45,24 +45,35 @@ def prefill_buckets(model: ModelShape) -> list[dict]:
 
 
 class AttentionInputs:
-    """Tensors of one bucket: q, a paged cache (bf16, or fp8 bytes + kv_scale), block table, seqlens."""
+    """Tensors of one bucket: q, a paged cache (bf16, or fp8 bytes + kv_scale), block table, seqlens.
 
-    def __init__(self, bucket: dict, model: ModelShape, device: torch.device, prefill: bool) -> None:
+    lens (decode): ragged sequence lengths instead of bucket["seqlen"] for every sequence (the block table
+    keeps bucket["seqlen"] tokens per row); rows past each length hold NaN, so a kernel that reads them
+    fails the reference check."""
+
+    def __init__(self, bucket: dict, model: ModelShape, device: torch.device, prefill: bool,
+                 lens: list[int] | None = None) -> None:
         g = torch.Generator(device=device).manual_seed(1234)
-        B, H, S = bucket["batch"], bucket["heads"], bucket["seqlen"]
+        B, H, S = (len(lens) if lens else bucket["batch"]), bucket["heads"], bucket["seqlen"]
         D = model.latent_dim
         pages_per_seq = -(-S // PAGE)
         P = B * pages_per_seq
         kv = torch.randn(P, PAGE, D, generator=g, device=device, dtype=torch.bfloat16)
+        self.block_table = torch.randperm(P, generator=g, device=device).view(B, pages_per_seq).to(torch.int32)
+        if lens:
+            pos = torch.arange(pages_per_seq * PAGE, device=device).view(pages_per_seq, PAGE)
+            for b, n in enumerate(lens):
+                kv[self.block_table[b].long()] = torch.where((pos >= n)[..., None], float("nan"),
+                                                             kv[self.block_table[b].long()])
         self.kv_scale = None
         if bucket.get("kv_dtype") == "fp8":
             from pdlab.attention import quantize_kv_fp8
 
-            self.kv_scale = float(kv.float().abs().amax()) / 448.0
-            kv = quantize_kv_fp8(kv, self.kv_scale)
+            self.kv_scale = float(kv.float().nan_to_num(0.0).abs().amax()) / 448.0
+            kv = quantize_kv_fp8(kv, self.kv_scale)  # NaN stays NaN (e4m3 0x7f)
         self.kv_cache = kv
-        self.block_table = torch.randperm(P, generator=g, device=device).view(B, pages_per_seq).to(torch.int32)
-        self.seqlens = torch.full((B,), S, dtype=torch.int32, device=device)
+        self.seqlens = (torch.tensor(lens, dtype=torch.int32, device=device) if lens
+                        else torch.full((B,), S, dtype=torch.int32, device=device))
         self.scale = model.softmax_scale
         if prefill:
             n = bucket["q_len"]
@@ -72,6 +83,18 @@ class AttentionInputs:
         else:
             self.q = torch.randn(B, bucket.get("q_len", 1), H, D, generator=g, device=device,
                                  dtype=torch.bfloat16)
+
+
+# Served shapes a decode bucket's tuned config also meets (the store hands it to the nearest shape): short
+# and ragged sequences, page-boundary lengths and a lone sequence, in a 512-token block table.
+EDGE_LENS = ([1, 17, 63, 64, 65, 80, 81, 130, 300, 511], [80])
+
+
+def decode_edge_inputs(bucket: dict, model: ModelShape, device: torch.device) -> list[AttentionInputs]:
+    """Inputs at served shapes for this bucket's heads and cache dtype (EDGE_LENS): the winner of the bucket
+    must match the reference on these too before it is stored."""
+    small = {**bucket, "seqlen": 512}
+    return [AttentionInputs(small, model, device, prefill=False, lens=list(lens)) for lens in EDGE_LENS]
 
 
 def _accepts(backend, bucket) -> bool:
@@ -127,7 +150,8 @@ MLA_DECODE = register_target(TuneTarget(
     op="mla_decode", description="MLA decode over the paged latent cache",
     buckets=decode_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=False), call=_call_decode,
     error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",), cuda_graph=True,
-    resolve=_resolve_decode, bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
+    resolve=_resolve_decode, edge_inputs=decode_edge_inputs,
+    bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
 
 MLA_PREFILL = register_target(TuneTarget(
     op="mla_prefill", description="MLA extend/prefill over the paged latent cache",

@@ -6,8 +6,10 @@ trial cap or the grid is used up. A trial = backend default config updated with 
 called through the op's public function, compared with the reference output, then timed with
 `pdlab.bench.harness.bench`. A trial that fails to compile, runs out of memory/resources or gives
 a wrong result is told as TrialState.FAIL with the reason in `user_attrs["fail_reason"]`.
-After the search the best config is re-measured against the backend's default config (alternating
-A/B, best of the medians) and the faster of the two is stored with both times.
+After the search the fastest trial must also match the reference at the target's edge inputs (other shapes
+the stored config will meet in service; else the next-best is checked), then it is re-measured against the
+backend's default config (alternating A/B, best of the medians) and the faster of the two is stored with both
+times.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class StudyResult:
     config: dict | None  # what is stored: best_config, or the default if it re-measured faster
     history: list[tuple[int, float | None, str]] = field(default_factory=list)  # (number, value, state)
     reason: str = ""  # why nothing was stored
+    passed_over: list[str] = field(default_factory=list)  # faster trials wrong at the target's edge inputs
 
 
 @dataclass
@@ -179,6 +182,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 lockstep.send(("bucket", bucket))
             try:
                 inputs, ref = _inputs_and_reference(target, ref_backend, bucket, model, device)
+                edge = [] if lockstep is not None else _edge_cases(target, ref_backend, bucket, model, device)
             except Exception as exc:
                 reason = f"inputs/reference failed: {_describe(exc)}"
                 log.warning("%s %s: %s", target.op, tuned.bucket_label(bucket), reason)
@@ -199,7 +203,10 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                     broken[backend.name] = context_breakers(settings.storage, key, target.op, backend.name)
                 res = run_study(target, backend, bucket, inputs, ref, settings, device=device,
                                 device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep,
-                                warm_start=winners.get(backend.name), broken=broken[backend.name])
+                                warm_start=winners.get(backend.name), broken=broken[backend.name], edge=edge)
+                for why in res.passed_over:
+                    log.warning("%s %s [%s]: passed over %s", target.op, tuned.bucket_label(bucket), backend.name,
+                                why)
                 results.append(res)
                 if res.best_config is not None:
                     winners.setdefault(backend.name, []).append(res.best_config)
@@ -214,7 +221,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 if lockstep is None and tunable and not checked:  # once per op: does the op read the store?
                     checked = True
                     notes += _check_lookup(target, tunable[0], bucket, inputs, device)
-            del inputs, ref
+            del inputs, ref, edge
             _free(device)
     report = OpReport(target.op, name, results, store_file, time.perf_counter() - t_start, skipped, notes)
     if plot_dir is not None and results:
@@ -227,13 +234,16 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
 def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any, ref: Any,
               settings: SearchSettings, *, device: torch.device, device_key: str, deadline: float,
               bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None,
-              warm_start: Sequence[dict] | None = None, broken: Mapping[str, str] | None = None) -> StudyResult:
+              warm_start: Sequence[dict] | None = None, broken: Mapping[str, str] | None = None,
+              edge: Sequence[tuple[Any, Any]] = ()) -> StudyResult:
     """Search `backend`'s config space on one bucket until `deadline` (perf_counter), the trial
     cap or the grid's end; then re-measure best vs default. Resumes a study of the same name.
     warm_start: configs to try first (after the default) in a new TPE/random study.
     broken: config key → reason, configs that broke the CUDA context on some bucket of this backend
     (`context_breakers`): never run again, here or on any other bucket (a seeded sampler proposes
-    the same configs in the same order on every bucket, so each bucket would crash the run again)."""
+    the same configs in the same order on every bucket, so each bucket would crash the run again).
+    edge: (inputs, reference output) pairs at the target's edge shapes (`TuneTarget.edge_inputs`): the best
+    trial must match the reference on each too, else the next-best is checked (up to EDGE_CANDIDATES)."""
     import optuna
     from optuna.trial import TrialState
 
@@ -313,7 +323,23 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
         reasons = [t.user_attrs.get(FAIL_REASON, "") for t in trials if t.state == TrialState.FAIL]
         res.reason = "no trial produced a correct result" + (f" (last: {reasons[-1]})" if reasons else "")
         return res
-    res.best_config = backend.config(_decode(study.best_trial.params, space))
+    ranked, seen_keys = [], set()
+    for t in sorted((t for t in trials if t.state == TrialState.COMPLETE and t.value is not None),
+                    key=lambda t: t.value):
+        if _key(t.params) not in seen_keys:  # TPE repeats: one check per distinct config
+            seen_keys.add(_key(t.params))
+            ranked.append(t)
+    for t in ranked[:EDGE_CANDIDATES] if edge else ranked[:1]:
+        cfg = backend.config(_decode(t.params, space))
+        wrong = _edge_failure(target, backend.name, cfg, edge, tol, device)
+        if not wrong:
+            res.best_config = cfg
+            break
+        res.passed_over.append(f"{cfg} ({t.value:.4g} ms): {wrong}")
+    if res.best_config is None:
+        res.reason = (f"the {min(len(ranked), EDGE_CANDIDATES)} fastest configs were all wrong at the served "
+                      f"shapes; last: {res.passed_over[-1]}")
+        return res
     default = backend.config()
     t_best, t_def = remeasure(target, backend.name, res.best_config, default, inputs, ref, tol, settings, device,
                               lockstep)
@@ -494,6 +520,39 @@ def _check_lookup(target: TuneTarget, backend: str, bucket: Mapping, inputs: Any
         return []
     return [f"{target.op}[{backend}] looks up buckets with keys {sorted(asked[0])} but the tuner stores "
             f"{sorted(bucket)}: the op will not find these configs until both use the keys of docs/tuning.md"]
+
+
+EDGE_CANDIDATES = 5  # the fastest trials checked at the edge shapes before the bucket gives up
+
+
+def _edge_cases(target: TuneTarget, ref_backend: Backend | None, bucket: Mapping, model: ModelShape,
+                device: torch.device) -> list[tuple[Any, Any]]:
+    """(inputs, reference output) at the target's edge shapes for this bucket (none without edge_inputs)."""
+    if target.edge_inputs is None:
+        return []
+    out = []
+    for inputs in target.edge_inputs(bucket, model, device):
+        ref = (target.reference_output(inputs) if target.reference_output is not None
+               else target.call(ref_backend.name, ref_backend.config(), inputs))
+        out.append((inputs, ref))
+    _sync(device)
+    return out
+
+
+def _edge_failure(target: TuneTarget, backend: str, cfg: dict, edge: Sequence[tuple[Any, Any]], tol: float,
+                  device: torch.device) -> str:
+    """"" when `cfg` matches the reference on every edge case, else what went wrong on the first that does not."""
+    for n, (inputs, ref) in enumerate(edge):
+        try:
+            out = target.call(backend, cfg, inputs)
+            _sync(device)
+            err = float(target.error(out, ref))
+        except Exception as exc:
+            _check_broken(exc, device, backend, cfg)
+            return f"edge case {n}: {_describe(exc)}"
+        if not err <= tol:  # NaN (a row past a sequence was read) fails too
+            return f"edge case {n}: error {err:.3g} > tolerance {tol:.3g}"
+    return ""
 
 
 def _inputs_and_reference(target: TuneTarget, ref_backend: Backend | None, bucket: Mapping, model: ModelShape,

@@ -32,6 +32,10 @@ class TuneTarget:
     reference_output(inputs), when given, is the expected output (else the reference backend's).
     resolve(backend_name, config, bucket) → the config with its "auto" knobs (0 / -1) replaced by
     the values the backend would pick for this bucket; the search starts next to that config.
+    edge_inputs(bucket, model, device) → inputs at other shapes the bucket's stored config will also be
+    handed in service (the store answers for the nearest bucket: other batch sizes, short and ragged
+    sequences); the winner must match the reference on each before it is stored, else the next-best
+    trial is checked.
     modules: imported before the registry is read (they register the backends)."""
 
     op: str
@@ -46,6 +50,7 @@ class TuneTarget:
     reference: str | None = None
     reference_output: Callable[[Any], Any] | None = None  # computes the expected output itself
     resolve: Callable[[str, dict, Mapping], dict] = lambda backend, config, bucket: dict(config)
+    edge_inputs: Callable[[Mapping, ModelShape, torch.device], list] | None = None
     cuda_graph: bool = False
     bucket_doc: str = ""
     import_errors: dict = field(default_factory=dict)

@@ -11,7 +11,8 @@
 # the same time, each with the whole TOTAL_BUDGET and its own optuna storage file. ATT_BATCH / MOE_TPE pick the buckets; RUN_TESTS=1 also runs tests/tuning.
 # Writes under $OUT: configs/<device_key>/{mla_decode,moe_experts}.json (copy them into tuning/configs/), tuning_{att,moe}.db (the optuna studies; rerun with the same files to
 # resume), per-op summary CSV/JSON and PNG plots, summary.txt (geometric-mean speedup per op and the
-# time each op's tuning took), device/commit/date.
+# time each op's tuning took), device/commit/date, served_check.txt (the GPU runtime and attention tests run
+# with the new configs: copy them into tuning/configs only when it passed).
 set -u
 OUT=${OUT:-/tmp/pdlab_tuning}
 TOTAL_BUDGET=${TOTAL_BUDGET:-180}
@@ -87,10 +88,21 @@ else
 fi
 END=$(date +%s)
 
+# served check: the new configs (PDLAB_CONFIG_DIR is $OUT/configs) in what a server does with them — the GPU
+# runtime tests (CUDA-graph decode, retraction with an fp8 pool) and the attention GPU tests. Copy the
+# configs into tuning/configs only when this passes (SERVED_CHECK=0 skips it).
+if [[ ${SERVED_CHECK:-1} == 1 ]]; then
+  timeout 240 $PY -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/runtime/test_engine_gpu.py \
+    tests/attention/test_gpu.py > "$OUT/served_check.txt" 2>&1
+  echo "rc=$?" >> "$OUT/served_check.txt"
+fi
+
 {
   echo "device: $(tail -1 "$OUT/device.txt")   commit: $(cat "$OUT/commit.txt" 2>/dev/null)   date: $(cat "$OUT/date.txt")"
   grep -h "geometric-mean speedup\|nothing stored\|WARNING" "$OUT/attention.log" "$OUT/moe.log" 2>/dev/null
   $PY -m pdlab tune show --geomean 2>&1
+  [[ -f "$OUT/served_check.txt" ]] && echo "served check (runtime + attention GPU tests with these configs): \
+$(grep -E "passed|failed" "$OUT/served_check.txt" | tail -1) $(tail -1 "$OUT/served_check.txt")"
   if [[ $PARALLEL == 1 ]]; then
     echo "wall time: attention and experts in parallel on two GPUs, total $(( END - START )) s (budget $TOTAL_BUDGET s each)"
   else

@@ -236,3 +236,55 @@ def test_tpe_study_starts_from_the_resolved_default_and_its_neighbours(toy, isol
     assert trials[1].params == {"rows": 1, "cols": 1, "flip": False}  # as declared
     one_knob = [t.params for t in trials[2:8]]
     assert all(sum(p[k] != v for k, v in {"rows": 4, "cols": 1, "flip": False}.items()) == 1 for p in one_knob)
+
+
+def _edge_target(wrong_modes):
+    """Op "toy_edge" (y = 2x): modes 0, 1, 2 take 0, 2 and 4 ms; the modes in wrong_modes are wrong for a
+    single row only — which the bucket's inputs (8 rows) never show and its edge inputs (1 row) do."""
+    from pdlab.kernels import registry
+    from pdlab.kernels.registry import register_backend
+    from pdlab.tuning.target import TuneTarget
+
+    op = "toy_edge"
+
+    @register_backend(op, "ref", archs=("cpu",), reference=True)
+    def ref(x, *, config=None):
+        return x * 2
+
+    @register_backend(op, "fast", archs=("cpu",), config_space={"mode": [0, 1, 2]}, default_config={"mode": 2})
+    def fast(x, *, config):
+        time.sleep((0.0, 0.002, 0.004)[config["mode"]])
+        return x * 3 if config["mode"] in wrong_modes and x.shape[0] == 1 else x * 2
+
+    def call(backend, cfg, x):
+        b = registry.get_backend(op, backend)
+        return b.impl(x, config=cfg if cfg is not None else b.config())
+
+    return TuneTarget(op=op, description="toy edge", buckets=lambda model: [{"n": 8}],
+                      build=lambda bucket, model, device: torch.ones(bucket["n"], 4), call=call,
+                      error=lambda out, ref: float((out - ref).abs().max()), tolerance=lambda bucket: 1e-6,
+                      edge_inputs=lambda bucket, model, device: [torch.ones(1, 4)])
+
+
+def test_a_winner_wrong_at_the_edge_shapes_is_passed_over(toy, isolated):
+    # the store hands a bucket's config to other shapes too (nearest bucket): the fastest config, right on
+    # the bucket's own inputs but wrong on a single row, must not be stored; the next-best right one is
+    from pdlab.kernels import registry
+
+    try:
+        rep = tune_op(_edge_target({0}), [{"n": 8}], DEEPSEEK_R1, toy.settings(None, 3, backends=["fast"]),
+                      device=torch.device("cpu"), store_root=isolated / "configs", metadata=toy.metadata())
+        s = rep.studies[0]
+        assert s.best_config == {"mode": 1}, (s.best_config, s.passed_over)
+        assert len(s.passed_over) == 1 and "'mode': 0" in s.passed_over[0] and "edge case 0" in s.passed_over[0]
+        entry = json.loads(rep.store_file.read_text())["entries"]["n=8"]["backends"]["fast"]
+        assert entry["config"]["mode"] in (1, 2)  # the winner, or the default if it re-measured faster
+        # every config wrong at the edge: nothing stored for the bucket, and the reason says why
+        registry._REGISTRY.pop("toy_edge", None)
+        rep = tune_op(_edge_target({0, 1, 2}), [{"n": 8}], DEEPSEEK_R1, toy.settings(None, 3, backends=["fast"]),
+                      device=torch.device("cpu"), store_root=isolated / "configs2", metadata=toy.metadata())
+        s = rep.studies[0]
+        assert s.config is None and "wrong at the served shapes" in s.reason and len(s.passed_over) == 3
+    finally:
+        registry._REGISTRY.pop("toy_edge", None)
+        registry._PROBE_CACHE.clear()

@@ -1,0 +1,29 @@
+"""The mla_decode tuning target's edge inputs: the served shapes every stored winner must also get right."""
+
+import pytest
+import torch
+
+from pdlab.attention import mla_decode
+from pdlab.tuning.attention import EDGE_LENS, MLA_DECODE, decode_edge_inputs
+from pdlab.tuning.models import DEEPSEEK_R1
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_edge_inputs_are_ragged_with_poison_past_each_length(kv_dtype):
+    bucket = {"batch": 128, "seqlen": 8192, "heads": 16, "kv_dtype": kv_dtype, "q_len": 1}
+    cases = decode_edge_inputs(bucket, DEEPSEEK_R1, torch.device("cpu"))
+    assert [x.seqlens.tolist() for x in cases] == [list(lens) for lens in EDGE_LENS]
+    for x in cases:
+        assert x.block_table.shape[1] * 64 == 512 and x.q.shape[2] == 16
+        for b, n in enumerate(x.seqlens.tolist()):
+            rows = x.kv_cache[x.block_table[b].long()].reshape(512, -1)
+            vals = rows.view(torch.float8_e4m3fn).float() if kv_dtype == "fp8" else rows.float()
+            assert torch.isfinite(vals[:n]).all() and torch.isnan(vals[n:]).all()
+        # the reference reads no row past a length: finite, and what the tuner compares every winner with
+        out, lse = MLA_DECODE.call("torch", None, x)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        # a kernel that read one row too many would be caught: NaN reaches the output
+        longer = x.seqlens + 1
+        bad, _ = mla_decode(x.q, x.kv_cache, x.block_table, longer.clamp(max=512), x.scale, kv_scale=x.kv_scale,
+                            backend="torch")
+        assert torch.isnan(bad).any()
