@@ -190,3 +190,16 @@ def test_decode_fp8_knob_combinations_at_served_lengths(heads, cfg, seed):
         out, lse = _decode(p, "triton", config={"fp8_upcast": "once", **cfg, "fp8_compute": "fp16"})
         assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
             (h, lens, cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+@pytest.mark.parametrize("q_len,heads", [(2, 16), (4, 16), (2, 128)])
+def test_decode_fp8_default_with_several_new_tokens(q_len, heads, seed):
+    # the fp8 default (column quarters, page id a tile ahead, fp16 compute) with speculative tokens
+    rng = random.Random(seed)
+    p = decode_problem(_lens(16, 4096, q_len, rng), heads, q_len, 64, torch.bfloat16, device=DEV, seed=seed)
+    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    ref = _decode(p, "torch")
+    out, lse = _decode(p, "triton")
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))

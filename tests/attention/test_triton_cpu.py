@@ -289,3 +289,15 @@ def test_a_config_too_big_for_shared_memory_gets_an_error_naming_the_knobs(monke
     p = decode_problem([70], heads=16, q_len=1, page=64, dtype=torch.float16, kv_dtype="same", seed=0)
     with pytest.raises(ValueError, match="lower num_stages, BLOCK_N or BLOCK_H, or set page_ahead=0"):
         _decode(p, TRITON_DECODE, config={"BLOCK_N": 32, "page_ahead": 1})
+
+
+@pytest.mark.parametrize("q_len,heads", [(2, 16), (4, 8)])
+def test_fp8_default_with_several_new_tokens_matches_the_reference(q_len, heads, seed):
+    # the fp8 default (column quarters, page id a tile ahead, fp16 compute) at S_q 2 / 4: rows of one program
+    # belong to different query tokens with different causal limits; 32 rows sum independent q·k chains,
+    # 64 rows one chain
+    p = decode_problem([4, 17, 64, 65, 130], heads=heads, q_len=q_len, page=64, dtype=torch.bfloat16,
+                       kv_dtype="fp8", seed=seed)
+    ref_out, ref_lse = _decode(p, "torch")
+    out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 32})
+    assert cosine_error(out, ref_out) < 3e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
