@@ -166,7 +166,9 @@ def test_fp8_fp16_compute_survives_q_beyond_fp16_range(seed):
     ref_out, ref_lse = _decode(p, "torch")
     out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 16, "num_splits": 2, "fp8_compute": "fp16"})
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    assert cosine_error(out, ref_out) < 1e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
+    # bf16 outputs on both sides: over 40 seeds the error is 8e-6 median, 1.1e-5 max (whole tile or column
+    # quarters alike), so the 1e-5 this test had failed 3 seeds in 40; a broken rescale errs by O(1) or NaN
+    assert cosine_error(out, ref_out) < 3e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
 
 
 def test_fp8_fp16_compute_path(seed):
