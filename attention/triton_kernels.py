@@ -93,15 +93,14 @@ def _tile_rows(bt_row, start, n, n_ok, tile_ok, stride_kv_p, stride_kv_o, PAGE: 
     GUARD: the tile may start past the range (a prefetch of the tile after the last one): its page id is
     read only when tile_ok (scalar). PAGE_GIVEN (TILE_IN_PAGE): the tile's page id is `page`, read by the
     caller one iteration ahead (_next_page)."""
-    if PAGE_GIVEN:
-        pass
-    elif TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
-        if GUARD:
-            page = tl.load(bt_row + start // PAGE, mask=tile_ok, other=0)
+    if not PAGE_GIVEN:
+        if TILE_IN_PAGE:  # the tile lies in one page: one page id and one int64 base per tile
+            if GUARD:
+                page = tl.load(bt_row + start // PAGE, mask=tile_ok, other=0)
+            else:
+                page = tl.load(bt_row + start // PAGE)
         else:
-            page = tl.load(bt_row + start // PAGE)
-    else:
-        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+            page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
     return page.to(tl.int64) * stride_kv_p + (n % PAGE) * stride_kv_o
 
 
@@ -378,26 +377,9 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     l_i = tl.zeros([M], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_bt_b
     page = 0
-    if PAGE_AHEAD:  # TILE_IN_PAGE (launcher): the first tile's page id, then each next one a tile ahead
+    if PAGE_AHEAD:  # TILE_IN_PAGE, not PREFETCH (launcher): the first tile's page id, then each next a tile ahead
         page = _next_page(bt_row, lo, hi, PAGE)
-    if TOKEN_MAJOR:
-        acc = tl.zeros([D_NOPE, M], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            if PAGE_AHEAD:
-                page_nx = _next_page(bt_row, start + BLOCK_N, hi, PAGE)
-            k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
-                                             TILE_IN_PAGE, BLOCK_N, D_NOPE, False, page, PAGE_AHEAD)
-            if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
-                row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE, False,
-                                 page, PAGE_AHEAD)
-                v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-            else:
-                v = k_nope
-            m_i, l_i, acc = _attend_tile_t(q_nope, q_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m_i, l_i, acc,
-                                           FP8, PREC)
-            if PAGE_AHEAD:
-                page = page_nx
-    elif PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
+    if PREFETCH:  # software pipelining in registers: tile i+1 is in flight while tile i is computed
         acc = tl.zeros([M, D_NOPE], tl.float32)
         nx_nope, nx_pe, nx_n, nx_ok = _kv_tile(KV, bt_row, lo, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
                                                TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
@@ -407,37 +389,51 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
                                                    PAGE, TILE_IN_PAGE, BLOCK_N, D_NOPE, True)
             m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
                                          FP8, FP8_ONCE, PREC)
-    elif D_QUARTERS:  # q, the tile and the accumulator in four column quarters (_attend_quarters)
-        if FP8_FP16:  # q was rescaled per row in registers: split it there
-            q0, q1, q2, q3 = _split4(q_nope, M, D_NOPE)
-        else:  # loaded per quarter: Triton keeps loaded operands in shared memory instead of 128 registers
-            q0, q1, q2, q3 = _q_quarters(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, D_NOPE)
-        a0 = tl.zeros([M, D_NOPE // 4], tl.float32)
-        a1 = tl.zeros([M, D_NOPE // 4], tl.float32)
-        a2 = tl.zeros([M, D_NOPE // 4], tl.float32)
-        a3 = tl.zeros([M, D_NOPE // 4], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            if PAGE_AHEAD:
-                page_nx = _next_page(bt_row, start + BLOCK_N, hi, PAGE)
-            k0, k1, k2, k3, kp, n, n_ok = _kv_quarters(KV, bt_row, start, hi, stride_kv_p, stride_kv_o, PAGE,
-                                                       TILE_IN_PAGE, BLOCK_N, D_NOPE, D_PE, FP8, FP8_ONCE,
-                                                       q_nope.dtype, page, PAGE_AHEAD)
-            m_i, l_i, a0, a1, a2, a3 = _attend_quarters(q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kp, n, n_ok, limit,
-                                                        row_scale, m_i, l_i, a0, a1, a2, a3, PREC, M <= 32)
-            if PAGE_AHEAD:
-                page = page_nx
-        acc = _join4(a0, a1, a2, a3, M, D_NOPE)
     else:
-        acc = tl.zeros([M, D_NOPE], tl.float32)
+        # the accumulator: [D_NOPE, M] token-major, four column quarters [M, D_NOPE/4], else [M, D_NOPE]
+        if TOKEN_MAJOR:
+            acc = tl.zeros([D_NOPE, M], tl.float32)
+        elif D_QUARTERS:
+            if FP8_FP16:  # q was rescaled per row in registers: split it there
+                q0, q1, q2, q3 = _split4(q_nope, M, D_NOPE)
+            else:  # loaded per quarter: Triton keeps loaded operands in shared memory instead of 128 registers
+                q0, q1, q2, q3 = _q_quarters(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, D_NOPE)
+            a0 = tl.zeros([M, D_NOPE // 4], tl.float32)
+            a1 = tl.zeros([M, D_NOPE // 4], tl.float32)
+            a2 = tl.zeros([M, D_NOPE // 4], tl.float32)
+            a3 = tl.zeros([M, D_NOPE // 4], tl.float32)
+        else:
+            acc = tl.zeros([M, D_NOPE], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             if PAGE_AHEAD:
                 page_nx = _next_page(bt_row, start + BLOCK_N, hi, PAGE)
-            k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
-                                             TILE_IN_PAGE, BLOCK_N, D_NOPE, False, page, PAGE_AHEAD)
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i, acc,
-                                         FP8, FP8_ONCE, PREC)
+            if D_QUARTERS and not TOKEN_MAJOR:
+                k0, k1, k2, k3, kp, n, n_ok = _kv_quarters(KV, bt_row, start, hi, stride_kv_p, stride_kv_o, PAGE,
+                                                           TILE_IN_PAGE, BLOCK_N, D_NOPE, D_PE, FP8, FP8_ONCE,
+                                                           q_nope.dtype, page, PAGE_AHEAD)
+                m_i, l_i, a0, a1, a2, a3 = _attend_quarters(q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kp, n, n_ok,
+                                                            limit, row_scale, m_i, l_i, a0, a1, a2, a3, PREC,
+                                                            M <= 32)
+            else:
+                k_nope, k_pe, n, n_ok = _kv_tile(KV, bt_row, start, hi, d, dp, stride_kv_p, stride_kv_o, PAGE,
+                                                 TILE_IN_PAGE, BLOCK_N, D_NOPE, False, page, PAGE_AHEAD)
+                if TOKEN_MAJOR:
+                    if FP8_RELOAD:  # a distinct load (cache modifier): not merged with k_nope by CSE
+                        row = _tile_rows(bt_row, start, n, n_ok, True, stride_kv_p, stride_kv_o, PAGE, TILE_IN_PAGE,
+                                         False, page, PAGE_AHEAD)
+                        v = tl.load(KV + row[:, None] + d[None, :], mask=n_ok[:, None], other=0.0,
+                                    cache_modifier=".cg")
+                    else:
+                        v = k_nope
+                    m_i, l_i, acc = _attend_tile_t(q_nope, q_pe, k_nope, k_pe, v, n, n_ok, limit, row_scale, m_i,
+                                                   l_i, acc, FP8, PREC)
+                else:
+                    m_i, l_i, acc = _attend_tile(q_nope, q_pe, k_nope, k_pe, n, n_ok, limit, row_scale, m_i, l_i,
+                                                 acc, FP8, FP8_ONCE, PREC)
             if PAGE_AHEAD:
                 page = page_nx
+        if D_QUARTERS and not TOKEN_MAJOR:
+            acc = _join4(a0, a1, a2, a3, M, D_NOPE)
 
     _write_out(acc, m_i, l_i, kv_scale, q_start, j, h, row_ok, split, d, O, LSE, O_PART, LSE_PART,
                stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,

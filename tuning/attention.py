@@ -45,36 +45,25 @@ def prefill_buckets(model: ModelShape) -> list[dict]:
 
 
 class AttentionInputs:
-    """Tensors of one bucket: q, a paged cache (bf16, or fp8 bytes + kv_scale), block table, seqlens.
+    """Tensors of one bucket: q, a paged cache (bf16, or fp8 bytes + kv_scale), block table, seqlens."""
 
-    lens (decode): ragged sequence lengths instead of bucket["seqlen"] for every sequence (the block table
-    keeps bucket["seqlen"] tokens per row); rows past each length hold NaN, so a kernel that reads them
-    fails the reference check."""
-
-    def __init__(self, bucket: dict, model: ModelShape, device: torch.device, prefill: bool,
-                 lens: list[int] | None = None) -> None:
+    def __init__(self, bucket: dict, model: ModelShape, device: torch.device, prefill: bool) -> None:
         g = torch.Generator(device=device).manual_seed(1234)
-        B, H, S = (len(lens) if lens else bucket["batch"]), bucket["heads"], bucket["seqlen"]
+        B, H, S = bucket["batch"], bucket["heads"], bucket["seqlen"]
         D = model.latent_dim
         pages_per_seq = -(-S // PAGE)
         P = B * pages_per_seq
         kv = torch.randn(P, PAGE, D, generator=g, device=device, dtype=torch.bfloat16)
-        self.block_table = torch.randperm(P, generator=g, device=device).view(B, pages_per_seq).to(torch.int32)
-        if lens:
-            pos = torch.arange(pages_per_seq * PAGE, device=device).view(pages_per_seq, PAGE)
-            for b, n in enumerate(lens):
-                kv[self.block_table[b].long()] = torch.where((pos >= n)[..., None], float("nan"),
-                                                             kv[self.block_table[b].long()])
         self.kv_scale = None
         if bucket.get("kv_dtype") == "fp8":
             from pdlab.attention import quantize_kv_fp8
 
-            self.kv_scale = float(kv.float().nan_to_num(0.0).abs().amax()) / 448.0
-            kv = quantize_kv_fp8(kv, self.kv_scale)  # NaN stays NaN (e4m3 0x7f)
+            self.kv_scale = float(kv.float().abs().amax()) / 448.0
+            kv = quantize_kv_fp8(kv, self.kv_scale)
         self.kv_cache = kv
-        self.seqlens = (torch.tensor(lens, dtype=torch.int32, device=device) if lens
-                        else torch.full((B,), S, dtype=torch.int32, device=device))
-        self.scale = model.softmax_scale
+        self.block_table = torch.randperm(P, generator=g, device=device).view(B, pages_per_seq).to(torch.int32)
+        self.seqlens = torch.full((B,), S, dtype=torch.int32, device=device)
+        self.softmax_scale = model.softmax_scale
         if prefill:
             n = bucket["q_len"]
             self.q = torch.randn(B * n, H, D, generator=g, device=device, dtype=torch.bfloat16)
@@ -90,11 +79,19 @@ class AttentionInputs:
 EDGE_LENS = ([1, 17, 63, 64, 65, 80, 81, 130, 300, 511], [80])
 
 
-def decode_edge_inputs(bucket: dict, model: ModelShape, device: torch.device) -> list[AttentionInputs]:
-    """Inputs at served shapes for this bucket's heads and cache dtype (EDGE_LENS): the winner of the bucket
-    must match the reference on these too before it is stored."""
-    small = {**bucket, "seqlen": 512}
-    return [AttentionInputs(small, model, device, prefill=False, lens=list(lens)) for lens in EDGE_LENS]
+def decode_edge_inputs(bucket: dict, model: ModelShape, device: torch.device) -> list:
+    """Inputs at served shapes for this bucket's heads and cache dtype (EDGE_LENS): ragged decode problems of
+    `pdlab.attention.workloads` (rows past each length are NaN, so a kernel that reads them fails the check).
+    The winner of the bucket must match the reference on these too before it is stored."""
+    from pdlab.attention.workloads import decode_problem
+
+    out = []
+    for n, lens in enumerate(EDGE_LENS):
+        p = decode_problem(list(lens), bucket["heads"], bucket.get("q_len", 1), PAGE, torch.bfloat16,
+                           kv_dtype=bucket.get("kv_dtype", "bf16"), device=device, capacity=512, seed=1234 + n)
+        p.softmax_scale = model.softmax_scale
+        out.append(p)
+    return out
 
 
 def _accepts(backend, bucket) -> bool:
@@ -113,14 +110,14 @@ def _accepts(backend, bucket) -> bool:
 def _call_decode(backend: str, cfg: dict, x: AttentionInputs):
     from pdlab.attention import mla_decode
 
-    return mla_decode(x.q, x.kv_cache, x.block_table, x.seqlens, x.scale, kv_scale=x.kv_scale, backend=backend,
-                      config=cfg)
+    return mla_decode(x.q, x.kv_cache, x.block_table, x.seqlens, x.softmax_scale, kv_scale=x.kv_scale,
+                      backend=backend, config=cfg)
 
 
 def _call_prefill(backend: str, cfg: dict, x: AttentionInputs):
     from pdlab.attention import mla_prefill
 
-    return mla_prefill(x.q, x.kv_cache, x.block_table, x.seqlens, x.qo_indptr, x.scale, kv_scale=x.kv_scale,
+    return mla_prefill(x.q, x.kv_cache, x.block_table, x.seqlens, x.qo_indptr, x.softmax_scale, kv_scale=x.kv_scale,
                        max_q_len=x.max_q_len, backend=backend, config=cfg)
 
 

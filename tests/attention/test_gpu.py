@@ -43,7 +43,8 @@ def test_decode_bf16(heads, q_len, seed):
 @pytest.mark.parametrize("page,cfg", [(1, {"BLOCK_N": 16}), (16, {"num_splits": 1}), (128, {"BLOCK_N": 64}),
                                       (32, {"BLOCK_H": 32, "BLOCK_N": 16}), (8, {"num_splits": 7}),
                                       (64, {"page_ahead": 1, "num_splits": 3, "BLOCK_N": 32}),
-                                      (64, {"d_quarters": 1, "num_stages": 2}), (16, {"d_quarters": 1, "num_splits": 5}), (16, {"page_ahead": 1, "BLOCK_N": 16}),
+                                      (64, {"d_quarters": 1, "num_stages": 2}), (16, {"d_quarters": 1, "num_splits": 5}),
+                                      (16, {"page_ahead": 1, "BLOCK_N": 16}),
                                       (64, {"page_ahead": 1, "swap_ab": 1, "BLOCK_N": 32, "BLOCK_H": 16,
                                              "num_stages": 2, "num_splits": 2})])
 def test_decode_pages_and_configs(page, cfg, seed):
@@ -96,9 +97,7 @@ def test_decode_token_major_bf16(heads, q_len, cfg, seed):
 def test_decode_fp8_upcast_once(heads, cfg, seed):
     # the tile converted once by PTX (fp16 compute) must give the reference's result like the plain upcast
     rng = random.Random(seed)
-    p = decode_problem(_lens(32, 8192, 1, rng), heads, 1, 64, torch.bfloat16, device=DEV, seed=seed)
-    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
-    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    p = decode_problem(_lens(32, 8192, 1, rng), heads, 1, 64, torch.bfloat16, kv_dtype="fp8", device=DEV, seed=seed)
     ref = _decode(p, "torch")
     out, lse = _decode(p, "triton", config={**cfg, "fp8_compute": "fp16"})
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
@@ -110,9 +109,7 @@ def test_decode_fp8_upcast_once(heads, cfg, seed):
                                  {"swap_ab": 1, "fp8_reload": 0, "BLOCK_N": 64, "num_warps": 8}])
 def test_decode_fp8_token_major(cfg, seed):
     rng = random.Random(seed)
-    p = decode_problem(_lens(32, 8192, 1, rng), 16, 1, 64, torch.bfloat16, device=DEV, seed=seed)
-    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
-    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    p = decode_problem(_lens(32, 8192, 1, rng), 16, 1, 64, torch.bfloat16, kv_dtype="fp8", device=DEV, seed=seed)
     ref = _decode(p, "torch")
     out, lse = _decode(p, "triton", config=cfg)
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
@@ -183,9 +180,7 @@ def test_decode_fp8_knob_combinations_at_served_lengths(heads, cfg, seed):
     rng = random.Random(seed)
     for h in ((4, heads) if heads == 16 else (heads,)):
         lens = [1, 17, 63, 64, 65, 80, 81] + [rng.randint(2, 500) for _ in range(3)]
-        p = decode_problem(lens, h, 1, 64, torch.bfloat16, device=DEV, capacity=512, seed=seed)
-        scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
-        p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+        p = decode_problem(lens, h, 1, 64, torch.bfloat16, kv_dtype="fp8", device=DEV, capacity=512, seed=seed)
         ref = _decode(p, "torch")
         out, lse = _decode(p, "triton", config={"fp8_upcast": "once", **cfg, "fp8_compute": "fp16"})
         assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
@@ -196,9 +191,8 @@ def test_decode_fp8_knob_combinations_at_served_lengths(heads, cfg, seed):
 def test_decode_fp8_default_with_several_new_tokens(q_len, heads, seed):
     # the fp8 default (column quarters, page id a tile ahead, fp16 compute) with speculative tokens
     rng = random.Random(seed)
-    p = decode_problem(_lens(16, 4096, q_len, rng), heads, q_len, 64, torch.bfloat16, device=DEV, seed=seed)
-    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
-    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    p = decode_problem(_lens(16, 4096, q_len, rng), heads, q_len, 64, torch.bfloat16, kv_dtype="fp8", device=DEV,
+                       seed=seed)
     ref = _decode(p, "torch")
     out, lse = _decode(p, "triton")
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \

@@ -24,6 +24,6 @@ def test_edge_inputs_are_ragged_with_poison_past_each_length(kv_dtype):
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         # a kernel that read one row too many would be caught: NaN reaches the output
         longer = x.seqlens + 1
-        bad, _ = mla_decode(x.q, x.kv_cache, x.block_table, longer.clamp(max=512), x.scale, kv_scale=x.kv_scale,
+        bad, _ = mla_decode(x.q, x.kv_cache, x.block_table, longer.clamp(max=512), x.softmax_scale, kv_scale=x.kv_scale,
                             backend="torch")
         assert torch.isnan(bad).any()
