@@ -8,6 +8,7 @@ CPU: `time.perf_counter` with the same interface; results carry `kind="cpu"` so 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -173,3 +174,49 @@ def cosine_error(x: torch.Tensor, y: torch.Tensor) -> float:
     if denom == 0:
         return 0.0
     return float(1 - 2 * (x * y).sum() / denom)
+
+
+@contextlib.contextmanager
+def reference_checked(op: str, backend: str, *, dump_dir: str | None = None, max_dumps: int = 4):
+    """Within the block every call of registered `backend` of `op` made outside CUDA-graph capture is
+    also run through the op's reference backend (the torch fp32 oracle) on the same inputs, and the
+    two results compared with `cosine_error` per returned tensor.
+
+    Yields a list that receives one dict per call: "shapes" (of the tensor arguments), "errors" (one
+    float per returned tensor), "config" (the config the backend ran), and "dump" (a .pt file with the
+    inputs, for the first `max_dumps` calls whose error exceeds 1e-4, when `dump_dir` is given). The
+    backend's own results are returned to the caller unchanged. A serving check, not a timing tool:
+    the reference is slow and syncs the host."""
+    from pathlib import Path
+
+    from pdlab.kernels import registry
+
+    target = registry.get_backend(op, backend)
+    oracle = next(b for b in registry.backends(op) if b.reference)
+    impl, calls = target.impl, []
+
+    def checked(*args, config=None, **kwargs):
+        got = impl(*args, config=config, **kwargs)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return got
+        want = oracle.impl(*args, **kwargs)
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        rec = {"call": len(calls), "shapes": [list(a.shape) for a in args if torch.is_tensor(a)],
+               "errors": [cosine_error(g, w) for g, w in zip(got_t, want_t)], "config": dict(config or {})}
+        bad = not all(e <= 1e-4 for e in rec["errors"])  # NaN counts as bad
+        if bad and dump_dir and sum(1 for c in calls if "dump" in c) < max_dumps:
+            path = Path(dump_dir) / f"{op}_{backend}_call{len(calls)}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": [a.cpu() if torch.is_tensor(a) else a for a in args],
+                        "kwargs": {k: v.cpu() if torch.is_tensor(v) else v for k, v in kwargs.items()},
+                        "config": config}, path)
+            rec["dump"] = str(path)
+        calls.append(rec)
+        return got
+
+    target.impl = checked
+    try:
+        yield calls
+    finally:
+        target.impl = impl

@@ -11,7 +11,9 @@ from pdlab.kernels import tuned
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", default=None, help="only this op (e.g. mla_decode)")
-    parser.add_argument("--device", default=None, help="device whose files to show (default: this machine's)")
+    parser.add_argument("--device", default=None, help="device whose files to show: a torch device (cuda:1) or a "
+                        "device name or key as the files are stored (\"NVIDIA H200\", NVIDIA_H200); default: this "
+                        "machine's")
     parser.add_argument("--all-devices", action="store_true", help="also list files of other devices")
     parser.add_argument("--geomean", action="store_true", help="one line per file: buckets and the geometric-mean "
                         "speedup of the stored configs over the backend defaults")
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    name, key, arch = tuned.device_identity(args.device)
+    name, key, arch = _identity(args.device)
     console = Console(width=160)
     console.print(f"device {name} ({arch}), key {key}; roots searched in order: "
                   + ", ".join(str(r) for r in tuned.config_roots()))
@@ -83,16 +85,50 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _identity(device) -> tuple[str, str, str]:
+    """(name, key, arch) for --device: a torch device, or the name / key of a device whose files are
+    stored (the device need not be here: name and arch then come from the files' metadata)."""
+    import torch
+
+    if device is None or isinstance(device, int):
+        return tuned.device_identity(device)
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        key = str(device).replace(" ", "_")
+        for root in tuned.config_roots():
+            for path in sorted((root / key).glob("*.json")):
+                try:
+                    meta = tuned.read_store(path)["metadata"]
+                except (OSError, ValueError):
+                    continue
+                return meta.get("device", str(device)), key, meta.get("arch", "?")
+        return str(device), key, "?"
+    return tuned.device_identity(device)
+
+
 def geomean_line(path, data: dict, status: str) -> str:
-    """`<file>: N buckets, geometric-mean speedup X (min a, max b) [status]` over the winners."""
+    """`<file>: N buckets, geometric-mean speedup X (min a, max b)[; by <key>: v X, ...] [status]` over
+    the winners; the breakdown for every non-numeric bucket key with several values (e.g. kv_dtype)."""
     import math
 
-    xs = [e["speedup"] for e in data["entries"].values() if e.get("speedup")]
+    def gm(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    timed = [e for e in data["entries"].values() if e.get("speedup")]
+    xs = [e["speedup"] for e in timed]
     if not xs:
         return f"{path}: no timed entries [{status}]"
-    g = math.exp(sum(math.log(x) for x in xs) / len(xs))
-    return (f"{path}: {len(xs)} buckets, geometric-mean speedup over default {g:.3f}x "
-            f"(min {min(xs):.3f}x, max {max(xs):.3f}x) [{status}]")
+    parts = []
+    keys = sorted({k for e in timed for k, v in e.get("bucket", {}).items() if isinstance(v, str)})
+    for k in keys:
+        groups: dict[str, list[float]] = {}
+        for e in timed:
+            groups.setdefault(str(e.get("bucket", {}).get(k)), []).append(e["speedup"])
+        if len(groups) > 1:
+            parts.append(f"by {k}: " + ", ".join(f"{v} {gm(g):.3f}x ({len(g)})" for v, g in sorted(groups.items())))
+    return (f"{path}: {len(xs)} buckets, geometric-mean speedup over default {gm(xs):.3f}x "
+            f"(min {min(xs):.3f}x, max {max(xs):.3f}x)" + "".join(f"; {p}" for p in parts) + f" [{status}]")
 
 
 def _f(v, suffix: str = "") -> str:

@@ -66,3 +66,35 @@ def test_roofline_memory_and_compute_bound():
 def test_roofline_without_peaks():
     r = roofline(1e9, 1e9, 1e-3, DeviceFacts("cpu", "cpu", 2, 0, None))
     assert r["gbps"] == pytest.approx(1000.0) and r["bound"] == "?" and math.isnan(r["pct_roofline"])
+
+
+def test_reference_checked_compares_each_call_and_keeps_the_backends_result(tmp_path):
+    from pdlab.bench.harness import reference_checked
+    from pdlab.kernels.registry import get_backend, register_backend
+
+    op = "harness_checked_toy"
+
+    @register_backend(op, "ref", archs=("cpu",), reference=True)
+    def ref(x, *, scale=1.0, config=None):
+        return x.double() * scale, x.sum()
+
+    n = {"calls": 0}
+
+    @register_backend(op, "fast", archs=("cpu",), default_config={"k": 1})
+    def fast(x, *, scale=1.0, config=None):
+        n["calls"] += 1
+        y = x * scale
+        if n["calls"] == 2:  # wrong on its second call only
+            y = y.flip(0)
+        return y, x.sum()
+
+    x = torch.randn(64)
+    with reference_checked(op, "fast", dump_dir=str(tmp_path)) as calls:
+        a = get_backend(op, "fast").impl(x, scale=2.0, config={"k": 3})
+        b = get_backend(op, "fast").impl(x, scale=2.0, config={"k": 3})
+    torch.testing.assert_close(a[0], x * 2.0)
+    torch.testing.assert_close(b[0], (x * 2.0).flip(0))  # the backend's own result, not the reference's
+    assert [c["call"] for c in calls] == [0, 1] and calls[0]["config"] == {"k": 3}
+    assert calls[0]["errors"][0] < 1e-12 and calls[1]["errors"][0] > 0.1 and calls[1]["errors"][1] < 1e-12
+    assert "dump" not in calls[0] and torch.load(calls[1]["dump"])["kwargs"] == {"scale": 2.0}
+    assert get_backend(op, "fast").impl is fast  # unwrapped after the block

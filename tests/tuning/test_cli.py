@@ -100,3 +100,21 @@ def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     line = [x for x in capsys.readouterr().out.splitlines() if "toy_matmul.json" in x][0]
     speedup = data["entries"]["dtype=fp32,k=64,m=16"]["speedup"]
     assert f"1 buckets, geometric-mean speedup over default {speedup:.3f}x" in line and "[used]" in line
+
+
+def test_show_by_device_key_or_name_reads_the_shipped_files_without_that_device(capsys):
+    # the shipped H200 files, asked for on a CPU machine by key and by name; geomean split by kv_dtype
+    import math
+
+    from pdlab.kernels import tuned
+
+    data = json.loads((tuned.SHIPPED_DIR / "NVIDIA_H200" / "mla_decode.json").read_text())
+    fp8 = [e["speedup"] for e in data["entries"].values() if e["bucket"]["kv_dtype"] == "fp8"]
+    for dev in ("NVIDIA_H200", "NVIDIA H200"):
+        assert main(["show", "--device", dev, "--geomean", "--op", "mla_decode"]) == 0
+        out = capsys.readouterr().out
+        assert "device NVIDIA H200 (sm90), key NVIDIA_H200" in out
+        line = [x for x in out.splitlines() if "mla_decode.json" in x][0]
+        assert f"fp8 {math.exp(sum(map(math.log, fp8)) / len(fp8)):.3f}x ({len(fp8)})" in line and "[used" in line
+    assert main(["show", "--device", "no_such_gpu"]) == 0
+    assert "no tuned-config files for no_such_gpu" in capsys.readouterr().out
