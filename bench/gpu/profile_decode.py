@@ -80,7 +80,12 @@ def _mla(args) -> list[dict]:
         for cfg in configs:
             fn = lambda c=cfg: ops.mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale,  # noqa: E731
                                               kv_scale=p.kv_scale, backend="triton", config=c)
-            us = _time_us(fn, args)
+            try:
+                us = _time_us(fn, args)
+            except ValueError as exc:  # a config the GPU cannot run (e.g. too much shared memory): say so, go on
+                rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": json.dumps(cfg), "error": str(exc)})
+                print(rows[-1], flush=True)
+                continue
             if us is None:
                 continue
             nbytes = args.batch * args.seqlen * 576 * (1 if kv == "fp8" else 2)
@@ -88,6 +93,29 @@ def _mla(args) -> list[dict]:
                          "median_us": round(us, 1), "kv_gbps": round(nbytes / us / 1e3, 1)})
             print(rows[-1], flush=True)
     return rows
+
+
+def _compiled_kernels() -> list[dict]:
+    """Registers, spills, shared memory and constexprs of every compiled variant of the MLA decode kernel, in
+    compile order (best effort: the cache's layout is Triton's own)."""
+    from pdlab.attention import triton_kernels as tk
+
+    out = []
+    try:
+        names = tk._mla_fwd.arg_names
+        for caches in tk._mla_fwd.device_caches.values():
+            for kern in caches[0].values():
+                consts = getattr(getattr(kern, "src", None), "constants", {}) or {}
+                named = {names[k[0]] if isinstance(k, tuple) and len(k) == 1 else str(k): str(v)
+                         for k, v in consts.items()}
+                out.append({"n_regs": getattr(kern, "n_regs", None), "n_spills": getattr(kern, "n_spills", None),
+                            "shared": getattr(kern.metadata, "shared", None),
+                            "num_warps": getattr(kern.metadata, "num_warps", None),
+                            "num_stages": getattr(kern.metadata, "num_stages", None),
+                            "constexprs": {k: v for k, v in named.items() if k.isupper()}})
+    except Exception as exc:  # noqa: BLE001  (diagnostics only)
+        out.append({"error": repr(exc)})
+    return out
 
 
 def main(argv=None) -> int:
@@ -115,6 +143,8 @@ def main(argv=None) -> int:
         import pandas as pd
         args.out.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(args.out / f"profile_{args.what}.csv", index=False)
+        if args.what == "mla":
+            (args.out / "kernels_mla.json").write_text(json.dumps(_compiled_kernels(), indent=1))
     return 0
 
 
