@@ -42,3 +42,52 @@ def run_tool(prog: str, description: str, table: dict[str, Subcommand], argv: li
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     return int(module.run(args) or 0)
+
+
+def comma_list(item, what: str):
+    """An argparse `type` for a comma-separated option: every item must pass `item(text)` (which raises
+    ValueError with the reason). Returns the text unchanged, so the command splits it as before; a bad item
+    becomes argparse's usage error (exit 2) naming the item, why, and `what` is expected."""
+
+    def parse(text: str) -> str:
+        items = [t.strip() for t in str(text).split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list; expected {what}")
+        for t in items:
+            try:
+                item(t)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"{t!r} {exc}; expected {what}") from None
+        return text
+
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (ValueError with the reason otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+    if value < 1:
+        raise ValueError("is below 1")
+    return value
+
+
+def one_of(*choices: str):
+    """An item check accepting exactly `choices`."""
+
+    def check(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"is not one of {', '.join(choices)}")
+        return text
+
+    return check
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse `type` for one integer >= 1 (the usage error says why)."""
+    try:
+        return positive_int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} {exc}; expected an integer >= 1") from None

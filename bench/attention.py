@@ -21,22 +21,47 @@ import random
 
 import torch
 
+from pdlab._subcommands import comma_list, one_of, positive_int
+
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
                  "page_size": "64", "s_q": "1"}
 _CPU_DEFAULTS = {"batch": "2", "seqlen": "64,200", "heads": "16", "kv_dtype": "bf16", "page_size": "16", "s_q": "1"}
+
+
+KV_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+
+
+def _page_size(text: str) -> int:
+    value = positive_int(text)
+    if value > 128 or value & (value - 1):
+        raise ValueError("is not a power of two in 1..128")
+    return value
+
+
+def _new_tokens(text: str) -> int:
+    try:
+        return positive_int(text) if text.strip() != "0" else 0
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} {exc}; expected 0 (the whole sequence is new) or a count") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=("decode", "prefill"), default="decode")
     p.add_argument("--backend", default="triton,flashmla,trtllm_mla,flashinfer,torch",
                    help="comma list of backends (unavailable ones are listed with the reason)")
-    p.add_argument("--batch", help="comma list (GPU default 128; CPU 2)")
-    p.add_argument("--seqlen", help="comma list of (mean) total tokens per sequence (GPU default 1024,4096,8192)")
-    p.add_argument("--heads", help="comma list (GPU default 16,128)")
-    p.add_argument("--kv-dtype", help="comma list of bf16|fp16|fp8 (GPU default bf16,fp8)")
-    p.add_argument("--page-size", help="comma list (default 64 on GPU)")
-    p.add_argument("--s-q", help="decode: new tokens per sequence, comma list (default 1)")
-    p.add_argument("--new-tokens", type=int, default=0,
+    p.add_argument("--batch", type=comma_list(positive_int, "batch sizes >= 1, e.g. 1,32,128"),
+                   help="comma list (GPU default 128; CPU 2)")
+    p.add_argument("--seqlen", type=comma_list(positive_int, "token counts >= 1, e.g. 1024,8192"),
+                   help="comma list of (mean) total tokens per sequence (GPU default 1024,4096,8192)")
+    p.add_argument("--heads", type=comma_list(positive_int, "head counts >= 1, e.g. 16,128"),
+                   help="comma list (GPU default 16,128)")
+    p.add_argument("--kv-dtype", type=comma_list(one_of(*KV_DTYPES), "cache dtypes, e.g. bf16,fp8"),
+                   help="comma list of bf16|fp16|fp32|fp8 (GPU default bf16,fp8)")
+    p.add_argument("--page-size", type=comma_list(_page_size, "page sizes among 1, 2, 4, ..., 128"),
+                   help="comma list (default 64 on GPU)")
+    p.add_argument("--s-q", type=comma_list(positive_int, "new tokens per sequence >= 1, e.g. 1,2,4"),
+                   help="decode: new tokens per sequence, comma list (default 1)")
+    p.add_argument("--new-tokens", type=_new_tokens, default=0,
                    help="prefill: new tokens per sequence (0 = the whole sequence is new)")
     p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
     p.add_argument("--config", action="append", default=[],

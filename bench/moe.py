@@ -27,20 +27,24 @@ from typing import Any
 
 import torch
 
+from pdlab._subcommands import comma_list, one_of, positive_int, positive_int_arg
+
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
                routed_scaling_factor=2.5)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dispatch", default="nvfp4", help="payload(s) sent in dispatch: nvfp4,fp8,bf16 (comma list)")
+    p.add_argument("--dispatch", default="nvfp4", type=comma_list(one_of("nvfp4", "fp8", "bf16"), "payloads among "
+                   "nvfp4, fp8, bf16"), help="payload(s) sent in dispatch: nvfp4,fp8,bf16 (comma list)")
     p.add_argument("--runner", default="auto",
                    help="expert runner(s): triton,torch_grouped,cutedsl,torch or auto (best usable per payload)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks to start (one GPU each)")
+    p.add_argument("--ep", type=positive_int_arg, default=1, help="expert-parallel ranks to start (one GPU each)")
     p.add_argument("--dispatcher", default=None,
                    help="local | nccl | deepep (default: local for --ep 1, nccl otherwise)")
-    p.add_argument("--tokens", default=None, help="tokens per rank (default 1,16,128,4096 on GPU; 1,16,64 on CPU)")
-    p.add_argument("--ll-tokens", default=None,
+    p.add_argument("--tokens", default=None, type=comma_list(positive_int, "token counts >= 1, e.g. 1,16,128"),
+                   help="tokens per rank (default 1,16,128,4096 on GPU; 1,16,64 on CPU)")
+    p.add_argument("--ll-tokens", default=None, type=comma_list(positive_int, "token counts >= 1, e.g. 1,16,128"),
                    help="tokens per rank in low-latency mode (default: the --tokens values up to 256)")
     p.add_argument("--mode", default="both", choices=["normal", "low_latency", "both"])
     p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 config.json")

@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size {self.page_size} is not a power of two: the attention kernels take pages of "
+                             "1, 2, 4, ..., 128 tokens (64 is the default, and FlashMLA's only size)")
         if self.allocator == "token" and self.page_size != 1:
             raise ValueError(f"allocator 'token' manages single-token slots but page_size is {self.page_size}; "
                              "use --allocator paged (or auto), or --page-size 1")

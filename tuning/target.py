@@ -124,4 +124,15 @@ def filter_buckets(buckets: list[dict], only: Mapping[str, Sequence[str]] | None
     for key in only:
         if buckets and key not in buckets[0]:
             raise ValueError(f"--only {key}=...: buckets have no key {key!r}; keys: {', '.join(buckets[0])}")
-    return [b for b in buckets if all(str(b[k]) in {str(v) for v in vals} for k, vals in only.items())]
+    kept = [b for b in buckets if all(str(b[k]) in {str(v) for v in vals} for k, vals in only.items())]
+    if buckets and not kept:
+        have = "; ".join(f"{k}: {', '.join(sorted({str(b[k]) for b in buckets}, key=_natural))}" for k in only)
+        given = " ".join(k + "=" + ",".join(v) for k, v in only.items())
+        raise ValueError(f"--only {given} matches none of the "
+                         f"{len(buckets)} buckets; the buckets have {have}")
+    return kept
+
+
+def _natural(text: str):
+    """Sort key: numbers by value, then text."""
+    return (0, float(text), "") if text.replace(".", "", 1).isdigit() else (1, 0.0, text)

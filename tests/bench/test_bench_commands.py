@@ -89,3 +89,32 @@ def test_bench_attention_config_words():
         parse_configs(["defualt"])
     with pytest.raises(SystemExit, match="must be a JSON object"):
         parse_configs(["[1, 2]"])
+
+
+def test_bench_shape_options_reject_bad_values_with_a_usage_error(capsys):
+    # tried as a new user would: --batch 0 used to end in a traceback from max(), --page-size 3 in a
+    # ShapeError traceback, --dispatch int4 in an empty CSV with exit 0
+    import pytest
+
+    from pdlab.bench.cli import main
+
+    bad = [(["attention", "--batch", "0"], "argument --batch: '0' is below 1"),
+           (["attention", "--seqlen", "1k"], "argument --seqlen: '1k' is not an integer"),
+           (["attention", "--page-size", "16,3"], "argument --page-size: '3' is not a power of two in 1..128"),
+           (["attention", "--page-size", "256"], "'256' is not a power of two in 1..128"),
+           (["attention", "--kv-dtype", "bf16,fp4"], "'fp4' is not one of bf16, fp16, fp32, fp8"),
+           (["attention", "--s-q", ","], "argument --s-q: empty list"),
+           (["attention", "--op", "prefill", "--new-tokens", "-1"], "argument --new-tokens: '-1' is below 1"),
+           (["moe", "--tokens", "1,0"], "argument --tokens: '0' is below 1"),
+           (["moe", "--dispatch", "int4"], "'int4' is not one of nvfp4, fp8, bf16"),
+           (["moe", "--ep", "0"], "argument --ep: '0' is below 1")]
+    for argv, message in bad:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    from pdlab.bench import attention, moe
+
+    args = _args(attention, ["--batch", "1,32", "--page-size", "1,64,128", "--kv-dtype", "fp8"])
+    assert (args.batch, args.page_size, args.kv_dtype) == ("1,32", "1,64,128", "fp8")  # the text, split later
+    assert _args(moe, []).dispatch == "nvfp4" and _args(moe, ["--ep", "4"]).ep == 4

@@ -59,6 +59,7 @@ def test_boolean_flags_switch_both_ways(tmp_path):
     ({"chunked_prefill_size": 4096, "max_prefill_tokens": 1024}, "--max-prefill-tokens"),
     ({"page_size": 0}, "page_size"),
     ({"page_size": 256}, "page_size"),
+    ({"page_size": 48}, "page_size 48 is not a power of two"),
     ({"kv_dtype": "int4"}, "kv_dtype"),
     ({"device": "tpu"}, "device"),
     ({"mem_fraction_static": 1.5}, "mem_fraction_static"),

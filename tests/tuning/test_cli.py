@@ -118,3 +118,18 @@ def test_show_by_device_key_or_name_reads_the_shipped_files_without_that_device(
         assert f"fp8 {math.exp(sum(map(math.log, fp8)) / len(fp8)):.3f}x ({len(fp8)})" in line and "[used" in line
     assert main(["show", "--device", "no_such_gpu"]) == 0
     assert "no tuned-config files for no_such_gpu" in capsys.readouterr().out
+
+
+def test_only_that_matches_no_bucket_is_an_error_listing_the_values(capsys):
+    # `--only batch=abc` used to print a plan of 0 buckets and exit 0
+    from pdlab.tuning.target import filter_buckets
+
+    buckets = [{"batch": b, "kv_dtype": k} for b in (1, 8, 128) for k in ("bf16", "fp8")]
+    assert filter_buckets(buckets, {"batch": ["8", "128"], "kv_dtype": ["fp8"]}) == [
+        {"batch": 8, "kv_dtype": "fp8"}, {"batch": 128, "kv_dtype": "fp8"}]
+    with pytest.raises(ValueError, match=r"--only batch=3 matches none of the 6 buckets; the buckets have batch: 1, 8, 128"):
+        filter_buckets(buckets, {"batch": ["3"]})
+    with pytest.raises(ValueError, match="buckets have no key 'heads'"):
+        filter_buckets(buckets, {"heads": ["16"]})
+    assert main(["attention", "--only", "batch=abc", "--dry-run", "--arch", "sm90"]) == 2
+    assert "--only batch=abc matches none of the" in capsys.readouterr().err
