@@ -15,6 +15,9 @@ int32 → int16 truncation).
 Knobs where -1 = chosen from the expected tokens per expert, 0 = off, 1 = on:
 DEQ_ASM=1 unpacks 8 nibbles per 32-bit register with PTX (nibble → e4m3 byte, hardware e4m3x2 →
 f16x2 conversion, block scale in f16x2; sm89+, fp16 MMA; the interpreter runs the integer unpack);
+DEQ_ASM=2 builds the integer unpack's fp16 bits with byte permutes instead of the conversion instruction
+(bit-equal to DEQ_ASM=0; on an H200 within ±4 % of DEQ_ASM=1: slower at 1–16 tokens per expert, 2 % faster at 64,
+bench/results/NVIDIA_H200/moe_experts/2026-11-30_prmt), a choice for the tuner;
 PERM_K=1 runs the MMA over a permuted K order (within each 32-element group) in which each thread's
 weight bytes are 4 contiguous bytes in shared memory (32-bit loads instead of byte loads); the
 activation tile is permuted the same way in registers, so the result is the same sum.
@@ -46,7 +49,7 @@ _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps":
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
-          "UNPACK16": [0, 1], "DEQ_ASM": [0, 1], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
+          "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
           "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
 

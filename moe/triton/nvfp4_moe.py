@@ -110,16 +110,55 @@ mul.rn.f16x2 $3, $3, $6;
 """)
 
 
-@triton.jit
-def _dequant_nvfp4_asm(b, sf, R: tl.constexpr, C: tl.constexpr):
-    """b uint8 [R, C/2], sf uint8 e4m3 [R, C/16] → (even, odd) fp16 [R, C/2] = value·scale·2^-6 (exact).
+# DEQ_ASM=2: no conversion instruction. A nibble's fp16 bits value·2^-14 (s<<15 | e1 e0 m<<9, exact for
+# subnormals too, as the integer unpack) have a zero low byte, so each nibble becomes the high byte
+# s<<7 | (e1 e0 m)<<1 by shifts and masks, and byte permutes (prmt, integer pipe) spread two such bytes
+# into an f16x2 with zero low bytes; then the block scale in f16x2. Same bits as the integer unpack
+# (value·2^-14·scale, one fp16 rounding), without `cvt.f16x2.e4m3x2`, whose pipe issues fewer per clock.
+_DEQ_ASM_PRMT = tl.constexpr("""
+{
+.reg .b32 t, u, lo, hi, z;
+mov.b32 z, 0;
+shl.b32 t, $4, 1;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, $4, 4;
+and.b32 u, u, 0x80808080;
+or.b32 lo, t, u;
+shr.b32 t, $4, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $4, 0x80808080;
+or.b32 hi, t, u;
+prmt.b32 $0, lo, z, 0x1404;
+prmt.b32 $1, lo, z, 0x3424;
+prmt.b32 $2, hi, z, 0x1404;
+prmt.b32 $3, hi, z, 0x3424;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $5;
+mul.rn.f16x2 $3, $3, $6;
+}
+""")
 
-    PTX (cvt e4m3x2, sm89+): not for the interpreter."""
+
+@triton.jit
+def _deq_asm(b, s, ASM: tl.constexpr):
+    """The PTX unpack of packed nibbles b with fp16 scales s (one per element pair): (even, odd) fp16."""
+    if ASM == 2:
+        return tl.inline_asm_elementwise(_DEQ_ASM_PRMT, "=r,=r,=r,=r,r,r,r", [b, s],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_DEQ_ASM, "=r,=r,=r,=r,r,r,r", [b, s],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _dequant_nvfp4_asm(b, sf, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr = 1):
+    """b uint8 [R, C/2], sf uint8 e4m3 [R, C/16] → (even, odd) fp16 [R, C/2] = value·scale·2^-6 (ASM 1, exact)
+    or value·scale·2^-14 (ASM 2, the integer unpack's bits).
+
+    PTX (ASM 1: cvt e4m3x2, sm89+; ASM 2: prmt): not for the interpreter."""
     s = _e4m3_to_f32(sf).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
-    even, odd = tl.inline_asm_elementwise(_DEQ_ASM, "=r,=r,=r,=r,r,r,r", [b, s],
-                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    return even, odd
+    return _deq_asm(b, s, ASM)
 
 
 @triton.jit
@@ -140,7 +179,8 @@ def _perm_k(x, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: tl.constexpr, ASM: tl.constexpr,
                PERM: tl.constexpr):
-    """Weight tile [R, C] = value·scale·2^-6 (ASM) or ·2^-14 (integer unpack), K in natural or PERM_K order."""
+    """Weight tile [R, C] = value·scale·2^-6 (ASM 1) or ·2^-14 (ASM 2, integer unpack), K in natural or PERM_K
+    order."""
     if ASM or PERM:
         s = _e4m3_to_f32(sf).to(tl.float16)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
@@ -148,8 +188,7 @@ def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: 
             b = _perm_bytes(b, R, C)
             s = _perm_bytes(s, R, C)
         if ASM:
-            even, odd = tl.inline_asm_elementwise(_DEQ_ASM, "=r,=r,=r,=r,r,r,r", [b, s],
-                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            even, odd = _deq_asm(b, s, ASM)
         else:
             x = b.to(tl.int32)
             even = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True) * s
@@ -162,7 +201,7 @@ def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: 
 @triton.jit
 def _dequant_w_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
     if ASM:
-        even, odd = _dequant_nvfp4_asm(b, sf, R, C)
+        even, odd = _dequant_nvfp4_asm(b, sf, R, C, ASM)
         return even.to(OUT), odd.to(OUT)
     else:
         return _dequant_nvfp4_split(b, sf, R, C, OUT)
@@ -199,7 +238,7 @@ def _moe_nvfp4_gemm(
     MASKED: tl.constexpr, FUSE_SILU: tl.constexpr, MMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr, UNPACK16: tl.constexpr,
-    DEQ_ASM: tl.constexpr = False, PERM_K: tl.constexpr = False, TILED: tl.constexpr = False,
+    DEQ_ASM: tl.constexpr = 0, PERM_K: tl.constexpr = False, TILED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -324,7 +363,7 @@ def _moe_nvfp4_gemm(
                     wusf = tl.load(wusf_rows + wks[None, :], mask=n_mask[:, None], other=0)
                     acc_u = tl.dot(_dequant_w(wub, wusf, BLOCK_N, BLOCK_K, MMA, UNPACK16, DEQ_ASM, PERM_K), at, acc_u)
 
-        alpha = tl.load(w_s2_ptr + e) * (64.0 if DEQ_ASM else 16384.0)
+        alpha = tl.load(w_s2_ptr + e) * (64.0 if DEQ_ASM == 1 else 16384.0)
         if A_DOWN:
             alpha = alpha * 256.0
         if A_KIND == 2:
@@ -364,7 +403,8 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     # values up to 1.6e7 fit fp16; the weights are exact in fp16 either way.
     a_down = bool(mma_dtype == torch.float16 and a_kind != A_NVFP4 and a.dtype != torch.float16)
     # the PTX unpack needs a real GPU (sm89+) and an fp16 MMA; the interpreter runs the integer unpack
-    deq_asm = bool(cfg.get("DEQ_ASM", 0)) and mma_dtype == torch.float16 and os.environ.get("TRITON_INTERPRET") != "1"
+    deq_asm = int(cfg.get("DEQ_ASM", 0) or 0) if (mma_dtype == torch.float16
+                                                 and os.environ.get("TRITON_INTERPRET") != "1") else 0
     # NOTE: triton 3.6 fails to compile the permuted fp8-activation tile (TritonGPUOptimizeDotOperands)
     perm_k = bool(cfg.get("PERM_K", 0)) and a_kind != A_FP8
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

@@ -235,9 +235,11 @@ def test_gpu_fast_paths(kind, payload):
                                  dict(FAST, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
                                  dict(FAST, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                                  dict(FAST, SPLIT_NIBBLES=1), dict(FAST, TILED=1),
-                                 dict(FAST, TILED=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2)],
+                                 dict(FAST, TILED=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2),
+                                 dict(FAST, DEQ_ASM=2, TILED=1), dict(FAST, DEQ_ASM=2, SPLIT_NIBBLES=1),
+                                 {"DEQ_ASM": 2, "PERM_K": 0}],
                          ids=["asm", "perm", "asm-perm-64x128", "asm-perm-128x128", "asm-split", "tiled",
-                              "tiled-64x64x256"])
+                              "tiled-64x64x256", "prmt-tiled", "prmt-split", "prmt-noperm"])
 def test_gpu_fast_path_configs(cfg):
     layout, weights = _problem(8, 512, 256, 200, 4, "bf16", x_dtype=torch.bfloat16)
     _check(_as("masked", layout), weights, 2e-4, config=cfg)
@@ -249,6 +251,20 @@ def test_gpu_fast_path_configs(cfg):
 def test_gpu_fast_paths_deepseek_dims(kind, tiled):
     layout, weights = _problem(4, 7168, 2048, 24, 2, "bf16", x_dtype=torch.bfloat16)
     _check(_as(kind, layout), weights, 2e-4, config=dict(FAST, TILED=tiled))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1])
+def test_gpu_prmt_unpack_equals_the_integer_unpack_bit_for_bit(split):
+    # DEQ_ASM=2 (byte permutes, no conversion instruction) builds the integer unpack's fp16 bits and scales
+    # them with the same fp16 multiply: the experts' outputs must be identical, not just close
+    layout, weights = _problem(8, 512, 256, 120, 4, "bf16", x_dtype=torch.bfloat16)
+    masked = to_masked(layout)
+    cfg = dict(TILED=1, MMA_FP16=1, SPLIT_NIBBLES=split)
+    prmt = run_experts(masked, weights, runner="triton", config=dict(cfg, DEQ_ASM=2, PERM_K=1)).hidden
+    ints = run_experts(masked, weights, runner="triton", config=dict(cfg, DEQ_ASM=0, PERM_K=1)).hidden
+    keep = torch.arange(masked.hidden.shape[1], device=DEV)[None, :] < masked.masked_m[:, None]
+    assert torch.equal(prmt[keep], ints[keep])
 
 
 @pytest.mark.gpu
