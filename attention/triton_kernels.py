@@ -228,11 +228,33 @@ def _q_to_fp16(q_nope, q_pe, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _q_prescale(Q, Q16, QS, stride_q_t, stride_q_h, H, D_NOPE: tl.constexpr, D_PE: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    """Q_SCALED: q [T, H, 576] → Q16 [T, H, 576] fp16 and QS [T, H] fp32 as `_q_to_fp16` makes them, once per
+    row before the attention launch, so that the attention kernel can load q from memory per column quarter
+    (kept in shared memory) instead of holding the rescaled rows in registers. Grid (T, cdiv(H, BLOCK_H))."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    d = tl.arange(0, D_NOPE)
+    dp = tl.arange(0, D_PE)
+    off = t * stride_q_t + h * stride_q_h
+    q_nope = tl.load(Q + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    q_pe = tl.load(Q + off[:, None] + D_NOPE + dp[None, :], mask=ok[:, None], other=0.0)
+    q_nope, q_pe, qs = _q_to_fp16(q_nope, q_pe, 1)
+    out = (t * H + h) * (D_NOPE + D_PE)
+    tl.store(Q16 + out[:, None] + d[None, :], q_nope, mask=ok[:, None])
+    tl.store(Q16 + out[:, None] + D_NOPE + dp[None, :], q_pe, mask=ok[:, None])
+    tl.store(QS + t * H + h, qs, mask=ok)
+
+
+@triton.jit
 def _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE: tl.constexpr, M: tl.constexpr,
-            FP8_FP16: tl.constexpr, AXIS: tl.constexpr):
+            FP8_FP16: tl.constexpr, AXIS: tl.constexpr, QS=None, H=1, Q_SCALED: tl.constexpr = False):
     """This program's query rows: (q_nope, q_pe) as [M, D] (AXIS 1) or [D, M] (AXIS 0, token-major) and the
     per-row factor [M] fp32 the base-2 logits are multiplied by. FP8_FP16 (fp8 pools computed in fp16): q
-    goes to fp16 divided per row by a power of two (_q_to_fp16), folded into that factor."""
+    goes to fp16 divided per row by a power of two (_q_to_fp16), folded into that factor; with Q_SCALED
+    that was done before the launch (`_q_prescale`): Q is the fp16 copy and QS [T, H] fp32 its factors."""
     q_off = (q_start + j).to(tl.int64) * stride_q_t + h * stride_q_h
     if AXIS == 1:
         q_nope = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -240,7 +262,10 @@ def _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_N
     else:
         q_nope = tl.load(Q + q_off[None, :] + d[:, None], mask=row_ok[None, :], other=0.0)
         q_pe = tl.load(Q + q_off[None, :] + D_NOPE + dp[:, None], mask=row_ok[None, :], other=0.0)
-    if FP8_FP16:  # e4m3 -> fp16 is one conversion
+    if Q_SCALED:
+        q_scale = tl.load(QS + (q_start + j).to(tl.int64) * H + h, mask=row_ok, other=1.0)
+        row_scale = scale2 * q_scale
+    elif FP8_FP16:  # e4m3 -> fp16 is one conversion
         q_nope, q_pe, q_scale = _q_to_fp16(q_nope, q_pe, AXIS)
         row_scale = scale2 * q_scale
     else:
@@ -348,7 +373,7 @@ def _attend_quarters(q0, q1, q2, q3, qp, k0, k1, k2, k3, kp, n, n_ok, limit, row
 
 @triton.jit(do_not_specialize=["num_splits"])  # auto splits follow the batch: no recompile per value class
 def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
-             kv_scale, KV_SCALE_PTR, qk_scale,
+             kv_scale, KV_SCALE_PTR, qk_scale, QS,
              stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
              stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
              stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
@@ -358,9 +383,10 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
              PREC: tl.constexpr, FP8_FP16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, D_NOPE: tl.constexpr,
              D_PE: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False, FP8_ONCE: tl.constexpr = False,
              PREFETCH: tl.constexpr = False, FP8_RELOAD: tl.constexpr = False, D_QUARTERS: tl.constexpr = False,
-             PAGE_AHEAD: tl.constexpr = False):
+             PAGE_AHEAD: tl.constexpr = False, Q_SCALED: tl.constexpr = False):
     """Row-major (q rows as the MMA's M side) or, with TOKEN_MAJOR, token-major (module docstring); FP8_ONCE,
-    PREFETCH and D_QUARTERS apply to the first, FP8_RELOAD to the second, PAGE_AHEAD to all but PREFETCH."""
+    PREFETCH and D_QUARTERS apply to the first, FP8_RELOAD to the second, PAGE_AHEAD to all but PREFETCH;
+    Q_SCALED (with FP8_FP16): Q is q already in fp16 with its per-row factors in QS (`_q_prescale`)."""
     b = tl.program_id(2)
     split = tl.program_id(1) % num_splits
     q_start, j, h, row_ok, limit, lo, hi = _program_rows(SEQLENS, QO_INDPTR, H, num_splits, Q_PER_SEQ, BLOCK_T,
@@ -371,7 +397,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
     dp = tl.arange(0, D_PE)
     # [M, D] row-major, [D, M] token-major
     q_nope, q_pe, row_scale = _load_q(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, d, dp, scale2, D_NOPE, M,
-                                      FP8_FP16, 0 if TOKEN_MAJOR else 1)
+                                      FP8_FP16, 0 if TOKEN_MAJOR else 1, QS, H, Q_SCALED)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -394,7 +420,7 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
         if TOKEN_MAJOR:
             acc = tl.zeros([D_NOPE, M], tl.float32)
         elif D_QUARTERS:
-            if FP8_FP16:  # q was rescaled per row in registers: split it there
+            if FP8_FP16 and not Q_SCALED:  # q was rescaled per row in registers: split it there
                 q0, q1, q2, q3 = _split4(q_nope, M, D_NOPE)
             else:  # loaded per quarter: Triton keeps loaded operands in shared memory instead of 128 registers
                 q0, q1, q2, q3 = _q_quarters(Q, q_start, j, h, row_ok, stride_q_t, stride_q_h, D_NOPE)
@@ -585,15 +611,23 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                  and os.environ.get("TRITON_INTERPRET") != "1" and _device_facts(dev)[1],
                  "PREFETCH": fp8 and upcast == "prefetch"}
         extra["D_QUARTERS"] = not extra["PREFETCH"] and bool(int(config.get("d_quarters", 0) or 0))
+    # q to fp16 per row before the launch (q_prescale): the column-quarter kernel then loads q per quarter
+    q_in, qs = q3, seqlens
+    if fp16 and not token_major and extra["D_QUARTERS"] and bool(int(config.get("q_prescale", 0) or 0)):
+        q_in = torch.empty(T, H, 576, dtype=torch.float16, device=dev)
+        qs = torch.empty(T, H, dtype=torch.float32, device=dev)
+        _q_prescale[(T, triton.cdiv(H, 16))](q3, q_in, qs, q3.stride(0), q3.stride(1), H, D_NOPE=512, D_PE=64,
+                                             BLOCK_H=16, num_warps=4)
+        extra["Q_SCALED"] = True
     tile_in_page = page % block_n == 0 and bool(int(config.get("tile_in_page", 1)))
     # the page id a tile ahead: row-major without the register prefetch (which has its own), or token-major
     extra["PAGE_AHEAD"] = (tile_in_page and bool(int(config.get("page_ahead", 0) or 0))
                            and not extra.get("PREFETCH", False))
     try:
         _mla_fwd[grid](
-            q3, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
-            out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E,
-            q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            q_in, kv_cache, block_table, seqlens, qo_indptr if qo_indptr is not None else seqlens,
+            out3, lse, o_part, lse_part, scale, scale_ptr if from_ptr else seqlens, softmax_scale * LOG2E, qs,
+            q_in.stride(0), q_in.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             out3.stride(0), out3.stride(1), *lse_strides, *sp, H, splits,
             Q_PER_SEQ=q_per_seq, PAGE=page, BLOCK_T=block_t, BLOCK_H=block_h,
             BLOCK_N=block_n, FINAL=final, FP8=fp8, SCALE_FROM_PTR=from_ptr, PREC=prec,

@@ -26,7 +26,11 @@ so that a quarter of each is live at a time — 241 → 191 registers for a 16-h
 <= 32 rows the five q·k products are independent MMA chains summed after, instead of one chain of 36 MMAs),
 page_ahead (the page id of the next tile is read one iteration early, so the tile's address no longer waits
 on a load of its own iteration and Triton's pipeliner gives the KV tile num_stages - 1 shared buffers
-instead of one; it costs shared memory: at 128 heads over a 16-bit cache with 3 stages it does not fit).
+instead of one; it costs shared memory: at 128 heads over a 16-bit cache with 3 stages it does not fit),
+q_prescale (fp8 pools in fp16 compute with column quarters: a small kernel divides q per row before the launch,
+so the attention kernel loads q per quarter from memory, kept in shared memory, instead of rescaling it into
+registers; "auto": on above 32 rows per program — 1181 → 1136 µs at 128 heads, no change at 16:
+bench/results/NVIDIA_H200/attention/2026-11-30_q_prescale).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
@@ -45,7 +49,8 @@ _PREFILL_OPTIONS = {k: v for k, v in _DECODE_OPTIONS.items() if k != "q_lens"}
 DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_splits": [0, 1, 2, 4, 8, 16, 32],
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0],
-                "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1]}
+                "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1],
+                "q_prescale": [0, 1]}
 # Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
 # programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
@@ -55,7 +60,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
 # 128 heads 1.649 → 1.196 ms); without quarters fp16 compute only pays at <= 32 rows.
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
-                  "d_quarters": "auto", "page_ahead": "auto"}
+                  "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto"}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}
@@ -77,6 +82,8 @@ def _warps(config: dict, rows: int, fp8: bool = False) -> dict:
     for knob in ("d_quarters", "page_ahead"):
         if cfg.get(knob, 0) == "auto":
             cfg[knob] = int(fp8)
+    if cfg.get("q_prescale", 0) == "auto":
+        cfg["q_prescale"] = int(fp8 and rows > 32)
     if cfg.get("fp8_compute", "auto") == "auto":
         cfg["fp8_compute"] = "fp16" if rows <= 32 or int(cfg.get("d_quarters", 0)) else "bf16"
     if not int(cfg.get("BLOCK_N") or 0):

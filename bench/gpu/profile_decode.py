@@ -72,24 +72,31 @@ def _mla(args) -> list[dict]:
     from pdlab.attention import ops
     from pdlab.attention.workloads import decode_problem
 
+    from pdlab.bench.attention import parse_configs
+    from pdlab.kernels import registry
+
     rows = []
-    configs = [json.loads(c) for c in args.config] or [{}]
+    # "default" → the backend default, "tuned" → the store's entry for the shape (ops' lookup), JSON → that
+    # dict merged over the default. (An empty JSON object overrides nothing, so ops looks up the tuned entry.)
+    default = dict(registry.get_backend("mla_decode", "triton").default_config)
+    configs = [(text, default if c == "default" else c) for text, c in zip(args.config, parse_configs(args.config))] \
+        or [("tuned", None)]
     for kv in args.kv_dtype:
         p = decode_problem([args.seqlen] * args.batch, args.heads, 1, 64, torch.bfloat16, kv_dtype=kv,
                            device="cuda", seed=0)
-        for cfg in configs:
+        for label, cfg in configs:
             fn = lambda c=cfg: ops.mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale,  # noqa: E731
                                               kv_scale=p.kv_scale, backend="triton", config=c)
             try:
                 us = _time_us(fn, args)
             except ValueError as exc:  # a config the GPU cannot run (e.g. too much shared memory): say so, go on
-                rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": json.dumps(cfg), "error": str(exc)})
+                rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": label, "error": str(exc)})
                 print(rows[-1], flush=True)
                 continue
             if us is None:
                 continue
             nbytes = args.batch * args.seqlen * 576 * (1 if kv == "fp8" else 2)
-            rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": json.dumps(cfg),
+            rows.append({"what": "mla", "kv": kv, "heads": args.heads, "config": label,
                          "median_us": round(us, 1), "kv_gbps": round(nbytes / us / 1e3, 1)})
             print(rows[-1], flush=True)
     return rows
@@ -121,7 +128,9 @@ def _compiled_kernels() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", choices=["moe", "mla"], required=True)
-    ap.add_argument("--config", action="append", default=[], help="JSON config (repeatable; default: {})")
+    ap.add_argument("--config", action="append", default=[],
+                    help="repeatable: JSON config (moe: over the default; mla: over the default, an empty {} = the "
+                         "tuned entry), or for mla 'default' / 'tuned' (default: moe {}, mla tuned)")
     ap.add_argument("--config-file", type=Path, help="one JSON config per line (added to --config)")
     ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--experts", type=int, default=64)

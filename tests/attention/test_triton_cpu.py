@@ -156,15 +156,17 @@ def test_store_kv_fp8(seed):
     assert not a.view(-1, 576)[~torch.isin(torch.arange(P * page), slots)].any()  # nothing else written
 
 
-def test_fp8_fp16_compute_survives_q_beyond_fp16_range(seed):
+@pytest.mark.parametrize("knobs", [{}, {"d_quarters": 1, "q_prescale": 1}])
+def test_fp8_fp16_compute_survives_q_beyond_fp16_range(knobs, seed):
     # rows of q far above fp16's 65504 (and one tiny row): the per-row power-of-two scaling keeps the
-    # fp16 dots finite and exact up to rounding; a plain cast would give inf/NaN
+    # fp16 dots finite and exact up to rounding; a plain cast would give inf/NaN. q_prescale: the scaling
+    # done by its own kernel before the launch, the factors read back per row
     p = decode_problem([9, 40], heads=16, q_len=1, page=16, dtype=torch.bfloat16, kv_dtype="fp8", seed=seed)
     p.q[0, 0, :4] *= 3e5
     p.q[1, 0, 5] *= 1e-4
     p.softmax_scale = 1e-6  # keep the softmax of the huge rows from collapsing to one-hot
     ref_out, ref_lse = _decode(p, "torch")
-    out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 16, "num_splits": 2, "fp8_compute": "fp16"})
+    out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 16, "num_splits": 2, "fp8_compute": "fp16", **knobs})
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     # bf16 outputs on both sides: over 40 seeds the error is 8e-6 median, 1.1e-5 max (whole tile or column
     # quarters alike), so the 1e-5 this test had failed 3 seeds in 40; a broken rescale errs by O(1) or NaN
@@ -216,6 +218,9 @@ def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     # an fp8 pool: column quarters, page ids a tile ahead, and fp16 compute at every row count
     f128 = _warps(DECODE_DEFAULT, 64, fp8=True)
     assert (f128["d_quarters"], f128["page_ahead"], f128["fp8_compute"]) == (1, 1, "fp16")
+    # q rescaled to fp16 before the launch: over fp8 pools with more than 32 rows (not at 16 heads, not over bf16)
+    assert f128["q_prescale"] == 1 and _warps(DECODE_DEFAULT, 16, fp8=True)["q_prescale"] == 0
+    assert c128["q_prescale"] == 0
     assert _warps({**DECODE_DEFAULT, "d_quarters": 0}, 64, fp8=True)["fp8_compute"] == "bf16"
     assert c128["num_warps"] == 8 and tk._tile(128, 1, c128["BLOCK_H"], True) == (1, 64)
     assert tk.auto_splits(128, 2, 1, 8192, torch.device("cpu"), c128["waves"]) == 2
@@ -257,6 +262,7 @@ def test_fp8_register_prefetch_matches_the_reference(page, splits, seed):
 
 @pytest.mark.parametrize("kv_dtype,page,splits,knobs", [
     ("fp8", 16, 1, {"d_quarters": 1}), ("fp8", 64, 3, {"d_quarters": 1, "page_ahead": 1}),
+    ("fp8", 64, 2, {"d_quarters": 1, "page_ahead": 1, "q_prescale": 1}),
     ("same", 16, 2, {"d_quarters": 1}), ("same", 4, 1, {"d_quarters": 1, "page_ahead": 1}),
     ("fp8", 16, 3, {"page_ahead": 1}), ("same", 64, 2, {"page_ahead": 1}),
     ("same", 16, 1, {"page_ahead": 1, "swap_ab": 1})])
