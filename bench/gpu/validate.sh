@@ -21,7 +21,7 @@ BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.a
 
 (
   export CUDA_VISIBLE_DEVICES=0
-  timeout 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/attention -rA > "$OUT/attention/pytest_gpu.txt" 2>&1
+  timeout 180 $PY -m pytest -q -p no:cacheprovider -m gpu tests/attention -rA > "$OUT/attention/pytest_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/attention/pytest_gpu.txt"
   A=(attention --out "$OUT/attention" --backend triton --batch 128 --page-size 64 --s-q 1 --seqlen 8192 --repeats 20)
   # the backend default, and the shipped tuned config (the default where none matches)
