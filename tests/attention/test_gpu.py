@@ -141,10 +141,13 @@ def test_store_kv_exact(seed):
     assert torch.equal(b.view(-1, 576)[slots[keep]], quantize_kv_fp8(latent[keep], 0.013))
 
 
-def test_decode_cuda_graph(seed):
-    p = decode_problem([100, 3000, 64, 1], 128, 1, 64, torch.bfloat16, device=DEV, poison=False, seed=seed)
+@pytest.mark.parametrize("kv", ["same", "fp8"])  # fp8 at 128 heads: q rescaled by its own kernel first
+def test_decode_cuda_graph(kv, seed):
+    p = decode_problem([100, 3000, 64, 1], 128, 1, 64, torch.bfloat16, kv_dtype=kv, device=DEV, poison=False,
+                       seed=seed)
     static_q = p.q.clone()
-    run = lambda: mla_decode(static_q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="triton")  # noqa
+    run = lambda: mla_decode(static_q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale,  # noqa: E731
+                             kv_scale=p.kv_scale, backend="triton")
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
