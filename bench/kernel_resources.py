@@ -1,0 +1,192 @@
+"""Registers, spills and shared memory of the triton MLA decode kernel for given configs, compiled for an NVIDIA
+arch on any machine (Triton's compiler and the ptxas it ships; no GPU), and how many programs fit on one SM.
+
+    python3 -m pdlab.bench.kernel_resources --heads 16 --kv-dtype fp8 --config default --config '{"BLOCK_N": 16}'
+
+What it compiles is what `mla_decode` would launch: the launcher runs on a small CPU problem with the kernel
+replaced by a recorder, and the recorded arguments and constexprs are compiled for `--arch` (default sm90).
+The one launcher rule that depends on the GPU (the PTX e4m3 conversion, sm89+, for fp8_upcast once/prefetch) is
+applied for the target arch. Occupancy uses the Hopper/Blackwell per-SM limits (65536 registers, 227 KB of
+shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare configs with the
+same Triton as the GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SM_REGS, SM_SMEM, SM_WARPS, SM_BLOCKS = 65536, 232448, 64, 32
+_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
+          torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int = 1, page: int = 64,
+                  batch: int = 128, seqlen: int = 8192, sm_count: int = 132) -> dict:
+    """The `_mla_fwd` launch `mla_decode` makes for this config at [batch, seqlen] on a GPU of `sm_count` SMs:
+    {"args": positional, "constexprs": {...}, "num_warps", "num_stages", "splits"}. Runs the launcher on CPU
+    with the kernel replaced by a recorder; the pool is one page (only its page size and strides matter), the
+    block table has the full width (the split count follows it)."""
+    from pdlab.attention import triton_kernels as tk
+    from pdlab.attention.backends.triton_mla import resolve_decode_config
+
+    fp8 = kv_dtype == "fp8"
+    cfg = resolve_decode_config(config, heads, q_len, fp8)
+    pages = -(-seqlen // page)
+    q = torch.zeros(batch, q_len, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, page, 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    table = torch.zeros(batch, pages, dtype=torch.int32)
+    lens = torch.full((batch,), seqlen, dtype=torch.int32)
+    seen = {}
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(args=args, kwargs=kwargs, grid=grid)
+            return launch
+
+    class _Skip:  # the split-combine launch that follows: not compiled here
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    real, real_combine, real_sm = tk._mla_fwd, tk._mla_combine, tk._sm_count
+    tk._mla_fwd, tk._mla_combine, tk._sm_count = _Recorder(), _Skip(), (lambda device: sm_count)
+    try:
+        out = torch.empty(batch * q_len, heads, 512, dtype=q.dtype)
+        lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
+        tk.mla_attention(q.reshape(batch * q_len, heads, 576), kv, table, lens, None, out, lse, (heads, 1, q_len),
+                         576 ** -0.5, 0.05 if fp8 else None, q_per_seq=q_len, q_blocks=1, config=cfg)
+    finally:
+        tk._mla_fwd, tk._mla_combine, tk._sm_count = real, real_combine, real_sm
+    kw = dict(seen["kwargs"])
+    num_warps, num_stages = kw.pop("num_warps"), kw.pop("num_stages")
+    # the launcher turns the PTX conversion on only for a CUDA device of sm89+: decide it for the target here
+    if "FP8_ONCE" in kw:
+        kw["FP8_ONCE"] = bool(kw.get("FP8_FP16")) and cfg.get("fp8_upcast") in ("once", "prefetch") and arch >= 89
+    return {"args": seen["args"], "constexprs": kw, "num_warps": num_warps, "num_stages": num_stages,
+            "config": cfg, "splits": seen["args"][names_index("num_splits")]}
+
+
+def names_index(name: str) -> int:
+    """Position of `_mla_fwd`'s parameter `name`."""
+    from pdlab.attention import triton_kernels as tk
+
+    return tk._mla_fwd.arg_names.index(name)
+
+
+def compile_launch(launch: dict, arch: int) -> dict:
+    """Compile the recorded launch for sm`arch`; returns registers, spill bytes, shared bytes and programs/SM."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdlab.attention import triton_kernels as tk
+
+    fn = tk._mla_fwd
+    names = fn.arg_names
+    sig, consts = {}, dict(launch["constexprs"])
+    for name, value in zip(names, launch["args"]):
+        if torch.is_tensor(value):
+            sig[name] = _TYPES[value.dtype]
+        elif isinstance(value, bool) or value is None:
+            consts[name] = value
+        elif isinstance(value, int):
+            sig[name] = "i32"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            consts[name] = value
+    for name in names:
+        if name in consts:
+            sig[name] = "constexpr"
+        sig.setdefault(name, "constexpr")
+    consts = {k: v for k, v in consts.items() if k in names}
+    # pointers and strides are 16-byte aligned / multiples of 16 for real pools: what the JIT specialises on
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n].startswith("*") or (n.startswith("stride") and sig[n] == "i32")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+    regs, spill = _ptxas_usage(k.asm["ptx"], arch)
+    shared = int(k.metadata.shared)
+    threads = 32 * launch["num_warps"]
+    by_regs = SM_REGS // max(1, regs * threads) if regs else None
+    by_smem = SM_SMEM // max(1, shared + 1024)  # + the driver's 1 KB per block
+    by_warps = SM_WARPS // launch["num_warps"]
+    fits = min(x for x in (by_regs, by_smem, by_warps, SM_BLOCKS) if x is not None)
+    return {"registers": regs, "spill_bytes": spill, "shared_bytes": shared, "warps": launch["num_warps"],
+            "stages": launch["num_stages"], "programs_per_sm": fits, "by_registers": by_regs, "by_shared": by_smem}
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int]:
+    """(registers, spill store bytes) that ptxas reports for the kernel."""
+    import triton
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    suffix = "a" if arch in (90, 100) else ""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        # the newer ptxas first: a Triton that emits a newer PTX version needs it
+        for name in ("ptxas-blackwell", "ptxas"):
+            path = os.path.join(bindir, name)
+            if not os.path.exists(path):
+                continue
+            r = subprocess.run([path, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", os.devnull],
+                               capture_output=True, text=True, check=False)
+            text = r.stdout + r.stderr
+            regs = re.search(r"Used (\d+) registers", text)
+            if regs:
+                spill = re.search(r"(\d+) bytes spill stores", text)
+                return int(regs.group(1)), (int(spill.group(1)) if spill else 0)
+    finally:
+        os.unlink(f.name)
+    return None, 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pdlab.bench.kernel_resources", description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
+    ap.add_argument("--s-q", type=int, default=1, choices=(1, 2, 4))
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (splits follow it; H200: 132)")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as a number (90 = sm90)")
+    ap.add_argument("--config", action="append", default=[],
+                    help="'default' or a JSON object merged over the default (repeatable; default: default)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kernel_resources: TRITON_INTERPRET=1 makes the kernels interpreter functions, which do not "
+              "compile; run it without that variable", file=sys.stderr)
+        return 2
+    from pdlab.attention import ops  # noqa: F401  (registers the backends)
+    from pdlab.kernels import registry
+
+    backend = registry.get_backend("mla_decode", "triton")
+    rows = []
+    for text in args.config or ["default"]:
+        try:
+            raw = {} if text == "default" else json.loads(text)
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            print(f"kernel_resources: --config {text!r}: {exc}; give 'default' or a JSON object", file=sys.stderr)
+            return 2
+        launch = record_launch(args.heads, args.kv_dtype, backend.config(raw), args.arch, args.s_q,
+                               batch=args.batch, seqlen=args.seqlen, sm_count=args.sm_count)
+        row = {"config": text, "splits": launch["splits"], **compile_launch(launch, args.arch)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`python -m pdlab.bench.kernel_resources`: the MLA decode kernel compiled for sm90 on this CPU machine (Triton's
+compiler and the ptxas it ships), with its registers, shared memory and programs per SM."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _run(*argv):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    return subprocess.run([sys.executable, "-m", "pdlab.bench.kernel_resources", *argv], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_resources_of_the_fp8_decode_kernel_for_sm90():
+    r = _run("--heads", "16", "--kv-dtype", "fp8", "--config", "default", "--config", '{"BLOCK_N": 16}',
+             "--config", '{"BLOCK_N": 16, "num_stages": 4}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [x["config"] for x in rows] == ["default", '{"BLOCK_N": 16}', '{"BLOCK_N": 16, "num_stages": 4}']
+    default, bn16, bn16_s4 = rows
+    # B=128, 8k on 132 SMs: 16-head programs, ~8 splits (the launcher's own rule, recorded, not recomputed)
+    assert default["splits"] == 8 and default["warps"] == 4 and default["stages"] == 3
+    for x in rows:
+        assert isinstance(x["registers"], int) and 32 <= x["registers"] <= 255
+        assert x["shared_bytes"] > 0 and x["programs_per_sm"] == min(x["by_registers"], x["by_shared"], 16, 32)
+    # a 16-token tile needs less shared memory than a 32-token one; one more stage needs more
+    assert bn16["shared_bytes"] < default["shared_bytes"] and bn16_s4["shared_bytes"] > bn16["shared_bytes"]
+
+
+def test_bad_config_and_interpreter_are_refused():
+    r = _run("--config", "[1, 2]")
+    assert r.returncode == 2 and "give 'default' or a JSON object" in r.stderr
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pdlab.bench.kernel_resources"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "run it without that variable" in r.stderr
