@@ -52,19 +52,20 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
                 seen.update(args=args, kwargs=kwargs, grid=grid)
             return launch
 
-    class _Skip:  # the split-combine launch that follows: not compiled here
+    class _Skip:  # the launches around it (q rescale before, split combine after): not compiled here
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    real, real_combine, real_sm = tk._mla_fwd, tk._mla_combine, tk._sm_count
-    tk._mla_fwd, tk._mla_combine, tk._sm_count = _Recorder(), _Skip(), (lambda device: sm_count)
+    real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count
+    tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = (_Recorder(), _Skip(), _Skip(),
+                                                                  lambda device: sm_count)
     try:
         out = torch.empty(batch * q_len, heads, 512, dtype=q.dtype)
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
         tk.mla_attention(q.reshape(batch * q_len, heads, 576), kv, table, lens, None, out, lse, (heads, 1, q_len),
                          576 ** -0.5, 0.05 if fp8 else None, q_per_seq=q_len, q_blocks=1, config=cfg)
     finally:
-        tk._mla_fwd, tk._mla_combine, tk._sm_count = real, real_combine, real_sm
+        tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = real
     kw = dict(seen["kwargs"])
     num_warps, num_stages = kw.pop("num_warps"), kw.pop("num_stages")
     # the launcher turns the PTX conversion on only for a CUDA device of sm89+: decide it for the target here

@@ -37,3 +37,12 @@ def test_bad_config_and_interpreter_are_refused():
     r = subprocess.run([sys.executable, "-m", "pdlab.bench.kernel_resources"], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 2 and "run it without that variable" in r.stderr
+
+
+def test_128_head_fp8_launch_with_q_rescaled_first():
+    # above 32 rows an fp8 pool rescales q in its own launch first (q_prescale): recorded past it, compiled
+    r = _run("--heads", "128", "--kv-dtype", "fp8", "--config", "default")
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][0])
+    assert row["warps"] == 8 and row["splits"] == 2 and isinstance(row["registers"], int)
+    assert row["programs_per_sm"] >= 1 and row["shared_bytes"] > 64 * 576  # at least one fp8 KV tile
