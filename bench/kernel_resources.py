@@ -1,14 +1,17 @@
-"""Registers, spills and shared memory of the triton MLA decode kernel for given configs, compiled for an NVIDIA
-arch on any machine (Triton's compiler and the ptxas it ships; no GPU), and how many programs fit on one SM.
+"""Registers, spills and shared memory of pdlab's Triton kernels for given configs, compiled for an NVIDIA arch on
+any machine (Triton's compiler and the ptxas it ships; no GPU), and how many programs fit on one SM.
 
     python3 -m pdlab.bench.kernel_resources --heads 16 --kv-dtype fp8 --config default --config '{"BLOCK_N": 16}'
+    python3 -m pdlab.bench.kernel_resources --op moe_experts --tokens 1 --config default --config '{"num_stages": 4}'
 
-What it compiles is what `mla_decode` would launch: the launcher runs on a small CPU problem with the kernel
-replaced by a recorder, and the recorded arguments and constexprs are compiled for `--arch` (default sm90).
-The one launcher rule that depends on the GPU (the PTX e4m3 conversion, sm89+, for fp8_upcast once/prefetch) is
-applied for the target arch. Occupancy uses the Hopper/Blackwell per-SM limits (65536 registers, 227 KB of
-shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare configs with the
-same Triton as the GPU runs.
+What it compiles is what the op would launch: the op's launcher runs on CPU tensors (sized only as far as
+shapes and strides matter) with the kernel replaced by a recorder, and the recorded arguments and constexprs are
+compiled for `--arch` (default sm90). mla_decode: the triton decode kernel at [batch, seqlen]; the one launcher
+rule that depends on the GPU (the PTX e4m3 conversion, sm89+) is applied for the target arch. moe_experts: the
+NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, masked layout, bf16 activations, config
+resolved from the tokens per expert as the runner does. Occupancy uses the Hopper/Blackwell per-SM limits (65536
+registers, 227 KB of shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare
+configs with the same Triton as the GPU runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,31 @@ _TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32
           torch.int32: "*i32", torch.int64: "*i64"}
 
 
+class _Recorder:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records instead of launching."""
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.update(args=args, kwargs=dict(kwargs), grid=grid)
+        return launch
+
+
+class _Skip:
+    """Stands in for a kernel launched around the one compiled: does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _split_launch(fn, seen: dict) -> dict:
+    kw = dict(seen["kwargs"])
+    return {"fn": fn, "args": seen["args"], "num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages"),
+            "constexprs": kw}
+
+
 def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int = 1, page: int = 64,
                   batch: int = 128, seqlen: int = 8192, sm_count: int = 132) -> dict:
     """The `_mla_fwd` launch `mla_decode` makes for this config at [batch, seqlen] on a GPU of `sm_count` SMs:
@@ -44,20 +72,9 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     kv = torch.zeros(1, page, 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.full((batch,), seqlen, dtype=torch.int32)
-    seen = {}
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.update(args=args, kwargs=kwargs, grid=grid)
-            return launch
-
-    class _Skip:  # the launches around it (q rescale before, split combine after): not compiled here
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
+    rec = _Recorder()
     real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count
-    tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = (_Recorder(), _Skip(), _Skip(),
+    tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = (rec, _Skip(), _Skip(),
                                                                   lambda device: sm_count)
     try:
         out = torch.empty(batch * q_len, heads, 512, dtype=q.dtype)
@@ -66,20 +83,50 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
                          576 ** -0.5, 0.05 if fp8 else None, q_per_seq=q_len, q_blocks=1, config=cfg)
     finally:
         tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = real
-    kw = dict(seen["kwargs"])
-    num_warps, num_stages = kw.pop("num_warps"), kw.pop("num_stages")
+    launch = _split_launch(real[0], rec.seen)
+    kw = launch["constexprs"]
     # the launcher turns the PTX conversion on only for a CUDA device of sm89+: decide it for the target here
     if "FP8_ONCE" in kw:
         kw["FP8_ONCE"] = bool(kw.get("FP8_FP16")) and cfg.get("fp8_upcast") in ("once", "prefetch") and arch >= 89
-    return {"args": seen["args"], "constexprs": kw, "num_warps": num_warps, "num_stages": num_stages,
-            "config": cfg, "splits": seen["args"][names_index("num_splits")]}
+    launch.update(config=cfg, splits=launch["args"][real[0].arg_names.index("num_splits")])
+    return [("decode", launch)]
 
 
-def names_index(name: str) -> int:
-    """Position of `_mla_fwd`'s parameter `name`."""
-    from pdlab.attention import triton_kernels as tk
+def record_moe_launches(config: dict, tokens: int, experts: int = 64, hidden: int = 7168,
+                        inter: int = 2048) -> list[tuple[str, dict]]:
+    """The two `_moe_nvfp4_gemm` launches (gate_up + SiLU, down) the triton runner makes for `tokens` per expert
+    over `experts` local experts, masked layout, bf16 activations. Weight tensors are broadcast views (only
+    their dtype and strides matter)."""
+    from pdlab.moe.runners.triton_nvfp4 import resolve_config
+    from pdlab.moe.triton import nvfp4_moe as nm
 
-    return tk._mla_fwd.arg_names.index(name)
+    cfg = resolve_config(dict(config), tokens, False)
+    mma = torch.float16 if cfg.get("MMA_FP16") or cfg.get("DEQ_ASM") else torch.bfloat16  # as run_triton
+    E, H, I = experts, hidden, inter
+    counts = torch.full((E,), tokens, dtype=torch.int32)
+
+    def weights(n, k):
+        return (torch.zeros(1, n, k // 2, dtype=torch.uint8).expand(E, n, k // 2),
+                torch.zeros(1, n, k // 16, dtype=torch.uint8).expand(E, n, k // 16), torch.ones(E))
+
+    out = []
+    real = nm._moe_nvfp4_gemm
+    for stage, (a_cols, n, k, w_rows, silu) in {"gate_up": (H, I, H, 2 * I, True),
+                                                 "down": (I, H, I, H, False)}.items():
+        rec = _Recorder()
+        nm._moe_nvfp4_gemm = rec
+        try:
+            w, w_sf, w_s2 = weights(w_rows, k)
+            a = torch.zeros(E, tokens, a_cols, dtype=torch.bfloat16)
+            o = torch.zeros(E, tokens, n, dtype=torch.bfloat16)
+            nm.moe_nvfp4_gemm(a, nm.A_FLOAT, None, None, w, w_sf, w_s2, o, counts, None, masked=True, n=n, k=k,
+                              fuse_silu=silu, mma_dtype=mma, cfg=cfg)
+        finally:
+            nm._moe_nvfp4_gemm = real
+        launch = _split_launch(real, rec.seen)
+        launch.update(config=cfg, splits=launch["constexprs"].get("SPLIT_K", 1))
+        out.append((stage, launch))
+    return out
 
 
 def compile_launch(launch: dict, arch: int) -> dict:
@@ -88,18 +135,25 @@ def compile_launch(launch: dict, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pdlab.attention import triton_kernels as tk
-
-    fn = tk._mla_fwd
+    fn = launch["fn"]
     names = fn.arg_names
-    sig, consts = {}, dict(launch["constexprs"])
-    for name, value in zip(names, launch["args"]):
+    free = {q.name for q in getattr(fn, "params", []) if getattr(q, "do_not_specialize", False)}
+    sig, consts, attrs = {}, dict(launch["constexprs"]), {}
+    for i, (name, value) in enumerate(zip(names, launch["args"])):
+        # what Triton's JIT specialises on at launch: 16-byte aligned pointers (true of real allocations),
+        # integers equal to 1 (made constants) and integers divisible by 16 (marked so), unless do_not_specialize
         if torch.is_tensor(value):
             sig[name] = _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool) or value is None:
             consts[name] = value
         elif isinstance(value, int):
-            sig[name] = "i32"
+            if value == 1 and name not in free:
+                consts[name] = 1
+            else:
+                sig[name] = "i32"
+                if value % 16 == 0 and name not in free:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             sig[name] = "fp32"
         else:
@@ -109,9 +163,6 @@ def compile_launch(launch: dict, arch: int) -> dict:
             sig[name] = "constexpr"
         sig.setdefault(name, "constexpr")
     consts = {k: v for k, v in consts.items() if k in names}
-    # pointers and strides are 16-byte aligned / multiples of 16 for real pools: what the JIT specialises on
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if sig[n].startswith("*") or (n.startswith("stride") and sig[n] == "i32")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
@@ -154,12 +205,15 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdlab.bench.kernel_resources", description=__doc__.split("\n")[0])
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
-    ap.add_argument("--s-q", type=int, default=1, choices=(1, 2, 4))
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=8192)
-    ap.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (splits follow it; H200: 132)")
+    ap.add_argument("--op", choices=("mla_decode", "moe_experts"), default="mla_decode")
+    ap.add_argument("--heads", type=int, default=16, help="mla_decode")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8", help="mla_decode")
+    ap.add_argument("--s-q", type=int, default=1, choices=(1, 2, 4), help="mla_decode")
+    ap.add_argument("--batch", type=int, default=128, help="mla_decode")
+    ap.add_argument("--seqlen", type=int, default=8192, help="mla_decode")
+    ap.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (decode splits follow it)")
+    ap.add_argument("--tokens", type=int, default=1, help="moe_experts: tokens per expert")
+    ap.add_argument("--experts", type=int, default=64, help="moe_experts: local experts (EP4 of DeepSeek-R1: 64)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability as a number (90 = sm90)")
     ap.add_argument("--config", action="append", default=[],
                     help="'default' or a JSON object merged over the default (repeatable; default: default)")
@@ -168,11 +222,11 @@ def main(argv=None) -> int:
         print("kernel_resources: TRITON_INTERPRET=1 makes the kernels interpreter functions, which do not "
               "compile; run it without that variable", file=sys.stderr)
         return 2
-    from pdlab.attention import ops  # noqa: F401  (registers the backends)
+    from pdlab.attention import ops  # noqa: F401  (registers the attention backends)
     from pdlab.kernels import registry
+    from pdlab.moe.runners import triton_nvfp4  # noqa: F401  (registers the experts runner)
 
-    backend = registry.get_backend("mla_decode", "triton")
-    rows = []
+    backend = registry.get_backend(args.op, "triton")
     for text in args.config or ["default"]:
         try:
             raw = {} if text == "default" else json.loads(text)
@@ -181,11 +235,14 @@ def main(argv=None) -> int:
         except ValueError as exc:
             print(f"kernel_resources: --config {text!r}: {exc}; give 'default' or a JSON object", file=sys.stderr)
             return 2
-        launch = record_launch(args.heads, args.kv_dtype, backend.config(raw), args.arch, args.s_q,
-                               batch=args.batch, seqlen=args.seqlen, sm_count=args.sm_count)
-        row = {"config": text, "splits": launch["splits"], **compile_launch(launch, args.arch)}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        if args.op == "mla_decode":
+            launches = record_launch(args.heads, args.kv_dtype, backend.config(raw), args.arch, args.s_q,
+                                     batch=args.batch, seqlen=args.seqlen, sm_count=args.sm_count)
+        else:
+            launches = record_moe_launches(backend.config(raw), args.tokens, args.experts)
+        for stage, launch in launches:
+            row = {"config": text, "stage": stage, "splits": launch["splits"], **compile_launch(launch, args.arch)}
+            print(json.dumps(row), flush=True)
     return 0
 
 

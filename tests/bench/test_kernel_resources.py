@@ -1,5 +1,5 @@
-"""`python -m pdlab.bench.kernel_resources`: the MLA decode kernel compiled for sm90 on this CPU machine (Triton's
-compiler and the ptxas it ships), with its registers, shared memory and programs per SM."""
+"""`python -m pdlab.bench.kernel_resources`: the MLA decode kernel and the NVFP4 expert GEMMs compiled for sm90
+on this CPU machine (Triton's compiler and the ptxas it ships), with registers, shared memory and programs per SM."""
 
 import json
 import os
@@ -46,3 +46,14 @@ def test_128_head_fp8_launch_with_q_rescaled_first():
     row = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][0])
     assert row["warps"] == 8 and row["splits"] == 2 and isinstance(row["registers"], int)
     assert row["programs_per_sm"] >= 1 and row["shared_bytes"] > 64 * 576  # at least one fp8 KV tile
+
+
+def test_moe_expert_gemms_at_ep4_decode():
+    # the two NVFP4 GEMMs the triton runner launches at 1 token/expert: gate_up holds two weight tiles per
+    # stage (gate and up), down one, so gate_up needs more shared memory
+    r = _run("--op", "moe_experts", "--tokens", "1", "--config", "default")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {x["stage"]: x for x in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"gate_up", "down"}
+    assert rows["gate_up"]["shared_bytes"] > rows["down"]["shared_bytes"] > 0
+    assert all(isinstance(x["registers"], int) and x["programs_per_sm"] >= 1 for x in rows.values())
