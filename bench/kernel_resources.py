@@ -57,9 +57,11 @@ def _split_launch(fn, seen: dict) -> dict:
 
 
 def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int = 1, page: int = 64,
-                  batch: int = 128, seqlen: int = 8192, sm_count: int = 132) -> dict:
-    """The `_mla_fwd` launch `mla_decode` makes for this config at [batch, seqlen] on a GPU of `sm_count` SMs:
-    {"args": positional, "constexprs": {...}, "num_warps", "num_stages", "splits"}. Runs the launcher on CPU
+                  batch: int = 128, seqlen: int = 8192, sm_count: int = 132) -> list[tuple[str, dict]]:
+    """The `_mla_fwd` launch `mla_decode` makes for this config at [batch, seqlen] on a GPU of `sm_count` SMs,
+    as [("decode", {"fn", "args": positional, "constexprs", "num_warps", "num_stages", "splits", "config"})].
+    Tensors here are CPU stand-ins (q [batch, q_len, heads, 576] bf16, a one-page pool [1, page, 576] uint8 or
+    bf16, block table [batch, pages] int32, seqlens [batch] int32). Runs the launcher on CPU
     with the kernel replaced by a recorder; the pool is one page (only its page size and strides matter), the
     block table has the full width (the split count follows it)."""
     from pdlab.attention import triton_kernels as tk
@@ -95,8 +97,9 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
 def record_moe_launches(config: dict, tokens: int, experts: int = 64, hidden: int = 7168,
                         inter: int = 2048) -> list[tuple[str, dict]]:
     """The two `_moe_nvfp4_gemm` launches (gate_up + SiLU, down) the triton runner makes for `tokens` per expert
-    over `experts` local experts, masked layout, bf16 activations. Weight tensors are broadcast views (only
-    their dtype and strides matter)."""
+    over `experts` local experts, masked layout, bf16 activations [E, tokens, K], as [(stage, launch)]. Weight
+    tensors are broadcast views of one expert ([E, N, K/2] uint8, scales [E, N, K/16] uint8): only their dtype
+    and strides matter."""
     from pdlab.moe.runners.triton_nvfp4 import resolve_config
     from pdlab.moe.triton import nvfp4_moe as nm
 
