@@ -206,6 +206,35 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int]:
     return None, 0
 
 
+def store_rows(path: str, arch: int = 90) -> list[dict]:
+    """Compile every entry of a tuned-config store file (mla_decode or moe_experts) at its own bucket: one row
+    per launch with the bucket, the stage and the figures of `compile_launch` (or the error)."""
+    from pdlab.kernels import registry, tuned
+
+    data = tuned.read_store(path)
+    op = data.get("op") or os.path.splitext(os.path.basename(path))[0]
+    backend = registry.get_backend(op, "triton")
+    rows = []
+    for label, entry in sorted(data["entries"].items()):
+        cfg = (entry.get("backends", {}).get("triton") or {}).get("config")
+        if cfg is None:
+            continue
+        b = entry["bucket"]
+        try:
+            if op == "mla_decode":
+                launches = record_launch(int(b["heads"]), b["kv_dtype"], backend.config(cfg), arch, int(b["q_len"]),
+                                         batch=int(b["batch"]), seqlen=int(b["seqlen"]))
+            elif op == "moe_experts" and b.get("layout") == "masked" and b.get("payload") == "bf16":
+                launches = record_moe_launches(backend.config(cfg), int(b["tokens_per_expert"]), int(b["experts"]))
+            else:
+                continue  # other layouts / payloads: not recorded by this tool
+            for stage, launch in launches:
+                rows.append({"bucket": label, "stage": stage, **compile_launch(launch, arch)})
+        except Exception as exc:  # noqa: BLE001  (reported per entry)
+            rows.append({"bucket": label, "error": f"{type(exc).__name__}: {exc}"})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdlab.bench.kernel_resources", description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("mla_decode", "moe_experts"), default="mla_decode")
@@ -220,6 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability as a number (90 = sm90)")
     ap.add_argument("--config", action="append", default=[],
                     help="'default' or a JSON object merged over the default (repeatable; default: default)")
+    ap.add_argument("--store", default=None, metavar="FILE",
+                    help="instead: compile every entry of a tuned-config file at its bucket; exit 1 if one does "
+                         "not fit an SM (e.g. tuning/configs/NVIDIA_H200/mla_decode.json)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("kernel_resources: TRITON_INTERPRET=1 makes the kernels interpreter functions, which do not "
@@ -229,6 +261,12 @@ def main(argv=None) -> int:
     from pdlab.kernels import registry
     from pdlab.moe.runners import triton_nvfp4  # noqa: F401  (registers the experts runner)
 
+    if args.store:
+        bad = 0
+        for row in store_rows(args.store, args.arch):
+            bad += "error" in row or row["programs_per_sm"] < 1
+            print(json.dumps(row), flush=True)
+        return 1 if bad else 0
     backend = registry.get_backend(args.op, "triton")
     for text in args.config or ["default"]:
         try:
