@@ -238,10 +238,8 @@ def _q_prescale(Q, Q16, QS, stride_q_t, stride_q_h, H, D_NOPE: tl.constexpr, D_P
     ok = h < H
     d = tl.arange(0, D_NOPE)
     dp = tl.arange(0, D_PE)
-    off = t * stride_q_t + h * stride_q_h
-    q_nope = tl.load(Q + off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-    q_pe = tl.load(Q + off[:, None] + D_NOPE + dp[None, :], mask=ok[:, None], other=0.0)
-    q_nope, q_pe, qs = _q_to_fp16(q_nope, q_pe, 1)
+    # the attention kernel's own q load and rescale (row factor times 1.0: the factor itself)
+    q_nope, q_pe, qs = _load_q(Q, t, 0, h, ok, stride_q_t, stride_q_h, d, dp, 1.0, D_NOPE, BLOCK_H, True, 1)
     out = (t * H + h) * (D_NOPE + D_PE)
     tl.store(Q16 + out[:, None] + d[None, :], q_nope, mask=ok[:, None])
     tl.store(Q16 + out[:, None] + D_NOPE + dp[None, :], q_pe, mask=ok[:, None])
@@ -528,6 +526,12 @@ def _device_facts(device: torch.device) -> tuple[int, bool]:
     return _DEVICE[idx]
 
 
+def _ptx_e4m3(device: torch.device) -> bool:
+    """Whether kernels for `device` may use the PTX e4m3 → f16 conversion: a CUDA GPU of sm89+, not under the
+    Triton interpreter (which cannot run inline PTX)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _device_facts(device)[1]
+
+
 def _sm_count(device: torch.device) -> int:
     return _device_facts(device)[0] if device.type == "cuda" else 4
 
@@ -607,8 +611,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         extra = {"FP8_RELOAD": fp8 and bool(int(config.get("fp8_reload", 0) or 0))}
     else:  # the PTX conversion needs a GPU (sm89+): the interpreter runs the plain upcast
         upcast = config.get("fp8_upcast", "inline")
-        extra = {"FP8_ONCE": fp16 and upcast in ("once", "prefetch") and dev.type == "cuda"
-                 and os.environ.get("TRITON_INTERPRET") != "1" and _device_facts(dev)[1],
+        extra = {"FP8_ONCE": fp16 and upcast in ("once", "prefetch") and _ptx_e4m3(dev),
                  "PREFETCH": fp8 and upcast == "prefetch"}
         extra["D_QUARTERS"] = not extra["PREFETCH"] and bool(int(config.get("d_quarters", 0) or 0))
     # q to fp16 per row before the launch (q_prescale): the column-quarter kernel then loads q per quarter

@@ -6,9 +6,9 @@ any machine (Triton's compiler and the ptxas it ships; no GPU), and how many pro
 
 What it compiles is what the op would launch: the op's launcher runs on CPU tensors (sized only as far as
 shapes and strides matter) with the kernel replaced by a recorder, and the recorded arguments and constexprs are
-compiled for `--arch` (default sm90). mla_decode: the triton decode kernel at [batch, seqlen]; the one launcher
-rule that depends on the GPU (the PTX e4m3 conversion, sm89+) is applied for the target arch. moe_experts: the
-NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, masked layout, bf16 activations, config
+compiled for `--arch` (default sm90). mla_decode: the triton decode kernel at [batch, seqlen]; the launcher's
+facts about the GPU (its SM count, whether the PTX e4m3 conversion exists: sm89+) are the target's. moe_experts:
+the NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, masked layout, bf16 activations, config
 resolved from the tokens per expert as the runner does. Occupancy uses the Hopper/Blackwell per-SM limits (65536
 registers, 227 KB of shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
@@ -75,21 +75,18 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.full((batch,), seqlen, dtype=torch.int32)
     rec = _Recorder()
-    real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count
-    tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = (rec, _Skip(), _Skip(),
-                                                                  lambda device: sm_count)
+    real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
+    # the target's facts in place of this machine's: its SM count, and the PTX e4m3 conversion from sm89
+    tk._mla_fwd, tk._mla_combine, tk._q_prescale = rec, _Skip(), _Skip()
+    tk._sm_count, tk._ptx_e4m3 = (lambda device: sm_count), (lambda device: arch >= 89)
     try:
         out = torch.empty(batch * q_len, heads, 512, dtype=q.dtype)
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
         tk.mla_attention(q.reshape(batch * q_len, heads, 576), kv, table, lens, None, out, lse, (heads, 1, q_len),
                          576 ** -0.5, 0.05 if fp8 else None, q_per_seq=q_len, q_blocks=1, config=cfg)
     finally:
-        tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count = real
+        tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
     launch = _split_launch(real[0], rec.seen)
-    kw = launch["constexprs"]
-    # the launcher turns the PTX conversion on only for a CUDA device of sm89+: decide it for the target here
-    if "FP8_ONCE" in kw:
-        kw["FP8_ONCE"] = bool(kw.get("FP8_FP16")) and cfg.get("fp8_upcast") in ("once", "prefetch") and arch >= 89
     launch.update(config=cfg, splits=launch["args"][real[0].arg_names.index("num_splits")])
     return [("decode", launch)]
 
@@ -100,11 +97,11 @@ def record_moe_launches(config: dict, tokens: int, experts: int = 64, hidden: in
     over `experts` local experts, masked layout, bf16 activations [E, tokens, K], as [(stage, launch)]. Weight
     tensors are broadcast views of one expert ([E, N, K/2] uint8, scales [E, N, K/16] uint8): only their dtype
     and strides matter."""
-    from pdlab.moe.runners.triton_nvfp4 import resolve_config
+    from pdlab.moe.runners.triton_nvfp4 import gemm_dtypes, resolve_config
     from pdlab.moe.triton import nvfp4_moe as nm
 
     cfg = resolve_config(dict(config), tokens, False)
-    mma = torch.float16 if cfg.get("MMA_FP16") or cfg.get("DEQ_ASM") else torch.bfloat16  # as run_triton
+    kind, mma_gate_up, _, mma_down = gemm_dtypes("bf16", torch.bfloat16, cfg)
     E, H, I = experts, hidden, inter
     counts = torch.full((E,), tokens, dtype=torch.int32)
 
@@ -114,15 +111,16 @@ def record_moe_launches(config: dict, tokens: int, experts: int = 64, hidden: in
 
     out = []
     real = nm._moe_nvfp4_gemm
-    for stage, (a_cols, n, k, w_rows, silu) in {"gate_up": (H, I, H, 2 * I, True),
-                                                 "down": (I, H, I, H, False)}.items():
+    stages = {"gate_up": (H, I, H, 2 * I, True, kind, mma_gate_up),  # the down GEMM reads the float intermediate
+              "down": (I, H, I, H, False, nm.A_FLOAT, mma_down)}
+    for stage, (a_cols, n, k, w_rows, silu, a_kind, mma) in stages.items():
         rec = _Recorder()
         nm._moe_nvfp4_gemm = rec
         try:
             w, w_sf, w_s2 = weights(w_rows, k)
             a = torch.zeros(E, tokens, a_cols, dtype=torch.bfloat16)
             o = torch.zeros(E, tokens, n, dtype=torch.bfloat16)
-            nm.moe_nvfp4_gemm(a, nm.A_FLOAT, None, None, w, w_sf, w_s2, o, counts, None, masked=True, n=n, k=k,
+            nm.moe_nvfp4_gemm(a, a_kind, None, None, w, w_sf, w_s2, o, counts, None, masked=True, n=n, k=k,
                               fuse_silu=silu, mma_dtype=mma, cfg=cfg)
         finally:
             nm._moe_nvfp4_gemm = real

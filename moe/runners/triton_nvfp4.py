@@ -78,6 +78,28 @@ def heuristic_config(expected_m: int, interpret: bool = False) -> dict:
             **fast}
 
 
+def gemm_dtypes(payload: str, act_dtype: torch.dtype, cfg: dict, interpret: bool = False):
+    """(activation kind, gate_up MMA dtype, intermediate dtype, down MMA dtype) for a layout payload ("bf16",
+    "fp8", "nvfp4") whose float activations are `act_dtype`, under a resolved config: fp16 MMAs where MMA_FP16
+    or the PTX unpack (DEQ_ASM, fp16 only) asks for them; fp32 under the interpreter, whose bf16 dot is not
+    exact."""
+    from pdlab.moe.triton.nvfp4_moe import A_FLOAT, A_FP8, A_NVFP4
+
+    fp16 = bool(cfg.get("MMA_FP16") or (cfg.get("DEQ_ASM") and not interpret))
+    if payload == "bf16":
+        kind, mma, inter = A_FLOAT, act_dtype, act_dtype
+    else:
+        kind = A_FP8 if payload == "fp8" else A_NVFP4
+        mma = torch.float32 if interpret else (torch.float16 if kind == A_NVFP4 else torch.bfloat16)
+        inter = torch.float32 if interpret else torch.bfloat16
+    if fp16 and kind != A_NVFP4:
+        mma = torch.float16
+    elif interpret and mma == torch.bfloat16:
+        mma = torch.float32
+    down = torch.float16 if fp16 else (torch.float32 if interpret else inter)
+    return kind, mma, inter, down
+
+
 @registry.register_backend("moe_experts", "triton", archs=("cuda",), packages=("triton",), probe=_probe,
                            priority=20, config_space=_SPACE, default_config=_DEFAULT,
                            options={"layouts": ("contiguous", "masked"), "payloads": ("bf16", "fp8", "nvfp4"),
@@ -109,16 +131,7 @@ def run_triton(layout, weights, *, config):
     masked = isinstance(layout, Masked)
     counts = layout.masked_m if masked else layout.counts
     offsets = None if masked else layout.offsets
-    if layout.payload == "bf16":
-        kind, mma, inter = A_FLOAT, x.dtype, x.dtype
-    else:
-        kind = A_FP8 if layout.payload == "fp8" else A_NVFP4
-        mma = torch.float32 if interpret else (torch.float16 if kind == A_NVFP4 else torch.bfloat16)
-        inter = torch.float32 if interpret else torch.bfloat16
-    if (cfg.get("MMA_FP16") or (cfg.get("DEQ_ASM") and not interpret)) and kind != A_NVFP4:
-        mma = torch.float16
-    elif interpret and mma == torch.bfloat16:
-        mma = torch.float32  # the interpreter's bf16 dot is not exact
+    kind, mma, inter, mma_down = gemm_dtypes(layout.payload, x.dtype, cfg, interpret)
     a_sf = layout.scales
     if a_sf is not None and kind == A_NVFP4:
         a_sf = a_sf.view(torch.uint8)
@@ -137,9 +150,7 @@ def run_triton(layout, weights, *, config):
     out = (torch.zeros if split else torch.empty)(lead + (H,), dtype=torch.float32 if split else out_dtype,
                                                   device=x.device)
     moe_nvfp4_gemm(h, A_FLOAT, None, None, w["w2"], w["w2_sf"], w["w2_s2"], out, counts, offsets, masked=masked,
-                   n=H, k=I, fuse_silu=False, cfg=cfg,
-                   mma_dtype=torch.float16 if cfg.get("MMA_FP16") or (cfg.get("DEQ_ASM") and not interpret)
-                   else (torch.float32 if interpret else inter))
+                   n=H, k=I, fuse_silu=False, cfg=cfg, mma_dtype=mma_down)
     return out.to(out_dtype) if split else out
 
 
