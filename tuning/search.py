@@ -114,8 +114,13 @@ class OpReport:
 
     def geomean_speedup(self) -> float | None:
         """Geometric mean over buckets of default_time / time of the winner's backend."""
-        xs = [s.default_time_ms / s.time_ms for _, s in self.winners() if s.default_time_ms and s.time_ms]
-        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+        return geomean([s.default_time_ms / s.time_ms for _, s in self.winners() if s.default_time_ms and s.time_ms])
+
+
+def geomean(xs) -> float | None:
+    """Geometric mean of positive numbers (None for none)."""
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def study_name(device_key: str, op: str, backend: str, bucket: Mapping) -> str:

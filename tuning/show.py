@@ -110,10 +110,7 @@ def _identity(device) -> tuple[str, str, str]:
 def geomean_line(path, data: dict, status: str) -> str:
     """`<file>: N buckets, geometric-mean speedup X (min a, max b)[; by <key>: v X, ...] [status]` over
     the winners; the breakdown for every non-numeric bucket key with several values (e.g. kv_dtype)."""
-    import math
-
-    def gm(xs):
-        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+    from pdlab.tuning.search import geomean as gm
 
     timed = [e for e in data["entries"].values() if e.get("speedup")]
     xs = [e["speedup"] for e in timed]

@@ -1,7 +1,7 @@
 """Check every triton `mla_decode` call of a served run against the torch reference (GPU).
 
-Runs the fp8 retraction scenario of tests/runtime/test_engine_gpu.py (a pool large enough for every
-request, then one so tight that a request is retracted and re-prefilled) with the configs of the tuned
+Runs the fp8 retraction scenario (`fp8_retraction_pools`, which tests/runtime/test_engine_gpu.py runs too: a
+pool large enough for every request, then one so tight that a request is retracted and re-prefilled) with the configs of the tuned
 store (PDLAB_CONFIG_DIR, then the shipped files), in eager mode so that each decode call passes through
 Python, and compares each call's output and lse with the torch fp32 reference on the same inputs
 (`bench.harness.reference_checked`); then the same runs with CUDA graphs, for the token outcome.
@@ -35,25 +35,26 @@ from pdlab.runtime.engine.loop import LLM
 BAD = 1e-4
 
 
-def _llm(**kw):
+def served_llm(**kw):
+    """The embedded model on CUDA as the engine GPU tests serve it: page 64, 512-token contexts, 8 running."""
     return LLM(device="cuda", page_size=64, max_context_len=512, max_running_requests=8, **kw)
 
 
-def _prompts():
+def fp8_retraction_pools(graphs: bool = True):
+    """The fp8 retraction scenario: six prompts of 30–63 tokens, 24 greedy tokens each with 2 logprobs, once
+    in a pool large enough for all (8192 tokens), once in one of 576 tokens (requests are retracted and
+    re-prefilled). Returns (large-pool outputs, tight-pool outputs, retractions in the tight pool)."""
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (50, 57, 44, 61, 30, 63)]
-
-
-def _generate(tight: bool, graphs: bool):
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (50, 57, 44, 61, 30, 63)]
     kw = dict(kv_dtype="fp8", kv_scale=0.05, chunked_prefill_size=32, max_prefill_tokens=64,
               disable_cuda_graph=not graphs)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    llm = _llm(max_total_tokens=512 + 64, decode_reserve_tokens=0, **kw) if tight else _llm(max_total_tokens=8192,
-                                                                                              **kw)
-    return llm.generate(_prompts(), sp), (llm.scheduler.num_retractions if tight else 0)
+    ref = served_llm(max_total_tokens=8192, **kw).generate(prompts, sp)
+    tight = served_llm(max_total_tokens=512 + 64, decode_reserve_tokens=0, **kw)
+    return ref, tight.generate(prompts, sp), tight.scheduler.num_retractions
 
 
-def _compare(ref, got) -> dict:
+def compare(ref, got) -> dict:
     """Where two greedy runs part (per request), and how far their chosen-token logprobs were apart
     before that: a near-tie parting after logprobs agreed to ~1e-3 is rounding; a clear margin is not."""
     parts, drift = [], 0.0
@@ -70,9 +71,8 @@ def _compare(ref, got) -> dict:
 
 
 def _scenario(graphs: bool):
-    ref, _ = _generate(False, graphs)
-    got, retr = _generate(True, graphs)
-    return {"graphs": graphs, "retractions": retr, **_compare(ref, got)}
+    ref, got, retr = fp8_retraction_pools(graphs)
+    return {"graphs": graphs, "retractions": retr, **compare(ref, got)}
 
 
 def _fuzz(configs: list[dict], n: int, seed: int = 0) -> list[dict]:
@@ -118,15 +118,14 @@ def _pinned(tri, configs: list[dict]) -> list[dict]:
         else:
             tri.impl = lambda *a, config=None, _c=cfg, **k: orig(*a, config=_c, **k)
         try:
-            ref, _ = _generate(False, False)
-            got, retr = _generate(True, False)
+            ref, got, retr = fp8_retraction_pools(graphs=False)
         finally:
             tri.impl = orig
-        row = {"config": cfg or "default", "retractions": retr, "tight_vs_large": _compare(ref, got)}
+        row = {"config": cfg or "default", "retractions": retr, "tight_vs_large": compare(ref, got)}
         if base is None:
             base = ref
         else:
-            row["large_vs_first_config"] = _compare(base, ref)
+            row["large_vs_first_config"] = compare(base, ref)
         rows.append(row)
         print("PINNED", json.dumps(row, default=str))
     return rows

@@ -2,12 +2,11 @@
 tokens as eager decode, with the embedded model; retraction with page 64 + fp8 KV on the GPU."""
 
 import pytest
-import torch
 
 from pdlab.attention import ops
+from pdlab.bench.gpu.check_served_decode import compare, fp8_retraction_pools, served_llm
 from pdlab.bench.harness import reference_checked
 from pdlab.runtime.core import SamplingParams
-from pdlab.runtime.engine.loop import LLM
 
 pytestmark = pytest.mark.gpu
 
@@ -15,34 +14,17 @@ PROMPTS = ["Hello world", "The capital of France is", "a b c d e f g", "1 2 3 4 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _llm(**kw):
-    return LLM(device="cuda", page_size=64, max_context_len=512, max_running_requests=8, **kw)
-
-
 def test_cuda_graph_decode_matches_eager():
-    graph = _llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8])
+    graph = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8])
     assert graph.engine.graphs is not None, graph.engine.graph_error
-    eager = _llm(max_total_tokens=8192, disable_cuda_graph=True)
+    eager = served_llm(max_total_tokens=8192, disable_cuda_graph=True)
     g = graph.generate(PROMPTS[:3], SP)  # 3 requests run in the size-4 graph (one padded row)
     e = eager.generate(PROMPTS[:3], SP)
     assert [x["token_ids"] for x in g] == [x["token_ids"] for x in e]
-    over = _llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8], overlap_schedule=True)
+    over = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8], overlap_schedule=True)
     o = over.generate(PROMPTS[:3], SP)
     assert over.scheduler.num_chained > 0
     assert [x["token_ids"] for x in o] == [x["token_ids"] for x in e]
-
-
-def _first_split(ref, got) -> str:
-    """Where two greedy runs first part, with the reference's two best tokens there (a near-tie points at
-    rounding, a clear margin at lost or mixed-up KV): for the assertion message."""
-    notes = []
-    for n, (r, o) in enumerate(zip(ref, got)):
-        a, b = r["token_ids"], o["token_ids"]
-        i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), None)
-        if i is not None:
-            _, top = r["logprobs"][i]
-            notes.append(f"request {n} parts at token {i}: {a[i]} vs {b[i]}, reference top-2 {top[:2]}")
-    return "; ".join(notes)
 
 
 def _one_decode_config(monkeypatch):
@@ -62,15 +44,9 @@ def _one_decode_config(monkeypatch):
     monkeypatch.setattr(ops, "resolve_config", at_batch_8)
 
 
-def _fp8_retraction_runs(**extra):
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (50, 57, 44, 61, 30, 63)]
-    kw = dict(kv_dtype="fp8", kv_scale=0.05, chunked_prefill_size=32, max_prefill_tokens=64, **extra)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    ref = _llm(max_total_tokens=8192, **kw).generate(prompts, sp)
-    tight = _llm(max_total_tokens=512 + 64, decode_reserve_tokens=0, **kw)
-    got = tight.generate(prompts, sp)
-    assert tight.scheduler.num_retractions >= 1
+def _fp8_retraction_runs(graphs: bool = True):
+    ref, got, retractions = fp8_retraction_pools(graphs)
+    assert retractions >= 1
     return ref, got
 
 
@@ -80,7 +56,9 @@ def test_retraction_page64_fp8_on_gpu(monkeypatch):
     monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
     _one_decode_config(monkeypatch)
     ref, got = _fp8_retraction_runs()
-    assert [x["token_ids"] for x in got] == [x["token_ids"] for x in ref], _first_split(ref, got)
+    # on failure: per request where the runs part, the reference's two best tokens there (a near-tie points at
+    # rounding, a clear margin at lost or mixed-up KV) and the logprob drift before
+    assert [x["token_ids"] for x in got] == [x["token_ids"] for x in ref], compare(ref, got)["parts"]
 
 
 def test_served_fp8_decode_calls_match_reference(monkeypatch):
@@ -89,7 +67,7 @@ def test_served_fp8_decode_calls_match_reference(monkeypatch):
     # CUDA graph do not pass through Python)
     monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
     with reference_checked("mla_decode", "triton") as calls:
-        _fp8_retraction_runs(disable_cuda_graph=True)
+        _fp8_retraction_runs(graphs=False)
     assert len(calls) > 100
     worst = max(calls, key=lambda c: max(c["errors"]))
     assert all(max(c["errors"]) < 1e-5 for c in calls), worst
