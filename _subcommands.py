@@ -63,15 +63,22 @@ def comma_list(item, what: str):
     return parse
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (ValueError with the reason otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if value < 1:
-        raise ValueError("is below 1")
-    return value
+def at_least(minimum: int):
+    """An item check accepting integers >= minimum (ValueError with the reason otherwise)."""
+
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"is below {minimum}")
+        return value
+
+    return check
+
+
+positive_int = at_least(1)
 
 
 def one_of(*choices: str):
@@ -85,9 +92,14 @@ def one_of(*choices: str):
     return check
 
 
-def positive_int_arg(text: str) -> int:
-    """argparse `type` for one integer >= 1 (the usage error says why)."""
-    try:
-        return positive_int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} {exc}; expected an integer >= 1") from None
+def int_arg(minimum: int = 1, what: str | None = None):
+    """An argparse `type` for one integer >= minimum (the usage error says why and what is expected)."""
+    check = at_least(minimum)
+
+    def parse(text: str) -> int:
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} {exc}; expected {what or f'an integer >= {minimum}'}") from None
+
+    return parse

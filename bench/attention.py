@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from pdlab._subcommands import comma_list, one_of, positive_int
+from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
 
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
                  "page_size": "64", "s_q": "1"}
@@ -36,13 +36,6 @@ def _page_size(text: str) -> int:
     if value > 128 or value & (value - 1):
         raise ValueError("is not a power of two in 1..128")
     return value
-
-
-def _new_tokens(text: str) -> int:
-    try:
-        return positive_int(text) if text.strip() != "0" else 0
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} {exc}; expected 0 (the whole sequence is new) or a count") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list (default 64 on GPU)")
     p.add_argument("--s-q", type=comma_list(positive_int, "new tokens per sequence >= 1, e.g. 1,2,4"),
                    help="decode: new tokens per sequence, comma list (default 1)")
-    p.add_argument("--new-tokens", type=_new_tokens, default=0,
+    p.add_argument("--new-tokens", type=int_arg(0, "0 (the whole sequence is new) or a count"), default=0,
                    help="prefill: new tokens per sequence (0 = the whole sequence is new)")
     p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
     p.add_argument("--config", action="append", default=[],

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pdlab._subcommands import comma_list, one_of, positive_int, positive_int_arg
+from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "nvfp4, fp8, bf16"), help="payload(s) sent in dispatch: nvfp4,fp8,bf16 (comma list)")
     p.add_argument("--runner", default="auto",
                    help="expert runner(s): triton,torch_grouped,cutedsl,torch or auto (best usable per payload)")
-    p.add_argument("--ep", type=positive_int_arg, default=1, help="expert-parallel ranks to start (one GPU each)")
+    p.add_argument("--ep", type=int_arg(1), default=1, help="expert-parallel ranks to start (one GPU each)")
     p.add_argument("--dispatcher", default=None,
                    help="local | nccl | deepep (default: local for --ep 1, nccl otherwise)")
     p.add_argument("--tokens", default=None, type=comma_list(positive_int, "token counts >= 1, e.g. 1,16,128"),

@@ -104,7 +104,7 @@ def test_bench_shape_options_reject_bad_values_with_a_usage_error(capsys):
            (["attention", "--page-size", "256"], "'256' is not a power of two in 1..128"),
            (["attention", "--kv-dtype", "bf16,fp4"], "'fp4' is not one of bf16, fp16, fp32, fp8"),
            (["attention", "--s-q", ","], "argument --s-q: empty list"),
-           (["attention", "--op", "prefill", "--new-tokens", "-1"], "argument --new-tokens: '-1' is below 1"),
+           (["attention", "--op", "prefill", "--new-tokens", "-1"], "argument --new-tokens: '-1' is below 0"),
            (["moe", "--tokens", "1,0"], "argument --tokens: '0' is below 1"),
            (["moe", "--dispatch", "int4"], "'int4' is not one of nvfp4, fp8, bf16"),
            (["moe", "--ep", "0"], "argument --ep: '0' is below 1")]
