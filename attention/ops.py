@@ -126,7 +126,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         softmax_scale: float, e.g. 1/sqrt(192) (times YaRN mscale²).
         kv_scale: per-tensor fp8 dequant scale (float or 1-element fp32 tensor); only for uint8 pools.
         backend: registry name (or a Backend object) to force; default: best usable here.
-        config: backend knobs overriding the tuned/default config.
+        config: backend knobs merged over the backend default (an empty dict: the default itself); None: the
+            tuned entry for this shape, else the default.
         max_seqlen: optional host-known bound of seqlens, checked against the pages given.
     Returns:
         out: [B, S_q, H, 512] q.dtype; lse: [B, H, S_q] fp32 (natural log of the softmax denominator).
@@ -293,7 +294,7 @@ def resolve_config(op: str, b: Backend, bucket: Mapping[str, int], device: torch
                    config: Mapping[str, Any] | None = None) -> tuple[dict, str]:
     """(config, source) for backend `b`: explicit `config` (merged over the default) > tuned > default.
     source: "explicit", "tuned:<file>" or "default"."""
-    if config:
+    if config is not None:
         return b.config(config), "explicit"
     key = (op, b.name, tuple(sorted(bucket.items())), str(device))
     hit = _CONFIG_CACHE.get(key)

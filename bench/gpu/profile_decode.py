@@ -73,13 +73,10 @@ def _mla(args) -> list[dict]:
     from pdlab.attention.workloads import decode_problem
 
     from pdlab.bench.attention import parse_configs
-    from pdlab.kernels import registry
-
     rows = []
-    # "default" → the backend default, "tuned" → the store's entry for the shape (ops' lookup), JSON → that
-    # dict merged over the default. (An empty JSON object overrides nothing, so ops looks up the tuned entry.)
-    default = dict(registry.get_backend("mla_decode", "triton").default_config)
-    configs = [(text, default if c == "default" else c) for text, c in zip(args.config, parse_configs(args.config))] \
+    # "default" → the backend default ({} overrides nothing), "tuned" → the store's entry for the shape (ops'
+    # lookup, config None), JSON → that dict merged over the default
+    configs = [(text, {} if c == "default" else c) for text, c in zip(args.config, parse_configs(args.config))] \
         or [("tuned", None)]
     for kv in args.kv_dtype:
         p = decode_problem([args.seqlen] * args.batch, args.heads, 1, 64, torch.bfloat16, kv_dtype=kv,
@@ -129,8 +126,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", choices=["moe", "mla"], required=True)
     ap.add_argument("--config", action="append", default=[],
-                    help="repeatable: JSON config (moe: over the default; mla: over the default, an empty {} = the "
-                         "tuned entry), or for mla 'default' / 'tuned' (default: moe {}, mla tuned)")
+                    help="repeatable: JSON config merged over the default, or for mla 'default' / 'tuned' "
+                         "(default: moe {}, mla tuned)")
     ap.add_argument("--config-file", type=Path, help="one JSON config per line (added to --config)")
     ap.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--experts", type=int, default=64)

@@ -135,6 +135,9 @@ def test_tuned_file_drives_config_and_backend(tmp_path, monkeypatch):
         cfg, src = resolve_config("mla_decode", tri, bucket, torch.device("cpu"))
         assert src.startswith("tuned:") and cfg["BLOCK_N"] == 16 and cfg["num_stages"] == 1
         assert cfg["BLOCK_H"] == tri.default_config["BLOCK_H"]
+        # an explicit empty config overrides nothing of the default: the default, not the tuned entry
+        cfg, src = resolve_config("mla_decode", tri, bucket, torch.device("cpu"), {})
+        assert src == "explicit" and cfg == tri.config()
         assert ops._tuned_backend("mla_decode", bucket, torch.device("cpu")) == "torch"
         p = decode_problem([10, 30], heads=4, page=16, dtype=torch.float32, poison=False, seed=4)
         out, _ = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, 0.1)  # tuned winner, usable here
