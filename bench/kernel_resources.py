@@ -3,6 +3,7 @@ any machine (Triton's compiler and the ptxas it ships; no GPU), and how many pro
 
     python3 -m pdlab.bench.kernel_resources --heads 16 --kv-dtype fp8 --config default --config '{"BLOCK_N": 16}'
     python3 -m pdlab.bench.kernel_resources --op moe_experts --tokens 1 --config default --config '{"num_stages": 4}'
+    python3 -m pdlab.bench.kernel_resources --op moe_experts --config default --sass 12   # + SASS opcode counts
 
 What it compiles is what the op would launch: the op's launcher runs on CPU tensors (sized only as far as
 shapes and strides matter) with the kernel replaced by a recorder, and the recorded arguments and constexprs are
@@ -12,11 +13,16 @@ the NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, mask
 resolved from the tokens per expert as the runner does. Occupancy uses the Hopper/Blackwell per-SM limits (65536
 registers, 227 KB of shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
+
+--sass N disassembles the compiled kernel (the nvdisasm Triton ships) and adds its instruction count, the N most
+frequent opcodes and the tensor-core instructions (HGMMA = wgmma, HMMA = mma.sync) to each row: enough to see
+where a kernel's issue slots go (e.g. byte permutes around a dequantisation) without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -130,8 +136,9 @@ def record_moe_launches(config: dict, tokens: int, experts: int = 64, hidden: in
     return out
 
 
-def compile_launch(launch: dict, arch: int) -> dict:
-    """Compile the recorded launch for sm`arch`; returns registers, spill bytes, shared bytes and programs/SM."""
+def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
+    """Compile the recorded launch for sm`arch`; returns registers, spill bytes, shared bytes and programs/SM, and
+    with `sass` > 0 the SASS figures of `sass_summary` (its `sass` most frequent opcodes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -174,8 +181,44 @@ def compile_launch(launch: dict, arch: int) -> dict:
     by_smem = SM_SMEM // max(1, shared + 1024)  # + the driver's 1 KB per block
     by_warps = SM_WARPS // launch["num_warps"]
     fits = min(x for x in (by_regs, by_smem, by_warps, SM_BLOCKS) if x is not None)
-    return {"registers": regs, "spill_bytes": spill, "shared_bytes": shared, "warps": launch["num_warps"],
-            "stages": launch["num_stages"], "programs_per_sm": fits, "by_registers": by_regs, "by_shared": by_smem}
+    row = {"registers": regs, "spill_bytes": spill, "shared_bytes": shared, "warps": launch["num_warps"],
+           "stages": launch["num_stages"], "programs_per_sm": fits, "by_registers": by_regs, "by_shared": by_smem}
+    if sass > 0:
+        try:
+            row.update(sass_summary(_disassemble(k.asm["cubin"]), sass))
+        except (OSError, KeyError, subprocess.SubprocessError) as exc:
+            row["sass_error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_opcodes(text: str) -> collections.Counter:
+    """Opcode counts of a SASS listing (nvdisasm / cuobjdump -sass text): one per instruction line, the opcode
+    without its modifiers (`LDGSTS.E.BYPASS.128` counts as LDGSTS), predicates ignored."""
+    return collections.Counter(m.group(1) for m in map(_SASS_LINE.match, text.splitlines()) if m)
+
+
+def sass_summary(text: str, top: int) -> dict:
+    """{sass_instructions, sass_top: "OP:n OP:n …" (the `top` most frequent), sass_mma: HGMMA / HMMA counts}."""
+    ops = sass_opcodes(text)
+    return {"sass_instructions": sum(ops.values()),
+            "sass_top": " ".join(f"{op}:{n}" for op, n in ops.most_common(top)),
+            "sass_mma": {op: ops[op] for op in ("HGMMA", "HMMA") if ops[op]}}
+
+
+def _disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin with the nvdisasm Triton ships."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True, timeout=300).stdout
+    finally:
+        os.unlink(f.name)
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int]:
@@ -247,10 +290,14 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability as a number (90 = sm90)")
     ap.add_argument("--config", action="append", default=[],
                     help="'default' or a JSON object merged over the default (repeatable; default: default)")
+    ap.add_argument("--sass", type=int, default=0, metavar="N",
+                    help="also disassemble: instruction count, the N most frequent opcodes, tensor-core instructions")
     ap.add_argument("--store", default=None, metavar="FILE",
                     help="instead: compile every entry of a tuned-config file at its bucket; exit 1 if one does "
                          "not fit an SM (e.g. tuning/configs/NVIDIA_H200/mla_decode.json)")
     args = ap.parse_args(argv)
+    if args.sass < 0:
+        ap.error(f"--sass {args.sass}: give a number of opcodes >= 0 (0: no disassembly)")
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("kernel_resources: TRITON_INTERPRET=1 makes the kernels interpreter functions, which do not "
               "compile; run it without that variable", file=sys.stderr)
@@ -280,7 +327,8 @@ def main(argv=None) -> int:
         else:
             launches = record_moe_launches(backend.config(raw), args.tokens, args.experts)
         for stage, launch in launches:
-            row = {"config": text, "stage": stage, "splits": launch["splits"], **compile_launch(launch, args.arch)}
+            row = {"config": text, "stage": stage, "splits": launch["splits"],
+                   **compile_launch(launch, args.arch, args.sass)}
             print(json.dumps(row), flush=True)
     return 0
 

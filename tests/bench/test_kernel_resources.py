@@ -33,6 +33,8 @@ def test_resources_of_the_fp8_decode_kernel_for_sm90():
 def test_bad_config_and_interpreter_are_refused():
     r = _run("--config", "[1, 2]")
     assert r.returncode == 2 and "give 'default' or a JSON object" in r.stderr
+    r = _run("--sass", "-3")
+    assert r.returncode == 2 and "--sass -3: give a number of opcodes >= 0" in r.stderr
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-m", "pdlab.bench.kernel_resources"], capture_output=True, text=True,
                        env=env, timeout=300)
@@ -51,9 +53,41 @@ def test_128_head_fp8_launch_with_q_rescaled_first():
 def test_moe_expert_gemms_at_ep4_decode():
     # the two NVFP4 GEMMs the triton runner launches at 1 token/expert: gate_up holds two weight tiles per
     # stage (gate and up), down one, so gate_up needs more shared memory
-    r = _run("--op", "moe_experts", "--tokens", "1", "--config", "default")
+    r = _run("--op", "moe_experts", "--tokens", "1", "--config", "default", "--sass", "6")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {x["stage"]: x for x in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
     assert set(rows) == {"gate_up", "down"}
     assert rows["gate_up"]["shared_bytes"] > rows["down"]["shared_bytes"] > 0
     assert all(isinstance(x["registers"], int) and x["programs_per_sm"] >= 1 for x in rows.values())
+    # --sass: the disassembly of each GEMM. gate_up (two weight tiles, SiLU) is the longer kernel and issues
+    # twice the tensor-core instructions of down; both dequantise in the main loop, so integer logic is among
+    # the most frequent opcodes
+    for x in rows.values():
+        top = dict(item.split(":") for item in x["sass_top"].split())
+        assert len(top) == 6 and sum(map(int, top.values())) <= x["sass_instructions"]
+        assert "LOP3" in top, x["sass_top"]
+    assert rows["gate_up"]["sass_instructions"] > rows["down"]["sass_instructions"]
+    mma = {stage: x["sass_mma"] for stage, x in rows.items()}
+    op = "HGMMA" if "HGMMA" in mma["down"] else "HMMA"
+    assert mma["gate_up"][op] == 2 * mma["down"][op] > 0, mma
+
+
+def test_sass_opcode_counts_of_a_listing():
+    from pdlab.bench.kernel_resources import sass_opcodes, sass_summary
+
+    listing = """
+        .section .text._moe_nvfp4_gemm,"ax",@progbits
+        /*0cf0*/                   LDGSTS.E.BYPASS.128 [R41+0x8000], desc[UR12][R12.64], P3 ;
+        /*0d60*/                   LDGDEPBAR ;
+        /*14e0*/              @!P2 BRA 0x1610 ;
+        /*1f20*/                   PRMT R108, R68.reuse, 0x5140, R69.reuse ;
+        /*1f50*/               @P0 PRMT R69, R68, 0x7362, R69 ;
+        /*37d0*/                   HGMMA.64x16x16.F32 R32, R56, gdesc[UR4], R32 ;
+        /*5500*/             @!UPT LDGSTS.E.BYPASS.128 [R153+0x8000], desc[UR12][R146.64], P2 ;
+                                                                                     /* 0x0800000092997fae */
+    .L_x_12:
+    """
+    ops = sass_opcodes(listing)
+    assert ops == {"LDGSTS": 2, "LDGDEPBAR": 1, "BRA": 1, "PRMT": 2, "HGMMA": 1}
+    assert sass_summary(listing, 2) == {"sass_instructions": 7, "sass_top": "LDGSTS:2 PRMT:2",
+                                        "sass_mma": {"HGMMA": 1}}
