@@ -47,6 +47,16 @@ def _e4m3_to_f32(s):
 
 
 @triton.jit
+def _nibbles_f16(b):
+    """uint8 bytes → (low nibble, high nibble) as fp16 value·2^-14 by shifts: s<<15 | e1 e0 m<<9 (exact, subnormals
+    too)."""
+    x = b.to(tl.int32)
+    lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
 def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: tl.constexpr = False):
     """b uint8 [R, C/2] (low nibble = even element), sf uint8 e4m3 bits [R, C/16] → OUT [R, C] = value·2^-14.
 
@@ -61,9 +71,7 @@ def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I
         lo = lo.to(tl.float16, bitcast=True)
         hi = hi.to(tl.float16, bitcast=True)
     else:
-        x = b.to(tl.int32)
-        lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+        lo, hi = _nibbles_f16(b)
     v = tl.reshape(tl.join(lo, hi), (R, C))
     s = _e4m3_to_f32(sf).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 16)), (R, C))
@@ -73,9 +81,7 @@ def _dequant_nvfp4(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I
 @triton.jit
 def _dequant_nvfp4_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr):
     """b uint8 [R, C/2], sf uint8 [R, C/16] → (even, odd) OUT [R, C/2] each = value·2^-14, no interleave."""
-    x = b.to(tl.int32)
-    lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True)
+    lo, hi = _nibbles_f16(b)
     s = _e4m3_to_f32(sf).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, C // 16, 8)), (R, C // 2))
     return (lo * s).to(OUT), (hi * s).to(OUT)
@@ -190,16 +196,49 @@ def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: 
         if ASM:
             even, odd = _deq_asm(b, s, ASM)
         else:
-            x = b.to(tl.int32)
-            even = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True) * s
-            odd = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True) * s
+            even, odd = _nibbles_f16(b)
+            even = even * s
+            odd = odd * s
         return tl.reshape(tl.join(even, odd), (R, C)).to(OUT)
     else:
         return _dequant_nvfp4(b, sf, R, C, OUT, I16)
 
 
 @triton.jit
-def _dequant_w_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+def _split_perm_index(W: tl.constexpr):
+    """[W] physical byte of each logical byte in SPLIT_NIBBLES + PERM_K order: within each 16, logical 8h + 2q + u
+    is byte 4q + 2h + u, so that one MMA-fragment thread's bytes (the K pairs 2q, 2q+1 and 2q+8, 2q+9 of each 16
+    of a half-K dot) are 4 contiguous bytes."""
+    j = tl.arange(0, W)
+    return (j // 16) * 16 + ((j % 8) // 2) * 4 + ((j % 16) // 8) * 2 + j % 2
+
+
+@triton.jit
+def _dequant_nvfp4_bytes(b, sf, OUT: tl.constexpr):
+    """b uint8 [R, W], sf uint8 e4m3 [R, W] (each byte's own block scale) → (even, odd) OUT [R, W] = value·2^-14."""
+    lo, hi = _nibbles_f16(b)
+    s = _e4m3_to_f32(sf).to(tl.float16)
+    return (lo * s).to(OUT), (hi * s).to(OUT)
+
+
+@triton.jit
+def _dequant_w_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr,
+                     PERM: tl.constexpr = False):
+    """b uint8 [R, C/2], sf uint8 e4m3 [R, C/16] → (even, odd) OUT [R, C/2] (SPLIT_NIBBLES). PERM: the bytes are taken
+    in `_split_perm_index`'s order (an in-register permute of the tile) and the scales follow it: logical byte j
+    of each 16 has the 16's block (j % 8) // 4."""
+    if PERM:
+        s = _e4m3_to_f32(sf).to(tl.float16)
+        s = tl.reshape(s, (R, C // 32, 2))
+        s = tl.reshape(tl.broadcast_to(s[:, :, None, :, None], (R, C // 32, 2, 2, 4)), (R, C // 2))
+        b = tl.reshape(tl.permute(tl.reshape(b, (R, C // 32, 4, 2, 2)), (0, 1, 3, 2, 4)), (R, C // 2))
+        if ASM:
+            even, odd = _deq_asm(b, s, ASM)
+        else:
+            even, odd = _nibbles_f16(b)
+            even = even * s
+            odd = odd * s
+        return even.to(OUT), odd.to(OUT)
     if ASM:
         even, odd = _dequant_nvfp4_asm(b, sf, R, C, ASM)
         return even.to(OUT), odd.to(OUT)
@@ -308,27 +347,37 @@ def _moe_nvfp4_gemm(
                 wkh = kh
                 wks = ks
             if SPLIT_NIBBLES:
-                # K permuted: even columns (low nibbles) then odd ones, two dots, no interleave
+                # K permuted: even columns (low nibbles) then odd ones, two dots, no interleave; with PERM_K the
+                # bytes of each 16 in _split_perm's order (the weights' in-register permute, the activations'
+                # load addresses)
+                kp = kh
+                if PERM_K:
+                    kp = k // 2 + _split_perm_index(BLOCK_K // 2)
                 if A_KIND == 2:
-                    ab = tl.load(a_rows + kh[None, :], mask=m_mask[:, None], other=0)
-                    asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
-                                  mask=m_mask[:, None], other=0)
-                    a_even, a_odd = _dequant_nvfp4_split(ab, asf, BLOCK_M, BLOCK_K, MMA)
+                    ab = tl.load(a_rows + kp[None, :], mask=m_mask[:, None], other=0)
+                    if PERM_K:  # a block scale per byte (byte kp has block kp // 8)
+                        asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + (kp // 8)[None, :],
+                                      mask=m_mask[:, None], other=0)
+                        a_even, a_odd = _dequant_nvfp4_bytes(ab, asf, MMA)
+                    else:
+                        asf = tl.load(a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m + ks[None, :],
+                                      mask=m_mask[:, None], other=0)
+                        a_even, a_odd = _dequant_nvfp4_split(ab, asf, BLOCK_M, BLOCK_K, MMA)
                 else:
                     sf_rows = a_sf_ptr + e64 * stride_asf_e + rows[:, None] * stride_asf_m
-                    a_even = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh, A_KIND, MMA, A_DOWN)
-                    a_odd = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kh + 1, A_KIND, MMA, A_DOWN)
+                    a_even = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kp, A_KIND, MMA, A_DOWN)
+                    a_odd = _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, 2 * kp + 1, A_KIND, MMA, A_DOWN)
                 at_even = tl.trans(a_even)
                 at_odd = tl.trans(a_odd)
                 wb = tl.load(w_rows + wkh[None, :], mask=n_mask[:, None], other=0)
                 wsf = tl.load(wsf_rows + wks[None, :], mask=n_mask[:, None], other=0)
-                w_even, w_odd = _dequant_w_split(wb, wsf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM)
+                w_even, w_odd = _dequant_w_split(wb, wsf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM, PERM_K)
                 acc = tl.dot(w_even, at_even, acc)
                 acc = tl.dot(w_odd, at_odd, acc)
                 if FUSE_SILU:
                     wub = tl.load(wu_rows + wkh[None, :], mask=n_mask[:, None], other=0)
                     wusf = tl.load(wusf_rows + wks[None, :], mask=n_mask[:, None], other=0)
-                    wu_even, wu_odd = _dequant_w_split(wub, wusf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM)
+                    wu_even, wu_odd = _dequant_w_split(wub, wusf, BLOCK_N, BLOCK_K, MMA, DEQ_ASM, PERM_K)
                     acc_u = tl.dot(wu_even, at_even, acc_u)
                     acc_u = tl.dot(wu_odd, at_odd, acc_u)
             else:

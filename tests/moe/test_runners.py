@@ -57,8 +57,9 @@ def _as(kind, layout, fill=float("nan")):
 TRITON_TOL = 1e-5 if not CUDA else 2e-4
 
 
-@pytest.mark.parametrize("variant", [{}, {"SPLIT_NIBBLES": 1}, {"UNPACK16": 1}, {"PERM_K": 1}, {"PERM_K": 1, "DEQ_ASM": 1}],
-                         ids=["interleave", "split", "i16", "perm", "asm"])
+@pytest.mark.parametrize("variant", [{}, {"SPLIT_NIBBLES": 1}, {"UNPACK16": 1}, {"PERM_K": 1}, {"PERM_K": 1, "DEQ_ASM": 1},
+                                     {"SPLIT_NIBBLES": 1, "PERM_K": 1}],
+                         ids=["interleave", "split", "i16", "perm", "asm", "split_perm"])
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
 @pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
 def test_triton_matches_reference(kind, payload, variant):

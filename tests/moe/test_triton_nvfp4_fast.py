@@ -223,11 +223,12 @@ def test_nvfp4_to_bf16_reads_the_tiled_layout(K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1], ids=["interleave", "split"])
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
 @pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
-def test_gpu_fast_paths(kind, payload):
+def test_gpu_fast_paths(kind, payload, split):
     layout, weights = _problem(8, 512, 256, 40, 4, payload, x_dtype=torch.bfloat16)
-    _check(_as(kind, layout), weights, 2e-4, config=FAST)
+    _check(_as(kind, layout), weights, 2e-4, config=dict(FAST, SPLIT_NIBBLES=split))
 
 
 @pytest.mark.gpu
@@ -237,9 +238,12 @@ def test_gpu_fast_paths(kind, payload):
                                  dict(FAST, SPLIT_NIBBLES=1), dict(FAST, TILED=1),
                                  dict(FAST, TILED=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2),
                                  dict(FAST, DEQ_ASM=2, TILED=1), dict(FAST, DEQ_ASM=2, SPLIT_NIBBLES=1),
-                                 {"DEQ_ASM": 2, "PERM_K": 0}],
+                                 {"DEQ_ASM": 2, "PERM_K": 0}, dict(FAST, SPLIT_NIBBLES=1, TILED=1),
+                                 dict(FAST, SPLIT_NIBBLES=1, TILED=1, BLOCK_N=64, num_stages=4),
+                                 {"DEQ_ASM": 1, "PERM_K": 0, "SPLIT_NIBBLES": 1}],
                          ids=["asm", "perm", "asm-perm-64x128", "asm-perm-128x128", "asm-split", "tiled",
-                              "tiled-64x64x256", "prmt-tiled", "prmt-split", "prmt-noperm"])
+                              "tiled-64x64x256", "prmt-tiled", "prmt-split", "prmt-noperm", "split-tiled",
+                              "split-tiled-n64", "split-noperm"])
 def test_gpu_fast_path_configs(cfg):
     layout, weights = _problem(8, 512, 256, 200, 4, "bf16", x_dtype=torch.bfloat16)
     _check(_as("masked", layout), weights, 2e-4, config=cfg)
@@ -248,9 +252,10 @@ def test_gpu_fast_path_configs(cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["contiguous", "masked"])
 @pytest.mark.parametrize("tiled", [0, 1])
-def test_gpu_fast_paths_deepseek_dims(kind, tiled):
+@pytest.mark.parametrize("split", [0, 1], ids=["interleave", "split"])
+def test_gpu_fast_paths_deepseek_dims(kind, tiled, split):
     layout, weights = _problem(4, 7168, 2048, 24, 2, "bf16", x_dtype=torch.bfloat16)
-    _check(_as(kind, layout), weights, 2e-4, config=dict(FAST, TILED=tiled))
+    _check(_as(kind, layout), weights, 2e-4, config=dict(FAST, TILED=tiled, SPLIT_NIBBLES=split))
 
 
 @pytest.mark.gpu
