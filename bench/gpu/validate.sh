@@ -32,7 +32,7 @@ BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.a
 ATT=$!
 (
   export CUDA_VISIBLE_DEVICES=1
-  timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_runners.py tests/moe/test_triton_nvfp4_fast.py \
+  timeout 210 $PY -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_runners.py tests/moe/test_triton_nvfp4_fast.py tests/moe/test_frag.py \
     > "$OUT/moe/pytest_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/moe/pytest_gpu.txt"
   # the runtime on CUDA (experts stored tiled in place, CUDA-graph decode == eager, retraction on GPU)

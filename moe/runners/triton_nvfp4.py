@@ -28,7 +28,11 @@ offsets per call: while a CUDA graph is being captured the in-loop kernel runs i
 `dense_path_taken` says whether it runs.
 TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
-is ignored otherwise. Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
+is ignored otherwise. FRAG (-1 auto, 0, 1): Masked slabs of float activations run the fragment-order Gluon GEMMs
+of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon; each thread loads its own wgmma fragments' weight bytes,
+no shared memory, no permutes): auto takes them for slabs of at most 64 rows per expert, 1 for any slab; they
+read a fragment-order copy of the NVFP4 weights built once (`frag_path_taken` says whether a call runs them).
+Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
 """
@@ -45,12 +49,12 @@ from pdlab.moe.weights import tile_nvfp4
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
-            "DENSE_CHUNK": 16, "TILED": -1}
+            "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1]}
+          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
 
 
@@ -118,6 +122,8 @@ def run_triton(layout, weights, *, config):
     cfg = resolve_config(cfg, expected_m, interpret)
     if _dense_path(layout, cfg, expected_m):
         return _run_dense(layout, weights, cfg)
+    if frag_path_taken(layout, weights, cfg):
+        return _run_frag(layout, weights)
     if weights.nvfp4_tiled and auto_tiled:
         # weights stored tiled (ExpertWeights.tile_): every in-loop call reads them as they are; a plain copy
         # would double the experts' memory. The tiled kernels need BLOCK_K a multiple of 128.
@@ -207,6 +213,41 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
     m = cfg.get("DENSE_MIN_M", 0)
     return (m > 0 and expected_m >= m and layout.payload == "bf16" and not isinstance(layout, Masked)
             and hasattr(torch, "_grouped_mm") and not _capturing())
+
+
+def frag_path_taken(layout, weights, config: dict) -> bool:
+    """Whether run_triton runs the fragment-order Gluon decode GEMMs (moe/triton/nvfp4_frag.py) for this call:
+    FRAG 1, or -1 (auto) with a slab of at most 64 rows per expert; either way only for a Masked layout of
+    float activations, NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose Triton has Gluon."""
+    from pdlab.moe.triton import nvfp4_frag
+
+    frag = int(config.get("FRAG", -1))
+    if frag == 0 or not isinstance(layout, Masked) or layout.payload != "bf16" or not weights.can_tile:
+        return False
+    if frag == -1 and layout.hidden.shape[1] > 64:
+        return False
+    return os.environ.get("TRITON_INTERPRET") != "1" and nvfp4_frag.available(layout.hidden.device) is None
+
+
+def _run_frag(layout, weights) -> torch.Tensor:
+    """Masked float rows [E, M, H] through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the
+    in-loop kernel, output rows m >= masked_m[e] are not written."""
+    from pdlab.moe.triton import nvfp4_frag
+
+    packs = weights.prepare("triton_frag", _repack_frag)
+    x = layout.hidden
+    M = x.shape[1]
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    return nvfp4_frag.run_frag(x, layout.masked_m.to(torch.int32), packs, weights.intermediate_size, x.dtype, bm)
+
+
+def _repack_frag(w) -> dict:
+    """The fragment-order copy of the NVFP4 experts (built once per ExpertWeights, beside the stored layout)."""
+    from pdlab.moe.triton import nvfp4_frag
+
+    p = w.plain_nvfp4()
+    return nvfp4_frag.pack_experts(p["w13_weight"], p["w13_weight_scale"], p["w2_weight"], p["w2_weight_scale"],
+                                   w.w13_weight_scale_2, w.w2_weight_scale_2)
 
 
 def _capturing() -> bool:

@@ -1,0 +1,311 @@
+"""NVFP4 W4A16 decode GEMM for Hopper (sm90) in Gluon: weights repacked in wgmma fragment order.
+
+Why: the Triton kernel of nvfp4_moe.py stages the weight bytes through shared memory and pairs each byte's two
+unpacked nibbles into one register with byte permutes before the MMA: ~3.7 instructions per weight element at
+EP4 decode, where the GEMM is bound by its instruction stream, not by HBM
+(bench/results/NVIDIA_H200/moe_experts/2026-12-01_stalls). Here each thread loads exactly the bytes of its own
+wgmma A fragments from global memory (four 16-byte loads per 128×128 tile), unpacks them in registers with the
+DEQ_ASM sequence and hands them to wgmma as the register A operand: no shared memory, no permutes.
+
+Layouts (one program = 128 weight rows × all of K, one warpgroup; tile = 128 rows × 128 K):
+
+- wgmma A fragment (DotOperandLayout k_width 2 of an m64nBMk16 MMA): thread t = 32w + l holds rows
+  16w + l//4 (+8, +64, +72) and, per 16-wide MMA k step c, k = 2q, 2q+1, 2q+8, 2q+9 (q = l % 4).
+- MMA K order: the tile's model column k' = 32q + 4c + 2n + u is MMA column 16c + 8n + 2q + u (`perm_k`), so that
+  a thread's 32 columns of a row are 32 consecutive model columns: two NVFP4 scale blocks per row, not eight.
+- Packed byte i of thread t (i = u + 2·rsel + 4·c + 32·rhi): row 16w + l//4 + 8·rsel + 64·rhi; low nibble = MMA
+  column 16c + 2q + u, high nibble = that + 8 (model columns 32q + 4c + u and + 2). Bytes 16·(i//16) … of all
+  128 threads are contiguous (`pack_weights`): a warp's 16-byte loads cover 512 consecutive bytes.
+- Scales: thread t's 8 bytes (rsel + 2·c2 + 4·rhi; c2 = c // 4) contiguous (`pack_scales`).
+- Activations: read in model order by the gate_up GEMM (each MMA column from its model column), converted to fp16
+  ·2^-8 (alpha ·256) on load; the gate_up program writes the intermediate in fp16 ·2^-8 and in the down GEMM's
+  MMA K order, which the down GEMM reads as it is.
+
+The values: nibble → e4m3 byte → `cvt.rn.f16x2.e4m3x2` = value·2^-6, times the block scale (exact in fp16),
+per-expert alpha = weight_scale_2 · 2^6 · 2^8 in the fp32 epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon (Triton ≥ 3.5): explicit layouts
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    # the CTA barrier: gl.thread_barrier up to Triton 3.6, gl.barrier after
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - reported by `available()`
+    HAVE_GLUON = False
+
+TILE = 128
+
+
+def perm_k(device=None) -> torch.Tensor:
+    """[128] int64: model column (within a 128-column tile) of each MMA column: 16c + 8n + 2q + u ↦ 32q + 4c + 2n + u."""
+    mk = torch.arange(TILE, device=device)
+    c, n, q, u = mk // 16, (mk // 8) % 2, (mk // 2) % 4, mk % 2
+    return 32 * q + 4 * c + 2 * n + u
+
+
+def _thread_index(device=None):
+    """(row offset within the tile, MMA k of the low nibble) of packed byte (i16, t, b): tensors [4, 128, 16]."""
+    i16 = torch.arange(4, device=device)[:, None, None]
+    t = torch.arange(TILE, device=device)[None, :, None]
+    b = torch.arange(16, device=device)[None, None, :]
+    i = i16 * 16 + b
+    u, rsel, c, rhi = i % 2, (i // 2) % 2, (i // 4) % 8, i // 32
+    w, lane = t // 32, t % 32
+    q, rlo = lane % 4, lane // 4
+    row = 16 * w + rlo + 8 * rsel + 64 * rhi
+    return row, 16 * c + 2 * q + u
+
+
+def pack_weights(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4 bytes [E, N, K/2] uint8 (modelopt layout: low nibble = even column) → [E, N/128, K/128, 4, 128, 16]
+    uint8 in fragment order (module docstring). N and K multiples of 128."""
+    E, N, KH = w.shape
+    K = 2 * KH
+    if N % TILE or K % TILE:
+        raise ValueError(f"pack_weights: N={N} and K={K} must be multiples of {TILE}")
+    row, mk_lo = _thread_index(w.device)
+    pk = perm_k(w.device)
+    k_lo, k_hi = pk[mk_lo], pk[mk_lo + 8]  # model columns within the tile, [4, 128, 16]
+    tiles = w.reshape(E, N // TILE, TILE, K // TILE, TILE // 2).permute(0, 1, 3, 2, 4)  # [E, NT, KT, 128, 64]
+    nib = torch.stack([tiles & 0xF, tiles >> 4], dim=-1).reshape(E, N // TILE, K // TILE, TILE, TILE)
+    lo = nib[:, :, :, row, k_lo]
+    hi = nib[:, :, :, row, k_hi]
+    return (lo | (hi << 4)).to(torch.uint8).contiguous()
+
+
+def pack_scales(sf: torch.Tensor) -> torch.Tensor:
+    """Block scales [E, N, K/16] (e4m3 bytes) → [E, N/128, K/128, 128, 8] uint8: thread t's 8 scales, byte
+    rsel + 2·c2 + 4·rhi = row 16w + l//4 + 8·rsel + 64·rhi, block 2q + c2 of the tile."""
+    E, N, KB = sf.shape
+    sf = sf.view(torch.uint8) if sf.dtype != torch.uint8 else sf
+    t = torch.arange(TILE, device=sf.device)[:, None]
+    s = torch.arange(8, device=sf.device)[None, :]
+    rsel, c2, rhi = s % 2, (s // 2) % 2, s // 4
+    w, lane = t // 32, t % 32
+    row = 16 * w + lane // 4 + 8 * rsel + 64 * rhi
+    blk = 2 * (lane % 4) + c2
+    tiles = sf.reshape(E, N // TILE, TILE, KB // 8, 8).permute(0, 1, 3, 2, 4)  # [E, NT, KT, 128 rows, 8 blocks]
+    return tiles[:, :, :, row, blk].contiguous()
+
+
+def unpack_weights(wp: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_weights` (tests): [E, NT, KT, 4, 128, 16] → [E, N, K/2] uint8."""
+    E, NT, KT = wp.shape[:3]
+    row, mk_lo = _thread_index(wp.device)
+    pk = perm_k(wp.device)
+    nib = torch.zeros(E, NT, KT, TILE, TILE, dtype=torch.uint8, device=wp.device)
+    nib[:, :, :, row, pk[mk_lo]] = wp & 0xF
+    nib[:, :, :, row, pk[mk_lo + 8]] = wp >> 4
+    nib = nib.reshape(E, NT, KT, TILE, TILE // 2, 2)
+    byte = nib[..., 0] | (nib[..., 1] << 4)
+    return byte.permute(0, 1, 3, 2, 4).reshape(E, NT * TILE, KT * TILE // 2).contiguous()
+
+
+def column_order(K: int, device=None) -> torch.Tensor:
+    """[K] int64: the model column of each MMA column over K (tile by tile)."""
+    return (torch.arange(0, K, TILE, device=device)[:, None] + perm_k(device)[None, :]).reshape(-1)
+
+
+def available(device: torch.device) -> str | None:
+    """None when the kernel can run on `device`, else why not."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "wgmma kernels are sm90 (Hopper) only"
+    return None
+
+
+if HAVE_GLUON:
+    # nibble → e4m3 byte (value·2^-6), cvt to f16x2, times the (s, s) f16x2 scale of the element's row: elements
+    # 0, 1 of the pack are row r (scale $5), elements 2, 3 row r + 8 (scale $7)
+    _DEQ = gl.constexpr("""
+    {
+    .reg .b32 t, u, lo, hi;
+    .reg .b16 l0, l1, h0, h1;
+    shl.b32 t, $4, 2;
+    shl.b32 u, $4, 4;
+    and.b32 t, t, 0x1C1C1C1C;
+    and.b32 u, u, 0x80808080;
+    or.b32 lo, t, u;
+    shr.b32 t, $4, 2;
+    and.b32 t, t, 0x1C1C1C1C;
+    and.b32 u, $4, 0x80808080;
+    or.b32 hi, t, u;
+    mov.b32 {l0, l1}, lo;
+    mov.b32 {h0, h1}, hi;
+    cvt.rn.f16x2.e4m3x2 $0, l0;
+    cvt.rn.f16x2.e4m3x2 $1, l1;
+    cvt.rn.f16x2.e4m3x2 $2, h0;
+    cvt.rn.f16x2.e4m3x2 $3, h1;
+    mul.rn.f16x2 $0, $0, $5;
+    mul.rn.f16x2 $1, $1, $7;
+    mul.rn.f16x2 $2, $2, $5;
+    mul.rn.f16x2 $3, $3, $7;
+    }
+    """)
+
+    # four e4m3 scale bytes → four (s, s) f16x2 (exact)
+    _SCALE = gl.constexpr("""
+    {
+    .reg .b32 t;
+    .reg .b16 a, b, c, d;
+    prmt.b32 t, $4, 0, 0x1100;
+    mov.b32 {a, b}, t;
+    cvt.rn.f16x2.e4m3x2 $0, a;
+    cvt.rn.f16x2.e4m3x2 $1, b;
+    prmt.b32 t, $4, 0, 0x3322;
+    mov.b32 {c, d}, t;
+    cvt.rn.f16x2.e4m3x2 $2, c;
+    cvt.rn.f16x2.e4m3x2 $3, d;
+    }
+    """)
+
+    @gluon.jit
+    def _load_tile(wp, sp, PL: gl.constexpr, SL: gl.constexpr):
+        """One tile's packed bytes [4, 128, 16] and scales [128, 8] of this program (thread t's own bytes)."""
+        i16 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
+        tid = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
+        b = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))
+        p = gl.load(wp + ((i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :]))
+        st = gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
+        sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
+        s = gl.load(sp + (st[:, None] * 8 + sj[None, :]))
+        return p, s
+
+    @gluon.jit
+    def _operand(p, s, LB: gl.constexpr, AL: gl.constexpr):
+        """Packed bytes + scales of a tile → the wgmma register A operand [128, 128] fp16 (value·scale·2^-6)."""
+        # bytes [i16 = (rhi c2), t = (w1 w0 rlo2 rlo1 rlo0 q1 q0), b = (c1 c0 rsel u)] → [row, j] with
+        # row = (rhi w1 w0 rsel rlo) and j = (c2 c1 c0 q1 q0 u): a relabelling of this thread's registers
+        p = gl.permute(gl.reshape(p, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]), (0, 2, 3, 11, 4, 5, 6, 1, 9, 10, 7, 8, 12))
+        wb = gl.convert_layout(gl.reshape(p, [128, 64]), LB, assert_trivial=True)
+        s32 = gl.inline_asm_elementwise(_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.int32, is_pure=True, pack=4)
+        # scales [t, (rhi c2 rsel)] → the bytes' order, broadcast over c1, c0, u
+        s32 = gl.permute(gl.reshape(s32, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2]), (7, 0, 1, 9, 2, 3, 4, 8, 5, 6))
+        s32 = gl.convert_layout(gl.reshape(s32, [2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 2, 2, 1]), p.type.layout,
+                                assert_trivial=True)
+        s32, _ = gl.broadcast(s32, p.to(gl.int32))
+        s32 = gl.convert_layout(gl.reshape(s32, [128, 64]), LB, assert_trivial=True)
+        lo, hi = gl.inline_asm_elementwise(_DEQ, "=r,=r,=r,=r,r,r,r,r,r", [wb, s32], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=4)
+        w = gl.join(lo, hi)  # [128, 64, 2]: (row, j = 8c + 2q + u, n) is MMA column 16c + 8n + 2q + u
+        w = gl.permute(gl.reshape(w, [128, 8, 8, 2]), (0, 1, 3, 2))
+        return gl.convert_layout(gl.reshape(w, [128, 128]), AL, assert_trivial=True)
+
+    @gluon.jit
+    def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, alpha_ptr, K, N_OUT, M_MAX, up_tiles,
+                   stride_xe, stride_xm, stride_oe, stride_om,
+                   BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr, X_MODEL_ORDER: gl.constexpr):
+        """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        LB: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [64, 0]],
+            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[128, 64])
+        PL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [1, 4, 1], [2, 1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.float16)
+
+        pid_n = gl.program_id(0)
+        e = gl.program_id(1)
+        m0 = gl.program_id(2) * BM
+        count = gl.load(cnt_ptr + e)
+        if m0 < count:
+            KT = K // 128
+            e64 = e.to(gl.int64)
+            tiles = (N_OUT // 128) + up_tiles  # tiles per expert in the packed tensors
+            w_base = wp + (e64 * tiles + pid_n) * KT * 8192
+            s_base = sp + (e64 * tiles + pid_n) * KT * 1024
+            wu_base = wp + (e64 * tiles + pid_n + up_tiles) * KT * 8192
+            su_base = sp + (e64 * tiles + pid_n + up_tiles) * KT * 1024
+            xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+            xk = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+            if X_MODEL_ORDER:  # float activations in model column order: MMA column mk reads model column perm_k(mk)
+                xk = 32 * ((xk // 2) % 4) + 4 * (xk // 16) + 2 * ((xk // 8) % 2) + xk % 2
+            x_rows = x_ptr + e64 * stride_xe + gl.expand_dims((m0 + xm) * stride_xm, 1) + gl.expand_dims(xk, 0)
+            x_ok = gl.expand_dims(m0 + xm < count, 1)
+            xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
+            acc = gl.zeros([128, BM], gl.float32, layout=mma)
+            acc_u = gl.zeros([128, BM], gl.float32, layout=mma)
+            for kt in range(KT):
+                p, s = _load_tile(w_base + kt * 8192, s_base + kt * 1024, PL, SL)
+                if FUSE_SILU:
+                    pu, su = _load_tile(wu_base + kt * 8192, su_base + kt * 1024, PL, SL)
+                x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
+                if X_MODEL_ORDER:  # fp16 MMA: ·2^-8 keeps bf16/fp32 values in range (alpha ·256)
+                    x = (x.to(gl.float32) * 0.00390625).to(gl.float16)
+                a = _operand(p, s, LB, AL)
+                xs.store(x)
+                fence_async_shared()
+                _cta_barrier()
+                acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
+                if FUSE_SILU:
+                    acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
+                _cta_barrier()
+            alpha = gl.load(alpha_ptr + e)
+            res = acc * alpha
+            if FUSE_SILU:
+                res = res / (1.0 + gl.exp(-res)) * (acc_u * alpha) * 0.00390625  # the next GEMM's 2^-8
+            on = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+            om = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+            if OUT_PERMUTED:  # the down GEMM's MMA K order: model column k' of a tile is MMA column πinv(k')
+                kk = on % 128
+                col = (on // 128) * 128 + 16 * ((kk // 4) % 8) + 8 * ((kk // 2) % 2) + 2 * (kk // 32) + kk % 2
+            else:
+                col = on
+            o = out_ptr + e64 * stride_oe + gl.expand_dims(om * stride_om, 0) + gl.expand_dims(col, 1)
+            gl.store(o, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
+
+
+ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
+
+
+def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, w_s2: torch.Tensor, out: torch.Tensor,
+              counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16) -> torch.Tensor:
+    """out[e, m, :n_out] (rows m < counts[e]; the others are not written) = act(x[e, m] · W[e]ᵀ).
+
+    x: [E, M, K] bf16 / fp16 / fp32 in model column order (converted to fp16 ·2^-8 and permuted on load), or, for
+    the down GEMM, the gate_up output (fp16 [E, M, I], ·2^-8, MMA K order: written so when fuse_silu).
+    wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
+    w_s2: [E] fp32 weight_scale_2. out: fuse_silu → fp16 [E, M, n_out] for the down GEMM; else [E, M, n_out] of
+    the caller's dtype. counts: [E] int32 (masked_m). block_m: tokens per program (16, 32 or 64; the wgmma N).
+    Graph-safe (no host sync)."""
+    E, M, K = x.shape
+    if fuse_silu and out.dtype != torch.float16:
+        raise ValueError("frag_gemm: the gate_up output feeds the down GEMM and must be fp16 (MMA K order, ·2^-8)")
+    up_tiles = n_out // TILE if fuse_silu else 0
+    alpha = (w_s2.float() * ALPHA).contiguous()
+    grid = (n_out // TILE, E, -(-M // block_m))
+    _frag_gemm[grid](wp, sp, x, out, counts, alpha, K, n_out, M, up_tiles, x.stride(0), x.stride(1),
+                     out.stride(0), out.stride(1), BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
+                     X_MODEL_ORDER=fuse_silu, num_warps=4)
+    return out
+
+
+def run_frag(x: torch.Tensor, counts: torch.Tensor, packs: dict, intermediate: int, out_dtype: torch.dtype,
+             block_m: int) -> torch.Tensor:
+    """The experts on a masked slab: x [E, M, H] float, counts [E] int32 → [E, M, H] `out_dtype` (rows
+    m >= counts[e] unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"} (`pack_experts`)."""
+    E, M, H = x.shape
+    h = torch.empty(E, M, intermediate, dtype=torch.float16, device=x.device)
+    frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
+              block_m=block_m)
+    out = torch.empty(E, M, H, dtype=out_dtype, device=x.device)
+    return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
+                     block_m=block_m)
+
+
+def pack_experts(w13, s13, w2, s2, w13_s2, w2_s2) -> dict:
+    """The four NVFP4 tensors (modelopt layout) in fragment order, with the weight_scale_2 vectors as fp32."""
+    return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_s2": w13_s2.float().contiguous(),
+            "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_s2": w2_s2.float().contiguous()}

@@ -1,0 +1,174 @@
+"""The fragment-order NVFP4 decode GEMMs (moe/triton/nvfp4_frag.py): the weight and scale packing on CPU (every
+byte and scale where the kernel's register layout expects it), the path choice, compilation for sm90 with the
+installed Triton's Gluon, and on an H200 the experts against the fp32 reference."""
+
+import os
+
+import pytest
+import torch
+
+from pdlab.moe.triton import nvfp4_frag as F
+
+CUDA = torch.cuda.is_available()
+
+
+def _fragment_model(wp: torch.Tensor, sp: torch.Tensor):
+    """What each thread of the kernel holds, rebuilt from the packed tensors by the layout the kernel declares
+    (wgmma A fragment: thread t = 32w + l, rows 16w + l//4 (+8, +64), MMA columns 16c + 2q + u (+8)):
+    ([E, N, K] nibble codes, [E, N, K] block scale bytes) in MMA column order."""
+    E, NT, KT = wp.shape[:3]
+    codes = torch.zeros(E, NT * 128, KT * 128, dtype=torch.uint8)
+    scales = torch.zeros(E, NT * 128, KT * 128, dtype=torch.uint8)
+    for i16 in range(4):
+        for b in range(16):
+            i = 16 * i16 + b
+            u, rsel, c, rhi = i % 2, (i // 2) % 2, (i // 4) % 8, i // 32
+            for t in range(128):
+                w, lane = t // 32, t % 32
+                q = lane % 4
+                row = 16 * w + lane // 4 + 8 * rsel + 64 * rhi
+                sidx = rsel + 2 * (c // 4) + 4 * rhi
+                for nt in range(NT):
+                    for kt in range(KT):
+                        byte = wp[:, nt, kt, i16, t, b]
+                        r, col = nt * 128 + row, kt * 128 + 16 * c + 2 * q + u
+                        codes[:, r, col] = byte & 0xF
+                        codes[:, r, col + 8] = byte >> 4
+                        scales[:, r, col] = scales[:, r, col + 8] = sp[:, nt, kt, t, sidx]
+    return codes, scales
+
+
+def test_packing_puts_every_nibble_and_scale_where_the_fragments_read_it():
+    g = torch.Generator().manual_seed(0)
+    E, N, K = 2, 256, 256
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g)
+    sf = torch.randint(0, 256, (E, N, K // 16), dtype=torch.uint8, generator=g)
+    wp, sp = F.pack_weights(w), F.pack_scales(sf)
+    assert wp.shape == (E, 2, 2, 4, 128, 16) and sp.shape == (E, 2, 2, 128, 8)
+    assert torch.equal(F.unpack_weights(wp), w)
+    codes, scales = _fragment_model(wp, sp)
+    order = F.column_order(K)  # MMA column → model column
+    model_codes = torch.stack([w & 0xF, w >> 4], -1).reshape(E, N, K)
+    assert torch.equal(codes, model_codes[:, :, order])
+    model_scales = sf.repeat_interleave(16, dim=-1)
+    assert torch.equal(scales, model_scales[:, :, order])
+
+
+def test_k_order_is_a_permutation_with_the_kernels_inverse():
+    pk = F.perm_k()
+    assert sorted(pk.tolist()) == list(range(128))
+    # the gate_up epilogue writes model column k' of the intermediate at MMA column 16c + 8n + 2q + u
+    kk = torch.arange(128)
+    inv = 16 * ((kk // 4) % 8) + 8 * ((kk // 2) % 2) + 2 * (kk // 32) + kk % 2
+    assert torch.equal(pk[inv], kk)
+    # the gate_up prologue reads MMA column mk from model column 32q + 4c + 2n + u
+    mk = torch.arange(128)
+    read = 32 * ((mk // 2) % 4) + 4 * (mk // 16) + 2 * ((mk // 8) % 2) + mk % 2
+    assert torch.equal(read, pk)
+    # the two scale blocks of a thread's row: its 32 model columns are consecutive
+    assert all(len({int(pk[16 * c + 8 * n + 2 * q + u]) // 16 for c in range(8) for n in range(2) for u in range(2)})
+               == 2 for q in range(4))
+
+
+def test_packing_refuses_shapes_that_do_not_tile():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        F.pack_weights(torch.zeros(1, 100, 64, dtype=torch.uint8))
+
+
+def test_path_choice_without_a_hopper_gpu():
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
+    from pdlab.moe.weights import ExpertWeights
+
+    w = ExpertWeights.from_bf16(torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1, quantize=True)
+    layout = Masked(torch.randn(2, 4, 128), torch.tensor([4, 1], dtype=torch.int32))
+    if not CUDA:
+        assert F.available(torch.device("cpu")) == "needs a CUDA GPU" or not F.HAVE_GLUON
+        assert not frag_path_taken(layout, w, {"FRAG": 1})
+    assert not frag_path_taken(layout, w, {"FRAG": 0})
+
+
+@pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_compiles_for_sm90_without_shared_memory_for_the_weights():
+    # compiled for sm90 on any machine: the only shared memory is the activation tile (BM × 128 fp16), and the
+    # weight path has no byte permutes beyond the scales' (4 per 8 scales)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pdlab.bench.kernel_resources import _disassemble, sass_opcodes
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "alpha_ptr": "*fp32",
+           "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
+           "stride_oe": "i32", "stride_om": "i32"}
+    consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "X_MODEL_ORDER": False}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+             if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
+    sig.update({k: "constexpr" for k in consts})
+    k = triton.compile(GluonASTSource(fn=F._frag_gemm, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    assert k.metadata.shared <= 16 * 128 * 2 + 1024
+    ops = sass_opcodes(_disassemble(k.asm["cubin"]))
+    assert ops["HGMMA"] == 16 and ops["LDS"] == 0 and ops["LDSM"] == 0, ops
+    assert ops["PRMT"] <= 16, ops
+
+
+# ---------------------------------------------------------------------------------------------- H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("E,H,I,M", [(4, 256, 128, 1), (3, 384, 256, 24), (2, 7168, 2048, 5), (2, 512, 256, 70)])
+def test_gpu_frag_experts_match_the_reference(E, H, I, M, dtype):
+    from pdlab.bench.harness import cosine_error
+    from pdlab.moe.experts import run_experts
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
+    from pdlab.moe.weights import ExpertWeights
+
+    if F.available(torch.device("cuda")) is not None:
+        pytest.skip(F.available(torch.device("cuda")))
+    g = torch.Generator(device="cuda").manual_seed(E + M)
+    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05,
+                                torch.randn(E, H, I, device="cuda", generator=g) * 0.05, quantize=True)
+    counts = torch.tensor([max(0, M - 3 * e) for e in range(E)], dtype=torch.int32, device="cuda")
+    x = torch.randn(E, M, H, device="cuda", generator=g).to(dtype)
+    x[torch.arange(M, device="cuda")[None, :] >= counts[:, None]] = float("nan")  # never read
+    layout = Masked(x, counts)
+    cfg = {"FRAG": 1}
+    assert frag_path_taken(layout, w, cfg)
+    out = run_experts(layout, w, runner="triton", config=cfg).hidden
+    ref = run_experts(layout, w, runner="torch", config={"weights": "nvfp4"}).hidden
+    keep = torch.arange(M, device="cuda")[None, :] < counts[:, None]
+    assert torch.isfinite(out[keep]).all()
+    assert cosine_error(out[keep].float(), ref[keep].float()) < 2e-5
+
+
+@pytest.mark.gpu
+def test_gpu_frag_is_the_decode_default_and_graph_safe():
+    from pdlab.bench.harness import cosine_error
+    from pdlab.moe.experts import run_experts
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
+    from pdlab.moe.weights import ExpertWeights
+
+    if F.available(torch.device("cuda")) is not None:
+        pytest.skip(F.available(torch.device("cuda")))
+    E, H, I = 4, 512, 256
+    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
+                                torch.randn(E, H, I, device="cuda") * 0.05, quantize=True)
+    x = torch.randn(E, 16, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([16, 3, 0, 9], dtype=torch.int32, device="cuda")
+    layout = Masked(x, counts)
+    assert frag_path_taken(layout, w, {})  # auto: a decode slab
+    assert not frag_path_taken(Masked(torch.randn(E, 80, H, device="cuda"), counts), w, {})
+    eager = run_experts(layout, w, runner="triton", config={}).hidden.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_experts(layout, w, runner="triton", config={}).hidden
+    graph.replay()
+    keep = torch.arange(16, device="cuda")[None, :] < counts[:, None]
+    assert torch.equal(captured[keep], eager[keep])
+    loop = run_experts(layout, w, runner="triton", config={"FRAG": 0}).hidden
+    assert cosine_error(eager[keep].float(), loop[keep].float()) < 2e-5
