@@ -17,9 +17,9 @@ Layouts (one program = 128 weight rows × all of K, one warpgroup; tile = 128 ro
   column 16c + 2q + u, high nibble = that + 8 (model columns 32q + 4c + u and + 2). Bytes 16·(i//16) … of all
   128 threads are contiguous (`pack_weights`): a warp's 16-byte loads cover 512 consecutive bytes.
 - Scales: thread t's 8 bytes (rsel + 2·c2 + 4·rhi; c2 = c // 4) contiguous (`pack_scales`).
-- Activations: read in model order by the gate_up GEMM (each MMA column from its model column), converted to fp16
-  ·2^-8 (alpha ·256) on load; the gate_up program writes the intermediate in fp16 ·2^-8 and in the down GEMM's
-  MMA K order, which the down GEMM reads as it is.
+- Activations: `_prep_x` writes the valid rows as fp16 ·2^-8 (alpha ·256) in MMA K order (a few µs; converting
+  in the gate_up kernel itself cost it registers and a program per SM); the gate_up program writes the
+  intermediate the same way for the down GEMM, which reads it as it is.
 
 The values: nibble → e4m3 byte → `cvt.rn.f16x2.e4m3x2` = value·2^-6, times the block scale (exact in fp16),
 per-expert alpha = weight_scale_2 · 2^6 · 2^8 in the fp32 epilogue.
@@ -28,6 +28,8 @@ per-expert alpha = weight_scale_2 · 2^6 · 2^8 in the fp32 epilogue.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 try:  # Gluon (Triton ≥ 3.5): explicit layouts
     from triton.experimental import gluon
@@ -110,6 +112,20 @@ def unpack_weights(wp: torch.Tensor) -> torch.Tensor:
 def column_order(K: int, device=None) -> torch.Tensor:
     """[K] int64: the model column of each MMA column over K (tile by tile)."""
     return (torch.arange(0, K, TILE, device=device)[:, None] + perm_k(device)[None, :]).reshape(-1)
+
+
+@triton.jit
+def _prep_x(X, Y, CNT, M, K, stride_xe, stride_xm, BLOCK: tl.constexpr):
+    """Y[e, m, kb·128 + mk] = fp16(X[e, m, kb·128 + perm_k(mk)] · 2^-8) for m < CNT[e]; grid (E·M, K/BLOCK)."""
+    em = tl.program_id(0)
+    e = em // M
+    m = em % M
+    if m < tl.load(CNT + e):
+        mk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        t = mk % 128
+        src = (mk - t) + 32 * ((t // 2) % 4) + 4 * (t // 16) + 2 * ((t // 8) % 2) + t % 2
+        x = tl.load(X + e.to(tl.int64) * stride_xe + m * stride_xm + src)
+        tl.store(Y + em.to(tl.int64) * K + mk, (x.to(tl.float32) * 0.00390625).to(tl.float16))
 
 
 def available(device: torch.device) -> str | None:
@@ -203,7 +219,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, alpha_ptr, K, N_OUT, M_MAX, up_tiles,
                    stride_xe, stride_xm, stride_oe, stride_om,
-                   BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr, X_MODEL_ORDER: gl.constexpr):
+                   BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -230,8 +246,6 @@ if HAVE_GLUON:
             su_base = sp + (e64 * tiles + pid_n + up_tiles) * KT * 1024
             xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             xk = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
-            if X_MODEL_ORDER:  # float activations in model column order: MMA column mk reads model column perm_k(mk)
-                xk = 32 * ((xk // 2) % 4) + 4 * (xk // 16) + 2 * ((xk // 8) % 2) + xk % 2
             x_rows = x_ptr + e64 * stride_xe + gl.expand_dims((m0 + xm) * stride_xm, 1) + gl.expand_dims(xk, 0)
             x_ok = gl.expand_dims(m0 + xm < count, 1)
             xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
@@ -242,8 +256,6 @@ if HAVE_GLUON:
                 if FUSE_SILU:
                     pu, su = _load_tile(wu_base + kt * 8192, su_base + kt * 1024, PL, SL)
                 x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
-                if X_MODEL_ORDER:  # fp16 MMA: ·2^-8 keeps bf16/fp32 values in range (alpha ·256)
-                    x = (x.to(gl.float32) * 0.00390625).to(gl.float16)
                 a = _operand(p, s, LB, AL)
                 xs.store(x)
                 fence_async_shared()
@@ -274,8 +286,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, w_s2: torch.T
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16) -> torch.Tensor:
     """out[e, m, :n_out] (rows m < counts[e]; the others are not written) = act(x[e, m] · W[e]ᵀ).
 
-    x: [E, M, K] bf16 / fp16 / fp32 in model column order (converted to fp16 ·2^-8 and permuted on load), or, for
-    the down GEMM, the gate_up output (fp16 [E, M, I], ·2^-8, MMA K order: written so when fuse_silu).
+    x: [E, M, K] fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the
+    gate_up output for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
     w_s2: [E] fp32 weight_scale_2. out: fuse_silu → fp16 [E, M, n_out] for the down GEMM; else [E, M, n_out] of
     the caller's dtype. counts: [E] int32 (masked_m). block_m: tokens per program (16, 32 or 64; the wgmma N).
@@ -288,7 +300,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, w_s2: torch.T
     grid = (n_out // TILE, E, -(-M // block_m))
     _frag_gemm[grid](wp, sp, x, out, counts, alpha, K, n_out, M, up_tiles, x.stride(0), x.stride(1),
                      out.stride(0), out.stride(1), BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
-                     X_MODEL_ORDER=fuse_silu, num_warps=4)
+                     num_warps=4)
     return out
 
 
@@ -298,11 +310,25 @@ def run_frag(x: torch.Tensor, counts: torch.Tensor, packs: dict, intermediate: i
     m >= counts[e] unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"} (`pack_experts`)."""
     E, M, H = x.shape
     h = torch.empty(E, M, intermediate, dtype=torch.float16, device=x.device)
+    x = prepare_activations(x, counts)
     frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
               block_m=block_m)
     out = torch.empty(E, M, H, dtype=out_dtype, device=x.device)
     return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m)
+
+
+def prepare_activations(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [E, M, K] float → fp16 [E, M, K] ·2^-8 with columns in MMA K order, rows m < counts[e] (others unwritten).
+    Graph-safe."""
+    E, M, K = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(E, M, K, dtype=torch.float16, device=x.device)
+    if E * M:
+        _prep_x[(E * M, K // 512 if K % 512 == 0 else K // 128)](x, y, counts, M, K, x.stride(0), x.stride(1),
+                                                                  BLOCK=512 if K % 512 == 0 else 128, num_warps=4)
+    return y
 
 
 def pack_experts(w13, s13, w2, s2, w13_s2, w2_s2) -> dict:

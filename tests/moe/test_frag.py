@@ -61,7 +61,7 @@ def test_k_order_is_a_permutation_with_the_kernels_inverse():
     kk = torch.arange(128)
     inv = 16 * ((kk // 4) % 8) + 8 * ((kk // 2) % 2) + 2 * (kk // 32) + kk % 2
     assert torch.equal(pk[inv], kk)
-    # the gate_up prologue reads MMA column mk from model column 32q + 4c + 2n + u
+    # the activations (_prep_x) put model column 32q + 4c + 2n + u at MMA column mk
     mk = torch.arange(128)
     read = 32 * ((mk // 2) % 4) + 4 * (mk // 16) + 2 * ((mk // 8) % 2) + mk % 2
     assert torch.equal(read, pk)
@@ -102,7 +102,7 @@ def test_compiles_for_sm90_without_shared_memory_for_the_weights():
     sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "alpha_ptr": "*fp32",
            "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
            "stride_oe": "i32", "stride_om": "i32"}
-    consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "X_MODEL_ORDER": False}
+    consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
     sig.update({k: "constexpr" for k in consts})
