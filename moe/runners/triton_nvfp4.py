@@ -30,8 +30,10 @@ TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
 is ignored otherwise. FRAG (-1 auto, 0, 1): Masked slabs of float activations run the fragment-order Gluon GEMMs
 of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon; each thread loads its own wgmma fragments' weight bytes,
-no shared memory, no permutes): auto takes them for slabs of at most 64 rows per expert, 1 for any slab; they
-read a fragment-order copy of the NVFP4 weights built once (`frag_path_taken` says whether a call runs them).
+no shared memory, no permutes): auto takes them for slabs of at most 64 rows per expert when the weights are not
+stored tiled, 1 for any slab; they read a fragment-order copy of the NVFP4 weights built once (a second copy of
+the experts, which is why auto leaves weights stored tiled in place to the in-loop kernel; `frag_path_taken` says
+whether a call runs them).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -217,14 +219,17 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
 
 def frag_path_taken(layout, weights, config: dict) -> bool:
     """Whether run_triton runs the fragment-order Gluon decode GEMMs (moe/triton/nvfp4_frag.py) for this call:
-    FRAG 1, or -1 (auto) with a slab of at most 64 rows per expert; either way only for a Masked layout of
-    float activations, NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose Triton has Gluon."""
+    FRAG 1, or -1 (auto) with a slab of at most 64 rows per expert and weights not stored tiled; either way only
+    for a Masked layout of float activations, NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose
+    Triton has Gluon. The kernels read a fragment-order copy of the weights, built at the first call."""
     from pdlab.moe.triton import nvfp4_frag
 
     frag = int(config.get("FRAG", -1))
     if frag == 0 or not isinstance(layout, Masked) or layout.payload != "bf16" or not weights.can_tile:
         return False
-    if frag == -1 and layout.hidden.shape[1] > 64:
+    # auto: decode slabs, and never a second copy of experts stored tiled in place (the runtime's choice for the
+    # in-loop kernel: a fragment-order copy of a real model's experts could exhaust the GPU's memory mid-run)
+    if frag == -1 and (layout.hidden.shape[1] > 64 or weights.nvfp4_tiled):
         return False
     return os.environ.get("TRITON_INTERPRET") != "1" and nvfp4_frag.available(layout.hidden.device) is None
 

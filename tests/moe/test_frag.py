@@ -163,6 +163,11 @@ def test_gpu_frag_is_the_decode_default_and_graph_safe():
     layout = Masked(x, counts)
     assert frag_path_taken(layout, w, {})  # auto: a decode slab
     assert not frag_path_taken(Masked(torch.randn(E, 80, H, device="cuda"), counts), w, {})
+    # experts stored tiled in place (the runtime's layout) are left to the in-loop kernel unless asked: the
+    # fragment-order copy would double their memory
+    tiled = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
+                                    torch.randn(E, H, I, device="cuda") * 0.05, quantize=True).tile_()
+    assert not frag_path_taken(layout, tiled, {}) and frag_path_taken(layout, tiled, {"FRAG": 1})
     eager = run_experts(layout, w, runner="triton", config={}).hidden.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
