@@ -28,7 +28,7 @@ offsets per call: while a CUDA graph is being captured the in-loop kernel runs i
 `dense_path_taken` says whether it runs.
 TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
-is ignored otherwise. FRAG (-1 auto, 0, 1): Masked slabs of float activations run the fragment-order Gluon GEMMs
+is ignored otherwise. FRAG (-1 auto, 0, 1): Masked slabs (any payload) run the fragment-order Gluon GEMMs
 of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon; each thread loads its own wgmma fragments' weight bytes,
 no shared memory, no permutes): auto takes them for slabs of at most 64 rows per expert when the weights are not
 stored tiled, 1 for any slab; they read a fragment-order copy of the NVFP4 weights built once (a second copy of
@@ -220,12 +220,12 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
 def frag_path_taken(layout, weights, config: dict) -> bool:
     """Whether run_triton runs the fragment-order Gluon decode GEMMs (moe/triton/nvfp4_frag.py) for this call:
     FRAG 1, or -1 (auto) with a slab of at most 64 rows per expert and weights not stored tiled; either way only
-    for a Masked layout of float activations, NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose
+    for a Masked layout (any payload), NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose
     Triton has Gluon. The kernels read a fragment-order copy of the weights, built at the first call."""
     from pdlab.moe.triton import nvfp4_frag
 
     frag = int(config.get("FRAG", -1))
-    if frag == 0 or not isinstance(layout, Masked) or layout.payload != "bf16" or not weights.can_tile:
+    if frag == 0 or not isinstance(layout, Masked) or not weights.can_tile:
         return False
     # auto: decode slabs, and never a second copy of experts stored tiled in place (the runtime's choice for the
     # in-loop kernel: a fragment-order copy of a real model's experts could exhaust the GPU's memory mid-run)
@@ -235,15 +235,16 @@ def frag_path_taken(layout, weights, config: dict) -> bool:
 
 
 def _run_frag(layout, weights) -> torch.Tensor:
-    """Masked float rows [E, M, H] through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the
-    in-loop kernel, output rows m >= masked_m[e] are not written."""
+    """A Masked slab (float, fp8 or nvfp4 activations, dequantised to fp16 by a small kernel first) through the
+    fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows m >= masked_m[e] of the
+    output are not written."""
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
-    x = layout.hidden
-    M = x.shape[1]
+    M = layout.hidden.shape[1]
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    return nvfp4_frag.run_frag(x, layout.masked_m.to(torch.int32), packs, weights.intermediate_size, x.dtype, bm)
+    out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
+    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm)
 
 
 def _repack_frag(w) -> dict:

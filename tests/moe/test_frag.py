@@ -3,13 +3,17 @@ byte and scale where the kernel's register layout expects it), the path choice, 
 installed Triton's Gluon, and on an H200 the experts against the fp32 reference."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from pdlab.moe.triton import nvfp4_frag as F
-
 CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any pdlab Triton kernel is defined (the activation pre-kernel)
+
+from pdlab.moe.triton import nvfp4_frag as F  # noqa: E402
 
 
 def _fragment_model(wp: torch.Tensor, sp: torch.Tensor):
@@ -88,42 +92,72 @@ def test_path_choice_without_a_hopper_gpu():
     assert not frag_path_taken(layout, w, {"FRAG": 0})
 
 
+_COMPILE = r"""
+import json, os, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from pdlab.bench.kernel_resources import _disassemble, sass_opcodes
+from pdlab.moe.triton import nvfp4_frag as F
+sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "alpha_ptr": "*fp32",
+       "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
+       "stride_oe": "i32", "stride_om": "i32"}
+consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1}
+attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+         if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
+sig.update({k: "constexpr" for k in consts})
+k = triton.compile(GluonASTSource(fn=F._frag_gemm, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(_disassemble(k.asm["cubin"]))}))
+"""
+
+
 @pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_compiles_for_sm90_without_shared_memory_for_the_weights():
-    # compiled for sm90 on any machine: the only shared memory is the activation tile (BM × 128 fp16), and the
-    # weight path has no byte permutes beyond the scales' (4 per 8 scales)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    # compiled for sm90 on any machine (its own process: compiled, not interpreted): the only shared memory is
+    # the activation tile (BM × 128 fp16), and the weight path has no byte permutes beyond the scales'
+    import json
 
-    from pdlab.bench.kernel_resources import _disassemble, sass_opcodes
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    ops = got["ops"]
+    assert got["shared"] <= 16 * 128 * 2 + 1024
+    assert ops["HGMMA"] == 16 and ops.get("LDS", 0) == 0 and ops.get("LDSM", 0) == 0, ops
+    assert ops.get("PRMT", 0) <= 16, ops
 
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "alpha_ptr": "*fp32",
-           "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
-           "stride_oe": "i32", "stride_om": "i32"}
-    consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-             if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
-    sig.update({k: "constexpr" for k in consts})
-    k = triton.compile(GluonASTSource(fn=F._frag_gemm, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-    assert k.metadata.shared <= 16 * 128 * 2 + 1024
-    ops = sass_opcodes(_disassemble(k.asm["cubin"]))
-    assert ops["HGMMA"] == 16 and ops["LDS"] == 0 and ops["LDSM"] == 0, ops
-    assert ops["PRMT"] <= 16, ops
+
+@pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
+def test_activation_pre_kernel_matches_the_dequantised_rows(payload):
+    # the small kernel before the gate_up GEMM: each valid row's values (dequantised for fp8 / nvfp4) ·2^-8 in
+    # fp16, MMA column mk holding model column perm_k(mk); rows past masked_m are not written
+    from pdlab.moe.layouts import Masked, dequantize_hidden, quantize_payload
+
+    dev = "cuda" if CUDA else "cpu"
+    E, M, K = 3, 4, 256
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(E * M, K, generator=g) * 3).to(dev)
+    gs = torch.tensor([0.7], device=dev) if payload == "nvfp4" else None
+    hidden, scales, gsc = quantize_payload(x.to(torch.bfloat16), payload, gs)
+    layout = Masked(hidden.view(E, M, -1), torch.tensor([4, 1, 0], dtype=torch.int32, device=dev), payload,
+                    None if scales is None else scales.view(E, M, -1), gsc)
+    y = F.prepare_activations(layout.hidden, layout.masked_m, payload, layout.scales, layout.global_scale)
+    want = (dequantize_hidden(layout) * 2.0 ** -8).to(torch.float16)[..., F.column_order(K, dev)]
+    for e, n in enumerate([4, 1, 0]):
+        assert torch.equal(y[e, :n], want[e, :n]), (payload, e)
 
 
 # ---------------------------------------------------------------------------------------------- H200
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("payload", ["bf16", "fp32", "fp8", "nvfp4"])
 @pytest.mark.parametrize("E,H,I,M", [(4, 256, 128, 1), (3, 384, 256, 24), (2, 7168, 2048, 5), (2, 512, 256, 70)])
-def test_gpu_frag_experts_match_the_reference(E, H, I, M, dtype):
+def test_gpu_frag_experts_match_the_reference(E, H, I, M, payload):
     from pdlab.bench.harness import cosine_error
     from pdlab.moe.experts import run_experts
-    from pdlab.moe.layouts import Masked
+    from pdlab.moe.layouts import Masked, quantize_payload
     from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
     from pdlab.moe.weights import ExpertWeights
 
@@ -133,9 +167,17 @@ def test_gpu_frag_experts_match_the_reference(E, H, I, M, dtype):
     w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05,
                                 torch.randn(E, H, I, device="cuda", generator=g) * 0.05, quantize=True)
     counts = torch.tensor([max(0, M - 3 * e) for e in range(E)], dtype=torch.int32, device="cuda")
-    x = torch.randn(E, M, H, device="cuda", generator=g).to(dtype)
-    x[torch.arange(M, device="cuda")[None, :] >= counts[:, None]] = float("nan")  # never read
-    layout = Masked(x, counts)
+    x = torch.randn(E * M, H, device="cuda", generator=g)
+    if payload in ("bf16", "fp32"):
+        hidden, scales, gs = (x.to(torch.bfloat16) if payload == "bf16" else x), None, None
+        payload = "bf16"
+    else:
+        hidden, scales, gs = quantize_payload(x.to(torch.bfloat16), payload,
+                                              torch.tensor([0.3], device="cuda") if payload == "nvfp4" else None)
+    hidden = hidden.view(E, M, -1).clone()
+    if payload == "bf16":
+        hidden[torch.arange(M, device="cuda")[None, :] >= counts[:, None]] = float("nan")  # never read
+    layout = Masked(hidden, counts, payload, None if scales is None else scales.view(E, M, -1), gs)
     cfg = {"FRAG": 1}
     assert frag_path_taken(layout, w, cfg)
     out = run_experts(layout, w, runner="triton", config=cfg).hidden
