@@ -30,10 +30,10 @@ TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
 is ignored otherwise. FRAG (-1 auto, 0, 1): Masked slabs (any payload) run the fragment-order Gluon GEMMs
 of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon; each thread loads its own wgmma fragments' weight bytes,
-no shared memory, no permutes): auto takes them for slabs of at most 64 rows per expert when the weights are not
-stored tiled, 1 for any slab; they read a fragment-order copy of the NVFP4 weights built once (a second copy of
-the experts, which is why auto leaves weights stored tiled in place to the in-loop kernel; `frag_path_taken` says
-whether a call runs them).
+no shared memory, no permutes): auto takes them when at most 64 tokens per expert are expected and the
+weights are not stored tiled, 1 for any slab. They read a fragment-order copy of the NVFP4 weights built once
+(a second copy of the experts, which is why auto leaves weights stored tiled in place to the in-loop kernel);
+`frag_path_taken` says whether a call runs them.
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -124,8 +124,8 @@ def run_triton(layout, weights, *, config):
     cfg = resolve_config(cfg, expected_m, interpret)
     if _dense_path(layout, cfg, expected_m):
         return _run_dense(layout, weights, cfg)
-    if frag_path_taken(layout, weights, cfg):
-        return _run_frag(layout, weights)
+    if frag_path_taken(layout, weights, cfg, expected_m):
+        return _run_frag(layout, weights, expected_m)
     if weights.nvfp4_tiled and auto_tiled:
         # weights stored tiled (ExpertWeights.tile_): every in-loop call reads them as they are; a plain copy
         # would double the experts' memory. The tiled kernels need BLOCK_K a multiple of 128.
@@ -217,9 +217,10 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
             and hasattr(torch, "_grouped_mm") and not _capturing())
 
 
-def frag_path_taken(layout, weights, config: dict) -> bool:
+def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None) -> bool:
     """Whether run_triton runs the fragment-order Gluon decode GEMMs (moe/triton/nvfp4_frag.py) for this call:
-    FRAG 1, or -1 (auto) with a slab of at most 64 rows per expert and weights not stored tiled; either way only
+    FRAG 1, or -1 (auto) when at most 64 tokens per expert are expected (`expected_m`; default: the slab's rows)
+    and the weights are not stored tiled; either way only
     for a Masked layout (any payload), NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose
     Triton has Gluon. The kernels read a fragment-order copy of the weights, built at the first call."""
     from pdlab.moe.triton import nvfp4_frag
@@ -229,20 +230,21 @@ def frag_path_taken(layout, weights, config: dict) -> bool:
         return False
     # auto: decode slabs, and never a second copy of experts stored tiled in place (the runtime's choice for the
     # in-loop kernel: a fragment-order copy of a real model's experts could exhaust the GPU's memory mid-run)
-    if frag == -1 and (layout.hidden.shape[1] > 64 or weights.nvfp4_tiled):
+    expected = layout.hidden.shape[1] if expected_m is None else expected_m
+    if frag == -1 and (expected > 64 or weights.nvfp4_tiled):
         return False
     return os.environ.get("TRITON_INTERPRET") != "1" and nvfp4_frag.available(layout.hidden.device) is None
 
 
-def _run_frag(layout, weights) -> torch.Tensor:
+def _run_frag(layout, weights, expected_m: int) -> torch.Tensor:
     """A Masked slab (float, fp8 or nvfp4 activations, dequantised to fp16 by a small kernel first) through the
     fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows m >= masked_m[e] of the
-    output are not written."""
+    output are not written. Programs are BLOCK_M = 16 / 32 / 64 rows by the expected tokens per expert (a slab is
+    sized for the worst case; programs past an expert's rows exit at once)."""
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
-    M = layout.hidden.shape[1]
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    bm = 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm)
 

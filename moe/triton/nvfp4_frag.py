@@ -45,7 +45,8 @@ TILE = 128
 
 
 def perm_k(device=None) -> torch.Tensor:
-    """[128] int64: model column (within a 128-column tile) of each MMA column: 16c + 8n + 2q + u ↦ 32q + 4c + 2n + u."""
+    """[128] int64: the model column (within a 128-column tile) of each MMA column:
+    16c + 8n + 2q + u ↦ 32q + 4c + 2n + u."""
     mk = torch.arange(TILE, device=device)
     c, n, q, u = mk // 16, (mk // 8) % 2, (mk // 2) % 4, mk % 2
     return 32 * q + 4 * c + 2 * n + u
@@ -216,7 +217,8 @@ if HAVE_GLUON:
         """Packed bytes + scales of a tile → the wgmma register A operand [128, 128] fp16 (value·scale·2^-6)."""
         # bytes [i16 = (rhi c2), t = (w1 w0 rlo2 rlo1 rlo0 q1 q0), b = (c1 c0 rsel u)] → [row, j] with
         # row = (rhi w1 w0 rsel rlo) and j = (c2 c1 c0 q1 q0 u): a relabelling of this thread's registers
-        p = gl.permute(gl.reshape(p, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]), (0, 2, 3, 11, 4, 5, 6, 1, 9, 10, 7, 8, 12))
+        p = gl.reshape(p, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        p = gl.permute(p, (0, 2, 3, 11, 4, 5, 6, 1, 9, 10, 7, 8, 12))
         wb = gl.convert_layout(gl.reshape(p, [128, 64]), LB, assert_trivial=True)
         s32 = gl.inline_asm_elementwise(_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.int32, is_pure=True, pack=4)
         # scales [t, (rhi c2 rsel)] → the bytes' order, broadcast over c1, c0, u
@@ -351,8 +353,8 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
                      block_m=block_m, unroll=2)
 
 
-def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16", scales: torch.Tensor | None = None,
-                        global_scale: torch.Tensor | None = None) -> torch.Tensor:
+def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",
+                        scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A masked slab's activations → fp16 [E, M, K] ·2^-8 with columns in MMA K order, rows m < counts[e] (others
     unwritten). x: [E, M, K] float ("bf16"); [E, M, K] float8_e4m3fn + scales fp32 [E, M, K/128] ("fp8");
     [E, M, K/2] uint8 + scales e4m3 [E, M, K/16] + global_scale [1] or [E] ("nvfp4"). Graph-safe."""
