@@ -213,7 +213,7 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
     ids, w = layer.route(x)
     tokens = layer.quantize(x)
     layout, handle = layer.dispatch(tokens, ids, w)
-    y = layer.experts(layout)
+    y = layer.experts(layout, num_tokens=T)  # as the layer's forward calls it (expected rows per expert)
     out = layer.combine(y, handle)
     pairs = int((layout.counts if layout.kind == "contiguous" else layout.masked_m).sum())
     active = int(((layout.counts if layout.kind == "contiguous" else layout.masked_m) > 0).sum())
@@ -223,7 +223,7 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
         "route": bench(lambda: layer.route(x), **kw),
         "quantize": bench(lambda: layer.quantize(x), **kw),
         "dispatch": bench(lambda: layer.dispatch(tokens, ids, w), **kw),
-        "experts": bench(lambda: layer.experts(layout), **kw),
+        "experts": bench(lambda: layer.experts(layout, num_tokens=T), **kw),
         "combine": bench(lambda: layer.combine(y, handle), **kw),
         "total": bench(lambda: layer(x), **kw),
     }
