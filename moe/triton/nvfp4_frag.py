@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdlab.moe.triton.nvfp4_moe import deq_ptx
+
 try:  # Gluon (Triton ≥ 3.5): explicit layouts
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -156,33 +158,9 @@ def available(device: torch.device) -> str | None:
 
 
 if HAVE_GLUON:
-    # nibble → e4m3 byte (value·2^-6), cvt to f16x2, times the (s, s) f16x2 scale of the element's row: elements
-    # 0, 1 of the pack are row r (scale $5), elements 2, 3 row r + 8 (scale $7)
-    _DEQ = gl.constexpr("""
-    {
-    .reg .b32 t, u, lo, hi;
-    .reg .b16 l0, l1, h0, h1;
-    shl.b32 t, $4, 2;
-    shl.b32 u, $4, 4;
-    and.b32 t, t, 0x1C1C1C1C;
-    and.b32 u, u, 0x80808080;
-    or.b32 lo, t, u;
-    shr.b32 t, $4, 2;
-    and.b32 t, t, 0x1C1C1C1C;
-    and.b32 u, $4, 0x80808080;
-    or.b32 hi, t, u;
-    mov.b32 {l0, l1}, lo;
-    mov.b32 {h0, h1}, hi;
-    cvt.rn.f16x2.e4m3x2 $0, l0;
-    cvt.rn.f16x2.e4m3x2 $1, l1;
-    cvt.rn.f16x2.e4m3x2 $2, h0;
-    cvt.rn.f16x2.e4m3x2 $3, h1;
-    mul.rn.f16x2 $0, $0, $5;
-    mul.rn.f16x2 $1, $1, $7;
-    mul.rn.f16x2 $2, $2, $5;
-    mul.rn.f16x2 $3, $3, $7;
-    }
-    """)
+    # the in-loop kernel's DEQ_ASM unpack (value·2^-6 times the block scale). Here elements 0, 1 of a 4-byte pack
+    # are row r (scale $5) and elements 2, 3 row r + 8 (scale $7), each scale an (s, s) f16x2
+    _DEQ = gl.constexpr(deq_ptx("$5", "$7"))
 
     # four e4m3 scale bytes → four (s, s) f16x2 (exact)
     _SCALE = gl.constexpr("""
@@ -234,6 +212,20 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(w, [128, 128]), AL, assert_trivial=True)
 
     @gluon.jit
+    def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, FUSE_SILU: gl.constexpr):
+        """One K tile: unpack (gate, and up with FUSE_SILU) into wgmma register operands, the activation tile x
+        [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
+        a = _operand(p, s, LB, AL)
+        xs.store(x)
+        fence_async_shared()
+        _cta_barrier()
+        acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
+        if FUSE_SILU:
+            acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
+        _cta_barrier()
+        return acc, acc_u
+
+    @gluon.jit
     def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, alpha_ptr, K, N_OUT, M_MAX, up_tiles,
                    stride_xe, stride_xm, stride_oe, stride_om,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
@@ -274,29 +266,19 @@ if HAVE_GLUON:
                 p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, PL, SL)
                 if FUSE_SILU:
                     pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, PL, SL)
+                else:  # (not read by the step)
+                    pu, su = p, s
                 x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
                 if UNROLL == 2:
                     p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
                     if FUSE_SILU:
                         pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, PL, SL)
+                    else:
+                        pu2, su2 = p2, s2
                     x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
-                a = _operand(p, s, LB, AL)
-                xs.store(x)
-                fence_async_shared()
-                _cta_barrier()
-                acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
-                if FUSE_SILU:
-                    acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
-                _cta_barrier()
+                acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
                 if UNROLL == 2:
-                    a = _operand(p2, s2, LB, AL)
-                    xs.store(x2)
-                    fence_async_shared()
-                    _cta_barrier()
-                    acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
-                    if FUSE_SILU:
-                        acc_u = warpgroup_mma(_operand(pu2, su2, LB, AL), xs.permute((1, 0)), acc_u)
-                    _cta_barrier()
+                    acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
             alpha = gl.load(alpha_ptr + e)
             res = acc * alpha
             if FUSE_SILU:

@@ -89,9 +89,11 @@ def _dequant_nvfp4_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.conste
 
 # e2m1 nibble (s e1 e0 m) → e4m3 byte s<<7 | (e1 e0 m)<<2 = value · 2^-6 exactly (subnormals too), then the
 # hardware e4m3x2 → f16x2 conversion (sm89+) and the block scale in f16x2: ~2 instructions per element.
-_DEQ_ASM = tl.constexpr("""
+# Outputs: $0 = low nibbles of bytes 0, 1; $1 = of bytes 2, 3; $2, $3 = the high nibbles; SCALE01 multiplies
+# $0 and $2, SCALE23 $1 and $3 (`deq_ptx`).
+_DEQ_PTX = """
 {
-.reg .b32 t, u, lo, hi, s;
+.reg .b32 t, u, lo, hi;
 .reg .b16 l0, l1, h0, h1;
 shl.b32 t, $4, 2;
 shl.b32 u, $4, 4;
@@ -108,12 +110,20 @@ cvt.rn.f16x2.e4m3x2 $0, l0;
 cvt.rn.f16x2.e4m3x2 $1, l1;
 cvt.rn.f16x2.e4m3x2 $2, h0;
 cvt.rn.f16x2.e4m3x2 $3, h1;
-mul.rn.f16x2 $0, $0, $5;
-mul.rn.f16x2 $1, $1, $6;
-mul.rn.f16x2 $2, $2, $5;
-mul.rn.f16x2 $3, $3, $6;
+mul.rn.f16x2 $0, $0, SCALE01;
+mul.rn.f16x2 $1, $1, SCALE23;
+mul.rn.f16x2 $2, $2, SCALE01;
+mul.rn.f16x2 $3, $3, SCALE23;
 }
-""")
+"""
+
+
+def deq_ptx(scale01: str, scale23: str) -> str:
+    """The DEQ_ASM=1 unpack of the 8 nibbles in $4 with the given scale operands (e.g. "$5", "$6")."""
+    return _DEQ_PTX.replace("SCALE01", scale01).replace("SCALE23", scale23)
+
+
+_DEQ_ASM = tl.constexpr(deq_ptx("$5", "$6"))
 
 
 # DEQ_ASM=2: no conversion instruction. A nibble's fp16 bits value·2^-14 (s<<15 | e1 e0 m<<9, exact for
@@ -183,6 +193,16 @@ def _perm_k(x, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _unpack_scaled(b, s, ASM: tl.constexpr):
+    """Packed bytes b [R, W] uint8 with fp16 scales s [R, W] → (low nibbles, high nibbles) fp16 [R, W], scaled: the
+    PTX unpack (ASM 1: value·scale·2^-6, ASM 2: value·scale·2^-14) or the integer one (value·scale·2^-14)."""
+    if ASM:
+        return _deq_asm(b, s, ASM)
+    even, odd = _nibbles_f16(b)
+    return even * s, odd * s
+
+
+@triton.jit
 def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: tl.constexpr, ASM: tl.constexpr,
                PERM: tl.constexpr):
     """Weight tile [R, C] = value·scale·2^-6 (ASM 1) or ·2^-14 (ASM 2, integer unpack), K in natural or PERM_K
@@ -193,12 +213,7 @@ def _dequant_w(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr, I16: 
         if PERM:
             b = _perm_bytes(b, R, C)
             s = _perm_bytes(s, R, C)
-        if ASM:
-            even, odd = _deq_asm(b, s, ASM)
-        else:
-            even, odd = _nibbles_f16(b)
-            even = even * s
-            odd = odd * s
+        even, odd = _unpack_scaled(b, s, ASM)
         return tl.reshape(tl.join(even, odd), (R, C)).to(OUT)
     else:
         return _dequant_nvfp4(b, sf, R, C, OUT, I16)
@@ -232,12 +247,7 @@ def _dequant_w_split(b, sf, R: tl.constexpr, C: tl.constexpr, OUT: tl.constexpr,
         s = tl.reshape(s, (R, C // 32, 2))
         s = tl.reshape(tl.broadcast_to(s[:, :, None, :, None], (R, C // 32, 2, 2, 4)), (R, C // 2))
         b = tl.reshape(tl.permute(tl.reshape(b, (R, C // 32, 4, 2, 2)), (0, 1, 3, 2, 4)), (R, C // 2))
-        if ASM:
-            even, odd = _deq_asm(b, s, ASM)
-        else:
-            even, odd = _nibbles_f16(b)
-            even = even * s
-            odd = odd * s
+        even, odd = _unpack_scaled(b, s, ASM)
         return even.to(OUT), odd.to(OUT)
     if ASM:
         even, odd = _dequant_nvfp4_asm(b, sf, R, C, ASM)
