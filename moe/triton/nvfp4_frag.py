@@ -67,9 +67,10 @@ def _thread_index(device=None):
     return row, 16 * c + 2 * q + u
 
 
-def pack_weights(w: torch.Tensor) -> torch.Tensor:
+def pack_weights(w: torch.Tensor, chunk: int = 8) -> torch.Tensor:
     """NVFP4 bytes [E, N, K/2] uint8 (modelopt layout: low nibble = even column) → [E, N/128, K/128, 4, 128, 16]
-    uint8 in fragment order (module docstring). N and K multiples of 128."""
+    uint8 in fragment order (module docstring). N and K multiples of 128. Works `chunk` experts at a time (its
+    transient memory is ~4× those experts' bytes)."""
     E, N, KH = w.shape
     K = 2 * KH
     if N % TILE or K % TILE:
@@ -77,11 +78,14 @@ def pack_weights(w: torch.Tensor) -> torch.Tensor:
     row, mk_lo = _thread_index(w.device)
     pk = perm_k(w.device)
     k_lo, k_hi = pk[mk_lo], pk[mk_lo + 8]  # model columns within the tile, [4, 128, 16]
-    tiles = w.reshape(E, N // TILE, TILE, K // TILE, TILE // 2).permute(0, 1, 3, 2, 4)  # [E, NT, KT, 128, 64]
-    nib = torch.stack([tiles & 0xF, tiles >> 4], dim=-1).reshape(E, N // TILE, K // TILE, TILE, TILE)
-    lo = nib[:, :, :, row, k_lo]
-    hi = nib[:, :, :, row, k_hi]
-    return (lo | (hi << 4)).to(torch.uint8).contiguous()
+    out = torch.empty(E, N // TILE, K // TILE, 4, TILE, 16, dtype=torch.uint8, device=w.device)
+    for e0 in range(0, E, chunk):
+        part = w[e0:e0 + chunk]
+        n = part.shape[0]
+        tiles = part.reshape(n, N // TILE, TILE, K // TILE, TILE // 2).permute(0, 1, 3, 2, 4)  # [n, NT, KT, 128, 64]
+        nib = torch.stack([tiles & 0xF, tiles >> 4], dim=-1).reshape(n, N // TILE, K // TILE, TILE, TILE)
+        out[e0:e0 + n] = nib[:, :, :, row, k_lo] | (nib[:, :, :, row, k_hi] << 4)
+    return out
 
 
 def pack_scales(sf: torch.Tensor) -> torch.Tensor:
