@@ -220,9 +220,10 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
 def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None) -> bool:
     """Whether run_triton runs the fragment-order Gluon decode GEMMs (moe/triton/nvfp4_frag.py) for this call:
     FRAG 1, or -1 (auto) when at most 64 tokens per expert are expected (`expected_m`; default: the slab's rows)
-    and the weights are not stored tiled; either way only
-    for a Masked layout (any payload), NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose
-    Triton has Gluon. The kernels read a fragment-order copy of the weights, built at the first call."""
+    and the weights are not stored tiled; either way only for a Masked layout (any payload), NVFP4 weights with
+    H and I multiples of 128, on an sm90 GPU whose Triton has Gluon. The kernels read a fragment-order copy of
+    the weights built at the first call outside a CUDA graph capture (packing inside one would record the
+    repack into the graph): a call captured before any eager one runs the in-loop kernel."""
     from pdlab.moe.triton import nvfp4_frag
 
     frag = int(config.get("FRAG", -1))
@@ -233,7 +234,9 @@ def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None
     expected = layout.hidden.shape[1] if expected_m is None else expected_m
     if frag == -1 and (expected > 64 or weights.nvfp4_tiled):
         return False
-    return os.environ.get("TRITON_INTERPRET") != "1" and nvfp4_frag.available(layout.hidden.device) is None
+    if os.environ.get("TRITON_INTERPRET") == "1" or nvfp4_frag.available(layout.hidden.device) is not None:
+        return False
+    return "triton_frag" in weights.prepared or not _capturing()
 
 
 def _run_frag(layout, weights, expected_m: int) -> torch.Tensor:
