@@ -365,7 +365,10 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
     return y
 
 
-def pack_experts(w13, s13, w2, s2, w13_s2, w2_s2) -> dict:
-    """The four NVFP4 tensors (modelopt layout) in fragment order, with the weight_scale_2 vectors as fp32."""
+def pack_experts(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w13_s2: torch.Tensor,
+                 w2_s2: torch.Tensor) -> dict:
+    """The experts' NVFP4 tensors (modelopt layout) in fragment order: w13 [E, 2I, H/2] uint8, s13 [E, 2I, H/16]
+    e4m3, w2 [E, H, I/2] uint8, s2 [E, H, I/16] e4m3 → {"w13", "s13", "w2", "s2"} (`pack_weights` /
+    `pack_scales`), with the weight_scale_2 vectors w13_s2, w2_s2 [E] as fp32 ("w13_s2", "w2_s2")."""
     return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_s2": w13_s2.float().contiguous(),
             "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_s2": w2_s2.float().contiguous()}
