@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{r} {kind} m={m} config {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 form = "nvfp4" if r in ("triton", "cutedsl") else "bf16"
+                path = "-"
+                if r == "triton":  # which of the runner's kernels this row timed
+                    from pdlab.moe.experts import resolved_config
+                    from pdlab.moe.runners.triton_nvfp4 import kernel_path
+                    path = kernel_path(layout, weights, resolved_config(layout, weights, r, cfg, m))
                 rl = roofline(expert_flops(E, m, H, I), weight_bytes(E, H, I, form), t.seconds, facts)
                 if source not in EXTRA_ROWS:
                     backend = registry.get_backend(OP, r)
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                         src = "default"
                     source = src if backend.config_space else "n/a"
                 rows.append({"phase": phase, "tokens_per_expert": m, "experts": E, "hidden": H, "inter": I,
-                             "layout": kind, "payload": payload, "runner": r, "weights": form,
+                             "layout": kind, "payload": payload, "runner": r, "path": path, "weights": form,
                              "median_us": t.median_ms * 1e3, "p10_us": t.p10_ms * 1e3, "p90_us": t.p90_ms * 1e3,
                              "timing": t.kind, "weight_gbps": rl["gbps"],
                              "pct_hbm": 100 * rl["gbps"] * 1e9 / hbm,
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     report.save(df, out, "moe_experts", meta)
     report.save(best, out, "moe_experts_best", meta)
     report.print_table(df, f"moe_experts E={E} H={H} I={I} (measured HBM {hbm / 1e9:.0f} GB/s)",
-                       ["phase", "tokens_per_expert", "layout", "payload", "runner", "median_us", "weight_gbps",
+                       ["phase", "tokens_per_expert", "layout", "payload", "runner", "path", "median_us", "weight_gbps",
                         "pct_hbm", "tflops", "speedup_vs_torch_grouped", "cos_err", "config_source", "config"])
     plain = df[~df.config_source.isin(EXTRA_ROWS)].copy()
     plain["series"] = plain.runner + "/" + plain.layout + "/" + plain.payload

@@ -123,7 +123,7 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
         wt.update(w13=weights.w13, w2=weights.w2)
     wdims = WEIGHTS.check(backend.name, bound={"E": E, "K": K}, **wt)
     if expected_m is None:
-        expected_m = max(1, layout.hidden.shape[0] // max(E, 1)) if layout.kind == "contiguous" else layout.hidden.shape[1]
+        expected_m = _default_expected_m(layout, E)
     if runner is not None:
         backend = select_runner(layout, weights, runner)  # availability, after the shape checks
     cfg = _config(backend, layout, wdims["I"], expected_m, config)
@@ -135,6 +135,23 @@ def bucket(layout: Layout, intermediate: int, expected_m: int) -> dict[str, int 
     """Shape bucket for tuned-config lookup."""
     return {"layout": layout.kind, "payload": layout.payload, "experts": layout.num_experts,
             "hidden": layout.hidden_size, "intermediate": intermediate, "tokens_per_expert": int(expected_m)}
+
+
+def resolved_config(layout: Layout, weights: ExpertWeights, runner: str, config: Mapping[str, Any] | None = None,
+                    expected_m: int | None = None) -> dict[str, Any]:
+    """The config `run_experts(layout, weights, runner=runner, config=config, expected_m=expected_m)` hands the
+    runner (explicit > tuned > default, plus "_expected_m"), without running it."""
+    backend = registry.get_backend(OP, runner)
+    if expected_m is None:
+        expected_m = _default_expected_m(layout, layout.num_experts)
+    return _config(backend, layout, weights.intermediate_size, expected_m, config)
+
+
+def _default_expected_m(layout: Layout, num_experts: int) -> int:
+    """Tokens per expert when the caller gives none: rows over experts (contiguous), the slab's rows (masked)."""
+    if layout.kind == "contiguous":
+        return max(1, layout.hidden.shape[0] // max(num_experts, 1))
+    return layout.hidden.shape[1]
 
 
 def _config(backend: registry.Backend, layout: Layout, intermediate: int, expected_m: int,

@@ -239,6 +239,18 @@ def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None
     return "triton_frag" in weights.prepared or not _capturing()
 
 
+def kernel_path(layout, weights, config: dict) -> str:
+    """Which kernels run_triton runs for this call under `config` (the resolved config run_experts passes,
+    with its "_expected_m"): "fragment" (the Gluon decode GEMMs), "dense" (dequantise + torch._grouped_mm) or
+    "in-loop" (the NVFP4 GEMM of moe/triton/nvfp4_moe.py)."""
+    cfg = dict(config)
+    expected_m = cfg.pop("_expected_m", 16)
+    cfg = resolve_config({**_DEFAULT, **cfg}, expected_m, os.environ.get("TRITON_INTERPRET") == "1")
+    if _dense_path(layout, cfg, expected_m):
+        return "dense"
+    return "fragment" if frag_path_taken(layout, weights, cfg, expected_m) else "in-loop"
+
+
 def _run_frag(layout, weights, expected_m: int) -> torch.Tensor:
     """A Masked slab (float, fp8 or nvfp4 activations, dequantised to fp16 by a small kernel first) through the
     fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows m >= masked_m[e] of the

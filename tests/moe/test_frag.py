@@ -92,6 +92,27 @@ def test_path_choice_without_a_hopper_gpu():
     assert not frag_path_taken(layout, w, {"FRAG": 0})
 
 
+def test_kernel_path_names_what_the_triton_runner_runs():
+    # what `bench moe_experts` prints per triton row: the config run_experts would resolve, then the runner's choice
+    from pdlab.moe.experts import resolved_config
+    from pdlab.moe.layouts import Contiguous, Masked
+    from pdlab.moe.runners.triton_nvfp4 import kernel_path
+    from pdlab.moe.weights import ExpertWeights
+
+    w = ExpertWeights.from_bf16(torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1, quantize=True)
+    masked = Masked(torch.randn(2, 4, 128), torch.tensor([4, 1], dtype=torch.int32))
+    cfg = resolved_config(masked, w, "triton", None, 4)
+    assert cfg["_expected_m"] == 4
+    assert kernel_path(masked, w, cfg) == ("fragment" if F.available(torch.device("cuda" if CUDA else "cpu")) is None
+                                           and not os.environ.get("TRITON_INTERPRET") else "in-loop")
+    assert kernel_path(masked, w, resolved_config(masked, w, "triton", {"FRAG": 0}, 4)) == "in-loop"
+    rows = Contiguous(torch.randn(600, 128, dtype=torch.bfloat16), torch.tensor([300, 300], dtype=torch.int32),
+                      torch.tensor([0, 300, 600], dtype=torch.int32))
+    dense = resolved_config(rows, w, "triton", {"DENSE_MIN_M": 256}, 300)
+    assert kernel_path(rows, w, dense) == ("dense" if hasattr(torch, "_grouped_mm") else "in-loop")
+    assert kernel_path(rows, w, resolved_config(rows, w, "triton", {"DENSE_MIN_M": 0}, 300)) == "in-loop"
+
+
 _COMPILE = r"""
 import json, os, triton
 from triton.backends.compiler import GPUTarget
