@@ -210,11 +210,16 @@ def sass_summary(text: str, top: int) -> dict:
             "sass_mma": {op: ops[op] for op in ("HGMMA", "HMMA") if ops[op]}}
 
 
-def _disassemble(cubin: bytes) -> str:
-    """SASS text of a cubin with the nvdisasm Triton ships."""
+def _nvidia_tool(name: str) -> str:
+    """Path of one of the NVIDIA tools (ptxas, nvdisasm, …) the installed Triton ships."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin with the nvdisasm Triton ships."""
+    tool = _nvidia_tool("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -225,16 +230,13 @@ def _disassemble(cubin: bytes) -> str:
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int]:
     """(registers, spill store bytes) that ptxas reports for the kernel."""
-    import triton
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     suffix = "a" if arch in (90, 100) else ""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
         # the newer ptxas first: a Triton that emits a newer PTX version needs it
         for name in ("ptxas-blackwell", "ptxas"):
-            path = os.path.join(bindir, name)
+            path = _nvidia_tool(name)
             if not os.path.exists(path):
                 continue
             r = subprocess.run([path, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", os.devnull],

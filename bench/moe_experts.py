@@ -25,8 +25,9 @@ from pdlab.bench.harness import bench, cosine_error
 from pdlab.bench.roofline import roofline
 from pdlab.kernels import registry
 from pdlab.kernels.arch import device_facts
-from pdlab.moe.experts import OP, run_experts
+from pdlab.moe.experts import OP, resolved_config, run_experts
 from pdlab.moe.layouts import Contiguous, Masked, quantize_payload
+from pdlab.moe.runners.triton_nvfp4 import kernel_path
 from pdlab.moe.weights import ExpertWeights
 
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -189,21 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{r} {kind} m={m} config {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 form = "nvfp4" if r in ("triton", "cutedsl") else "bf16"
-                path = "-"
-                if r == "triton":  # which of the runner's kernels this row timed
-                    from pdlab.moe.experts import resolved_config
-                    from pdlab.moe.runners.triton_nvfp4 import kernel_path
-                    path = kernel_path(layout, weights, resolved_config(layout, weights, r, cfg, m))
+                # the config run_experts resolved for this row, where it came from, and (triton) which kernels ran
+                try:
+                    resolved, src = resolved_config(layout, weights, r, cfg, m)
+                except Exception:  # noqa: BLE001  (a store that cannot be read: the row still counts)
+                    resolved, src = None, "default"
+                path = kernel_path(layout, weights, resolved) if r == "triton" and resolved is not None else "-"
                 rl = roofline(expert_flops(E, m, H, I), weight_bytes(E, H, I, form), t.seconds, facts)
                 if source not in EXTRA_ROWS:
-                    backend = registry.get_backend(OP, r)
-                    try:
-                        from pdlab.kernels.tuned import resolve_config
-                        from pdlab.moe.experts import bucket
-                        _, src = resolve_config(OP, r, bucket(layout, I, m), device=dev)
-                    except Exception:
-                        src = "default"
-                    source = src if backend.config_space else "n/a"
+                    source = src if registry.get_backend(OP, r).config_space else "n/a"
                 rows.append({"phase": phase, "tokens_per_expert": m, "experts": E, "hidden": H, "inter": I,
                              "layout": kind, "payload": payload, "runner": r, "path": path, "weights": form,
                              "median_us": t.median_ms * 1e3, "p10_us": t.p10_ms * 1e3, "p90_us": t.p90_ms * 1e3,

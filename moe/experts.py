@@ -138,13 +138,14 @@ def bucket(layout: Layout, intermediate: int, expected_m: int) -> dict[str, int 
 
 
 def resolved_config(layout: Layout, weights: ExpertWeights, runner: str, config: Mapping[str, Any] | None = None,
-                    expected_m: int | None = None) -> dict[str, Any]:
-    """The config `run_experts(layout, weights, runner=runner, config=config, expected_m=expected_m)` hands the
-    runner (explicit > tuned > default, plus "_expected_m"), without running it."""
+                    expected_m: int | None = None) -> tuple[dict[str, Any], str]:
+    """(the config `run_experts(layout, weights, runner=runner, config=config, expected_m=expected_m)` hands the
+    runner: explicit > tuned > default, plus "_expected_m"; where it came from: "explicit", "tuned:<file>",
+    "default"), without running it."""
     backend = registry.get_backend(OP, runner)
     if expected_m is None:
         expected_m = _default_expected_m(layout, layout.num_experts)
-    return _config(backend, layout, weights.intermediate_size, expected_m, config)
+    return _config(backend, layout, weights.intermediate_size, expected_m, config, with_source=True)
 
 
 def _default_expected_m(layout: Layout, num_experts: int) -> int:
@@ -155,18 +156,21 @@ def _default_expected_m(layout: Layout, num_experts: int) -> int:
 
 
 def _config(backend: registry.Backend, layout: Layout, intermediate: int, expected_m: int,
-            explicit: Mapping[str, Any] | None) -> dict[str, Any]:
+            explicit: Mapping[str, Any] | None, with_source: bool = False):
+    """The runner's config (and, with_source, where it came from)."""
+    source = "explicit" if explicit else "default"
     if not backend.config_space and not backend.default_config:
-        return dict(explicit or {})
-    try:
-        from pdlab.kernels.tuned import resolve_config
-    except ImportError:  # tuned-config store not present: the backend's defaults
-        cfg = backend.config(explicit)
+        cfg = dict(explicit or {})
     else:
-        cfg, _source = resolve_config(OP, backend.name, bucket(layout, intermediate, expected_m),
-                                      device=layout.hidden.device, explicit=explicit)
-    cfg["_expected_m"] = int(expected_m)
-    return cfg
+        try:
+            from pdlab.kernels.tuned import resolve_config
+        except ImportError:  # tuned-config store not present: the backend's defaults
+            cfg = backend.config(explicit)
+        else:
+            cfg, source = resolve_config(OP, backend.name, bucket(layout, intermediate, expected_m),
+                                         device=layout.hidden.device, explicit=explicit)
+        cfg["_expected_m"] = int(expected_m)
+    return (cfg, source) if with_source else cfg
 
 
 def _interpreting() -> bool:

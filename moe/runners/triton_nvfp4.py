@@ -122,9 +122,10 @@ def run_triton(layout, weights, *, config):
     expected_m = cfg.pop("_expected_m", 16)
     auto_tiled = int(cfg.get("TILED", -1)) == -1
     cfg = resolve_config(cfg, expected_m, interpret)
-    if _dense_path(layout, cfg, expected_m):
+    path = _choose_path(layout, weights, cfg, expected_m)
+    if path == "dense":
         return _run_dense(layout, weights, cfg)
-    if frag_path_taken(layout, weights, cfg, expected_m):
+    if path == "fragment":
         return _run_frag(layout, weights, expected_m)
     if weights.nvfp4_tiled and auto_tiled:
         # weights stored tiled (ExpertWeights.tile_): every in-loop call reads them as they are; a plain copy
@@ -246,6 +247,11 @@ def kernel_path(layout, weights, config: dict) -> str:
     cfg = dict(config)
     expected_m = cfg.pop("_expected_m", 16)
     cfg = resolve_config({**_DEFAULT, **cfg}, expected_m, os.environ.get("TRITON_INTERPRET") == "1")
+    return _choose_path(layout, weights, cfg, expected_m)
+
+
+def _choose_path(layout, weights, cfg: dict, expected_m: int) -> str:
+    """run_triton's choice under a resolved config (the one place it is made)."""
     if _dense_path(layout, cfg, expected_m):
         return "dense"
     return "fragment" if frag_path_taken(layout, weights, cfg, expected_m) else "in-loop"

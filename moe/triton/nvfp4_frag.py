@@ -27,6 +27,8 @@ per-expert alpha = weight_scale_2 · 2^6 · 2^8 in the fp32 epilogue.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -151,12 +153,17 @@ def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
 
 
 def available(device: torch.device) -> str | None:
-    """None when the kernel can run on `device`, else why not."""
+    """None when the kernel can run on `device`, else why not (asked per MoE call: answered once per device)."""
     if not HAVE_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if device.type != "cuda":
         return "needs a CUDA GPU"
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    return _cuda_available(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available(index: int) -> str | None:
+    if torch.cuda.get_device_capability(index)[0] != 9:
         return "wgmma kernels are sm90 (Hopper) only"
     return None
 
@@ -301,21 +308,20 @@ if HAVE_GLUON:
 ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
 
 
-def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, w_s2: torch.Tensor, out: torch.Tensor,
+def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1) -> torch.Tensor:
     """out[e, m, :n_out] (rows m < counts[e]; the others are not written) = act(x[e, m] · W[e]ᵀ).
 
     x: [E, M, K] fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the
     gate_up output for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
-    w_s2: [E] fp32 weight_scale_2. out: fuse_silu → fp16 [E, M, n_out] for the down GEMM; else [E, M, n_out] of
+    alpha: [E] fp32, weight_scale_2 · ALPHA (`pack_experts` keeps it). out: fuse_silu → fp16 [E, M, n_out] for the down GEMM; else [E, M, n_out] of
     the caller's dtype. counts: [E] int32 (masked_m). block_m: tokens per program (16, 32 or 64; the wgmma N).
     Graph-safe (no host sync)."""
     E, M, K = x.shape
     if fuse_silu and out.dtype != torch.float16:
         raise ValueError("frag_gemm: the gate_up output feeds the down GEMM and must be fp16 (MMA K order, ·2^-8)")
     up_tiles = n_out // TILE if fuse_silu else 0
-    alpha = (w_s2.float() * ALPHA).contiguous()
     grid = (n_out // TILE, E, -(-M // block_m))
     _frag_gemm[grid](wp, sp, x, out, counts, alpha, K, n_out, M, up_tiles, x.stride(0), x.stride(1),
                      out.stride(0), out.stride(1), BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
@@ -325,17 +331,17 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, w_s2: torch.T
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int) -> torch.Tensor:
     """The experts on a Masked slab (bf16 / fp8 / nvfp4 payload) → [E, M, H] `out_dtype` (rows m >= masked_m[e]
-    unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"} (`pack_experts`)."""
+    unwritten). packs: {"w13", "s13", "w13_alpha", "w2", "s2", "w2_alpha"} (`pack_experts`)."""
     counts = layout.masked_m.to(torch.int32)
     x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale)
     E, M, H = x.shape
     h = torch.empty(E, M, intermediate, dtype=torch.float16, device=x.device)
-    frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
+    frag_gemm(x, packs["w13"], packs["s13"], packs["w13_alpha"], h, counts, n_out=intermediate, fuse_silu=True,
               block_m=block_m)
     out = torch.empty(E, M, H, dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
-    return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
+    return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_alpha"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=2)
 
 
@@ -369,6 +375,7 @@ def pack_experts(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: tor
                  w2_s2: torch.Tensor) -> dict:
     """The experts' NVFP4 tensors (modelopt layout) in fragment order: w13 [E, 2I, H/2] uint8, s13 [E, 2I, H/16]
     e4m3, w2 [E, H, I/2] uint8, s2 [E, H, I/16] e4m3 → {"w13", "s13", "w2", "s2"} (`pack_weights` /
-    `pack_scales`), with the weight_scale_2 vectors w13_s2, w2_s2 [E] as fp32 ("w13_s2", "w2_s2")."""
-    return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_s2": w13_s2.float().contiguous(),
-            "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_s2": w2_s2.float().contiguous()}
+    `pack_scales`), with the epilogue's per-expert alphas from the weight_scale_2 vectors w13_s2, w2_s2 [E]
+    ("w13_alpha", "w2_alpha": fp32 [E], weight_scale_2 · ALPHA, computed here once instead of per call)."""
+    return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_alpha": (w13_s2.float() * ALPHA).contiguous(),
+            "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_alpha": (w2_s2.float() * ALPHA).contiguous()}

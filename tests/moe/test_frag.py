@@ -101,16 +101,17 @@ def test_kernel_path_names_what_the_triton_runner_runs():
 
     w = ExpertWeights.from_bf16(torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1, quantize=True)
     masked = Masked(torch.randn(2, 4, 128), torch.tensor([4, 1], dtype=torch.int32))
-    cfg = resolved_config(masked, w, "triton", None, 4)
-    assert cfg["_expected_m"] == 4
+    cfg, source = resolved_config(masked, w, "triton", None, 4)
+    assert cfg["_expected_m"] == 4 and (source == "default" or source.startswith("tuned"))
     assert kernel_path(masked, w, cfg) == ("fragment" if F.available(torch.device("cuda" if CUDA else "cpu")) is None
                                            and not os.environ.get("TRITON_INTERPRET") else "in-loop")
-    assert kernel_path(masked, w, resolved_config(masked, w, "triton", {"FRAG": 0}, 4)) == "in-loop"
+    assert kernel_path(masked, w, resolved_config(masked, w, "triton", {"FRAG": 0}, 4)[0]) == "in-loop"
     rows = Contiguous(torch.randn(600, 128, dtype=torch.bfloat16), torch.tensor([300, 300], dtype=torch.int32),
                       torch.tensor([0, 300, 600], dtype=torch.int32))
-    dense = resolved_config(rows, w, "triton", {"DENSE_MIN_M": 256}, 300)
+    dense, source = resolved_config(rows, w, "triton", {"DENSE_MIN_M": 256}, 300)
+    assert source == "explicit"
     assert kernel_path(rows, w, dense) == ("dense" if hasattr(torch, "_grouped_mm") else "in-loop")
-    assert kernel_path(rows, w, resolved_config(rows, w, "triton", {"DENSE_MIN_M": 0}, 300)) == "in-loop"
+    assert kernel_path(rows, w, resolved_config(rows, w, "triton", {"DENSE_MIN_M": 0}, 300)[0]) == "in-loop"
 
 
 _COMPILE = r"""
@@ -167,6 +168,39 @@ def test_activation_pre_kernel_matches_the_dequantised_rows(payload):
     want = (dequantize_hidden(layout) * 2.0 ** -8).to(torch.float16)[..., F.column_order(K, dev)]
     for e, n in enumerate([4, 1, 0]):
         assert torch.equal(y[e, :n], want[e, :n]), (payload, e)
+
+
+def test_run_frag_launches_on_cpu(monkeypatch):
+    # the host side of the two GEMM launches, with the Gluon kernel replaced by a recorder: grid (N tiles,
+    # experts, token blocks), the per-expert alphas computed once at packing, the gate_up output (fp16, MMA K
+    # order) handed to the down GEMM, down with two tiles' loads in flight
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.weights import ExpertWeights
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, args, kw))
+
+    monkeypatch.setattr(F, "_frag_gemm", Recorder(), raising=False)
+    E, H, I, M = 2, 256, 256, 5  # down: K = I = two tiles, so its two-tile loads apply
+    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, quantize=True)
+    packs = F.pack_experts(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale,
+                           w.w13_weight_scale_2, w.w2_weight_scale_2)
+    assert torch.equal(packs["w13_alpha"], w.w13_weight_scale_2.float() * 2.0 ** 14)
+    layout = Masked(torch.randn(E, M, H), torch.tensor([5, 2], dtype=torch.int32))
+    out = F.run_frag(layout, packs, I, torch.bfloat16, 16)
+    (g1, a1, k1), (g2, a2, k2) = launches
+    assert g1 == (I // 128, E, 1) and g2 == (H // 128, E, 1)
+    assert a1[5] is packs["w13_alpha"] and a2[5] is packs["w2_alpha"]
+    h = a1[3]
+    assert h.dtype == torch.float16 and h.shape == (E, M, I) and a2[2] is h
+    assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
+    assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "num_warps": 4}
+    assert k2 == {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2, "num_warps": 4}
+    assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
+    assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
 
 
 # ---------------------------------------------------------------------------------------------- H200
