@@ -315,9 +315,10 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, alpha: torch.
     x: [E, M, K] fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the
     gate_up output for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
-    alpha: [E] fp32, weight_scale_2 · ALPHA (`pack_experts` keeps it). out: fuse_silu → fp16 [E, M, n_out] for the down GEMM; else [E, M, n_out] of
-    the caller's dtype. counts: [E] int32 (masked_m). block_m: tokens per program (16, 32 or 64; the wgmma N).
-    Graph-safe (no host sync)."""
+    alpha: [E] fp32, weight_scale_2 · ALPHA (`pack_experts` keeps it). out: fuse_silu → fp16 [E, M, n_out] for
+    the down GEMM; else [E, M, n_out] of the caller's dtype. counts: [E] int32 (masked_m). block_m: tokens per
+    program (16, 32 or 64; the wgmma N). unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is
+    odd). Graph-safe (no host sync)."""
     E, M, K = x.shape
     if fuse_silu and out.dtype != torch.float16:
         raise ValueError("frag_gemm: the gate_up output feeds the down GEMM and must be fp16 (MMA K order, ·2^-8)")
