@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", action="append", default=[], metavar="JSON",
                    help="also time the triton runner with this config (repeatable; rows marked 'explicit')")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the torch reference")
+    p.add_argument("--weights-layout", default="modelopt", choices=["modelopt", "tiled", "fragment"],
+                   help="store the NVFP4 experts in this layout in place first, as the runtime does (fragment: its "
+                        "choice on sm90; tiled: elsewhere)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     for r, why in skipped.items():
         print(f"skipping runner {r}: {why}")
     weights = random_nvfp4_weights(E, H, I, dev, with_bf16="torch_grouped" in runners)
+    if args.weights_layout == "fragment":
+        weights.frag_()
+    elif args.weights_layout == "tiled":
+        weights.tile_()
     a_gs = weights.activation_global_scale
     shapes = []
     if "decode" in args.shapes:
@@ -201,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     source = src if registry.get_backend(OP, r).config_space else "n/a"
                 rows.append({"phase": phase, "tokens_per_expert": m, "experts": E, "hidden": H, "inter": I,
                              "layout": kind, "payload": payload, "runner": r, "path": path, "weights": form,
+                             "weights_layout": weights.nvfp4_layout if form == "nvfp4" else "-",
                              "median_us": t.median_ms * 1e3, "p10_us": t.p10_ms * 1e3, "p90_us": t.p90_ms * 1e3,
                              "timing": t.kind, "weight_gbps": rl["gbps"],
                              "pct_hbm": 100 * rl["gbps"] * 1e9 / hbm,

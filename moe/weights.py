@@ -15,10 +15,15 @@ Tensors (E experts, hidden H, intermediate I):
 Runner-specific layouts (swizzled scales, alphas, ...) are computed once by `prepare` and cached in
 ``prepared[runner]``; never per call.
 
-Tiled NVFP4 (`tile_nvfp4`, `ExpertWeights.tile_`): the Triton runner's decode kernels read the weights in
-16-row × 128-element tiles stored contiguously. `tile_()` converts the stored tensors in place (one expert
-at a time), so a server holds one copy; everything that needs the modelopt layout reads it through
-`plain_nvfp4()` (a copy while tiled).
+Storage layouts of the NVFP4 tensors (`ExpertWeights.nvfp4_layout`), each converted in place one expert at a
+time so that a server holds one copy of the experts; the tensors keep their modelopt shapes and everything that
+needs the modelopt byte order reads it through `plain_nvfp4()` (a copy while reordered):
+
+- "modelopt": as loaded.
+- "tiled" (`tile_nvfp4`, `tile_()`): 16-row × 128-element tiles stored contiguously, for the Triton runner's
+  in-loop kernel.
+- "fragment" (`frag_()`, moe/triton/nvfp4_frag.py): each thread's wgmma fragment bytes contiguous, for the
+  Triton runner's Gluon GEMMs on sm90.
 """
 
 from __future__ import annotations
@@ -77,7 +82,17 @@ class ExpertWeights:
     w2_weight_scale_2: torch.Tensor | None = None
     w2_input_scale: torch.Tensor | None = None
     prepared: dict[str, Any] = field(default_factory=dict, repr=False)
-    nvfp4_tiled: bool = False
+    nvfp4_layout: str = "modelopt"  # how the NVFP4 weights and block scales are stored: NVFP4_LAYOUTS
+
+    @property
+    def nvfp4_tiled(self) -> bool:
+        """The NVFP4 tensors are stored in the tiled layout (`tile_`)."""
+        return self.nvfp4_layout == "tiled"
+
+    @property
+    def nvfp4_frag(self) -> bool:
+        """The NVFP4 tensors are stored in fragment order (`frag_`)."""
+        return self.nvfp4_layout == "fragment"
 
     @property
     def has_bf16(self) -> bool:
@@ -174,11 +189,31 @@ class ExpertWeights:
         """Store the NVFP4 weights and block scales in the tiled layout (`tile_nvfp4`), in place, one expert at
         a time (transient memory: one expert's tensors). Drops the prepared repacks. No-op when already tiled.
         Raises ValueError when the shapes do not tile (H and I must be multiples of 128)."""
-        if self.nvfp4_tiled:
+        return self._store_as_("tiled", tile_nvfp4)
+
+    def frag_(self) -> "ExpertWeights":
+        """Store the NVFP4 weights and block scales in the fragment order of the Triton runner's Gluon GEMMs
+        (moe/triton/nvfp4_frag.py: `pack_weights`, `pack_scales`), in place, one expert at a time; the tensors
+        keep their modelopt shapes ([E, N, K/2] uint8, [E, N, K/16] e4m3), their bytes reordered. Drops the
+        prepared repacks. No-op when already in fragment order. Raises ValueError when H or I is not a multiple
+        of 128."""
+        from pdlab.moe.triton.nvfp4_frag import pack_scales, pack_weights
+
+        def pack(w, sf):
+            return pack_weights(w).view(w.shape), pack_scales(sf).view(sf.shape)
+
+        return self._store_as_("fragment", pack)
+
+    def _store_as_(self, layout: str, convert) -> "ExpertWeights":
+        """Store the NVFP4 tensors in `layout`, in place, expert by expert: convert(w [1, N, K/2] uint8,
+        sf [1, N, K/16] uint8) → the same shapes in `layout`, from the modelopt layout."""
+        if self.nvfp4_layout == layout:
             return self
         if not self.can_tile:
-            raise ValueError(f"tile_: needs NVFP4 weights with H and I multiples of 128 (H={self.hidden_size}, "
-                             f"I={self.intermediate_size}, nvfp4={self.has_nvfp4})")
+            raise ValueError(f"{'tile_' if layout == 'tiled' else 'frag_'}: needs NVFP4 weights with H and I "
+                             f"multiples of 128 (H={self.hidden_size}, I={self.intermediate_size}, "
+                             f"nvfp4={self.has_nvfp4})")
+        current = self.nvfp4_layout
         for wname, sname in (("w13_weight", "w13_weight_scale"), ("w2_weight", "w2_weight_scale")):
             # a view (e.g. this rank's experts sliced from all of them) is copied first: the tensor it views
             # may still be read in the plain layout by its owner
@@ -186,24 +221,25 @@ class ExpertWeights:
                      for t in (getattr(self, wname), getattr(self, sname)))
             sb = sf.view(torch.uint8)
             for e in range(self.num_experts):
-                wt, st = tile_nvfp4(w[e:e + 1], sb[e:e + 1])
+                we, se = _to_modelopt(w[e:e + 1], sb[e:e + 1], current)
+                wt, st = convert(we, se)
                 w[e:e + 1].copy_(wt)
                 sb[e:e + 1].copy_(st)
             setattr(self, wname, w)
             setattr(self, sname, sf)
-        self.nvfp4_tiled = True
+        self.nvfp4_layout = layout
         self.prepared.clear()
         return self
 
     def plain_nvfp4(self) -> dict[str, torch.Tensor]:
         """The four NVFP4 tensors in the modelopt layout: w13_weight [E, 2I, H/2] uint8, w13_weight_scale
-        [E, 2I, H/16] e4m3, w2_weight [E, H, I/2] uint8, w2_weight_scale [E, H, I/16] e4m3 (untiled copies
-        when the weights are stored tiled)."""
+        [E, 2I, H/16] e4m3, w2_weight [E, H, I/2] uint8, w2_weight_scale [E, H, I/16] e4m3 (copies in that
+        layout when the weights are stored tiled or in fragment order)."""
         names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
-        if not self.nvfp4_tiled:
+        if self.nvfp4_layout == "modelopt":
             return {k: getattr(self, k) for k in names}
-        w13, s13 = untile_nvfp4(self.w13_weight, self.w13_weight_scale.view(torch.uint8))
-        w2, s2 = untile_nvfp4(self.w2_weight, self.w2_weight_scale.view(torch.uint8))
+        w13, s13 = _to_modelopt(self.w13_weight, self.w13_weight_scale.view(torch.uint8), self.nvfp4_layout)
+        w2, s2 = _to_modelopt(self.w2_weight, self.w2_weight_scale.view(torch.uint8), self.nvfp4_layout)
         return {"w13_weight": w13, "w13_weight_scale": s13.view(torch.float8_e4m3fn),
                 "w2_weight": w2, "w2_weight_scale": s2.view(torch.float8_e4m3fn)}
 
@@ -274,6 +310,26 @@ def _swap_blocks(t: torch.Tensor, width: int, to_tiled: bool) -> torch.Tensor:
     E, N, C = t.shape
     inner = (16, C // width) if to_tiled else (C // width, 16)
     return t.reshape(E, N // 16, *inner, width).permute(0, 1, 3, 2, 4).contiguous().view(E, N, C)
+
+
+NVFP4_LAYOUTS = ("modelopt", "tiled", "fragment")
+
+
+def _to_modelopt(w: torch.Tensor, sf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 bytes w [E, N, K/2] and scale bytes sf [E, N, K/16] stored in `layout` → the modelopt layout (the
+    inputs themselves when already in it, else copies)."""
+    if layout == "modelopt":
+        return w, sf
+    if layout == "tiled":
+        return untile_nvfp4(w, sf)
+    if layout == "fragment":
+        from pdlab.moe.triton.nvfp4_frag import TILE, unpack_scales, unpack_weights
+
+        E, N, KH = w.shape
+        shape = (E, N // TILE, 2 * KH // TILE)
+        return (unpack_weights(w.reshape(*shape, 4, TILE, 16)),
+                unpack_scales(sf.reshape(*shape, TILE, 8)))
+    raise ValueError(f"unknown NVFP4 layout {layout!r}; known: {', '.join(NVFP4_LAYOUTS)}")
 
 
 def _as_e4m3(t: torch.Tensor) -> torch.Tensor:

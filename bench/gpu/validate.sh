@@ -35,11 +35,11 @@ ATT=$!
   timeout 210 $PY -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_runners.py tests/moe/test_triton_nvfp4_fast.py tests/moe/test_frag.py \
     > "$OUT/moe/pytest_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/moe/pytest_gpu.txt"
-  # the runtime on CUDA (experts stored tiled in place, CUDA-graph decode == eager, retraction on GPU)
+  # the runtime on CUDA (experts stored in fragment order in place, CUDA-graph decode == eager, retraction on GPU)
   timeout 150 $PY -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/runtime > "$OUT/moe/pytest_runtime_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/moe/pytest_runtime_gpu.txt"
-  # served MoE layers with experts tiled in place vs plain, on CUDA (CPU CI runs them in the interpreter)
-  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_tiled_experts.py >> "$OUT/moe/pytest_runtime_gpu.txt" 2>&1
+  # served MoE layers with experts stored in place (tiled, fragment order) vs as loaded, on CUDA (CPU CI runs them in the interpreter)
+  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_stored_experts.py >> "$OUT/moe/pytest_runtime_gpu.txt" 2>&1
   echo "rc=$?" >> "$OUT/moe/pytest_runtime_gpu.txt"
 ) &
 MOE=$!

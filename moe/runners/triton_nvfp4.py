@@ -28,12 +28,12 @@ offsets per call: while a CUDA graph is being captured the in-loop kernel runs i
 `dense_path_taken` says whether it runs.
 TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
-is ignored otherwise. FRAG (-1 auto, 0, 1): Masked slabs (any payload) run the fragment-order Gluon GEMMs
-of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon; each thread loads its own wgmma fragments' weight bytes,
-no shared memory, no permutes): auto takes them when at most 64 tokens per expert are expected and the
-weights are not stored tiled, 1 for any slab. They read a fragment-order copy of the NVFP4 weights built once
-(a second copy of the experts, which is why auto leaves weights stored tiled in place to the in-loop kernel);
-`frag_path_taken` says whether a call runs them.
+is ignored otherwise. FRAG (-1 auto, 0, 1): the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon;
+each thread loads its own wgmma fragments' weight bytes, no shared memory, no permutes), for either layout and
+any payload. Weights stored in fragment order (`ExpertWeights.frag_()`, what the runtime does on sm90) always run
+them (or the dense path), whatever FRAG says. Otherwise they read a fragment-order copy built once (a second copy
+of the experts): auto takes them when at most 64 tokens per expert are expected and the weights are not stored
+tiled, 1 always. `frag_path_taken` says whether a call runs them.
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -219,25 +219,30 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
 
 
 def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None) -> bool:
-    """Whether run_triton runs the fragment-order Gluon decode GEMMs (moe/triton/nvfp4_frag.py) for this call:
-    FRAG 1, or -1 (auto) when at most 64 tokens per expert are expected (`expected_m`; default: the slab's rows)
-    and the weights are not stored tiled; either way only for a Masked layout (any payload), NVFP4 weights with
-    H and I multiples of 128, on an sm90 GPU whose Triton has Gluon. The kernels read a fragment-order copy of
-    the weights built at the first call outside a CUDA graph capture (packing inside one would record the
-    repack into the graph): a call captured before any eager one runs the in-loop kernel."""
+    """Whether run_triton runs the fragment-order Gluon GEMMs (moe/triton/nvfp4_frag.py) for this call: always
+    for weights stored in fragment order (`ExpertWeights.frag_`; FRAG is ignored for them), else FRAG 1, or -1
+    (auto) when at most 64 tokens per expert are expected (`expected_m`; default: the layout's rows per expert) and the weights are not stored
+    tiled; either layout, any payload; NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose Triton has
+    Gluon. Weights not stored in fragment order are read from a fragment-order copy built at the first call
+    outside a CUDA graph capture (packing inside one would record the repack into the graph): a call captured
+    before any eager one runs the in-loop kernel."""
     from pdlab.moe.triton import nvfp4_frag
 
     frag = int(config.get("FRAG", -1))
-    if frag == 0 or not isinstance(layout, Masked) or not weights.can_tile:
+    if weights.nvfp4_frag:
+        frag = 1  # their own kernels, whatever a config says (any other kernel would read a copy)
+    if frag == 0 or not weights.can_tile:
         return False
-    # auto: decode slabs, and never a second copy of experts stored tiled in place (the runtime's choice for the
-    # in-loop kernel: a fragment-order copy of a real model's experts could exhaust the GPU's memory mid-run)
-    expected = layout.hidden.shape[1] if expected_m is None else expected_m
-    if frag == -1 and (expected > 64 or weights.nvfp4_tiled):
-        return False
+    if frag == -1:
+        # a second copy of experts stored tiled in place (for the in-loop kernel) could exhaust the GPU mid-run
+        if expected_m is None:
+            expected_m = (layout.hidden.shape[1] if isinstance(layout, Masked)
+                          else -(-layout.hidden.shape[0] // max(1, weights.num_experts)))
+        if expected_m > 64 or weights.nvfp4_tiled:
+            return False
     if os.environ.get("TRITON_INTERPRET") == "1" or nvfp4_frag.available(layout.hidden.device) is not None:
         return False
-    return "triton_frag" in weights.prepared or not _capturing()
+    return weights.nvfp4_frag or "triton_frag" in weights.prepared or not _capturing()
 
 
 def kernel_path(layout, weights, config: dict) -> str:
@@ -258,9 +263,9 @@ def _choose_path(layout, weights, cfg: dict, expected_m: int) -> str:
 
 
 def _run_frag(layout, weights, expected_m: int) -> torch.Tensor:
-    """A Masked slab (float, fp8 or nvfp4 activations, dequantised to fp16 by a small kernel first) through the
-    fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows m >= masked_m[e] of the
-    output are not written. Programs are BLOCK_M = 16 / 32 / 64 rows by the expected tokens per expert (a slab is
+    """Masked slabs or Contiguous rows (float, fp8 or nvfp4 activations, converted to fp16 by a small kernel first)
+    through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows past an expert's
+    count are not written. Programs are BLOCK_M = 16 / 32 / 64 tokens by the expected tokens per expert (a slab is
     sized for the worst case; programs past an expert's rows exit at once)."""
     from pdlab.moe.triton import nvfp4_frag
 
@@ -271,9 +276,13 @@ def _run_frag(layout, weights, expected_m: int) -> torch.Tensor:
 
 
 def _repack_frag(w) -> dict:
-    """The fragment-order copy of the NVFP4 experts (built once per ExpertWeights, beside the stored layout)."""
+    """The fragment-order NVFP4 experts: the stored tensors when `ExpertWeights.frag_` ran (no copy, no kernel:
+    safe inside a CUDA graph capture), else a copy built once per ExpertWeights beside the stored layout."""
     from pdlab.moe.triton import nvfp4_frag
 
+    if w.nvfp4_frag:
+        return {"w13": w.w13_weight, "s13": w.w13_weight_scale.view(torch.uint8), "w13_s2": w.w13_weight_scale_2,
+                "w2": w.w2_weight, "s2": w.w2_weight_scale.view(torch.uint8), "w2_s2": w.w2_weight_scale_2}
     p = w.plain_nvfp4()
     return nvfp4_frag.pack_experts(p["w13_weight"], p["w13_weight_scale"], p["w2_weight"], p["w2_weight_scale"],
                                    w.w13_weight_scale_2, w.w2_weight_scale_2)
@@ -287,13 +296,16 @@ def _capturing() -> bool:
 def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
     """Contiguous bf16 rows [N, H]: per chunk of experts, NVFP4 → bf16 weights (one pass), then
     gate_up and down through torch._grouped_mm with SiLU·mul between (as the torch_grouped runner).
-    Weights stored tiled are dequantised from the tiled layout (no plain copy)."""
+    Weights stored tiled or in fragment order are dequantised from that layout (no plain copy)."""
     import torch.nn.functional as F
 
     from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
 
-    tiled = weights.nvfp4_tiled
-    w = _packed(weights, tiled)
+    tiled, frag = weights.nvfp4_tiled, weights.nvfp4_frag
+    w = _repack_frag(weights) if frag else _packed(weights, tiled)
+    if frag:
+        w = {"w13": w["w13"], "w13_sf": w["s13"], "w13_s2": w["w13_s2"], "w2": w["w2"], "w2_sf": w["s2"],
+             "w2_s2": w["w2_s2"]}
     x = layout.hidden
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     chunk = max(1, min(E, int(cfg.get("DENSE_CHUNK", 16))))
@@ -307,8 +319,8 @@ def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
         if r1 == r0:
             continue
         n = e1 - e0
-        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[:n], tiled=tiled)
-        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[:n], tiled=tiled)
+        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[:n], tiled=tiled, frag=frag)
+        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[:n], tiled=tiled, frag=frag)
         ends = (layout.offsets[e0 + 1:e1 + 1] - r0).to(torch.int32)
         xs = x[r0:r1].to(torch.bfloat16)
         gu = torch._grouped_mm(xs, w13[:n].transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)

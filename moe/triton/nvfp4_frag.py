@@ -23,6 +23,10 @@ Layouts (one program = 128 weight rows × all of K, one warpgroup; tile = 128 ro
 
 The values: nibble → e4m3 byte → `cvt.rn.f16x2.e4m3x2` = value·2^-6, times the block scale (exact in fp16),
 per-expert alpha = weight_scale_2 · 2^6 · 2^8 in the fp32 epilogue.
+
+Both dispatch layouts: a Masked slab's programs are (N tile, expert, token block); Contiguous rows are cut into
+per-expert token blocks (`block_schedule`) and a program finds its expert by comparing its block with the
+experts' first blocks.
 """
 
 from __future__ import annotations
@@ -118,6 +122,20 @@ def unpack_weights(wp: torch.Tensor) -> torch.Tensor:
     return byte.permute(0, 1, 3, 2, 4).reshape(E, NT * TILE, KT * TILE // 2).contiguous()
 
 
+def unpack_scales(sp: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_scales`: [E, NT, KT, 128, 8] → [E, N, K/16] uint8."""
+    E, NT, KT = sp.shape[:3]
+    t = torch.arange(TILE, device=sp.device)[:, None]
+    s = torch.arange(8, device=sp.device)[None, :]
+    rsel, c2, rhi = s % 2, (s // 2) % 2, s // 4
+    w, lane = t // 32, t % 32
+    row = 16 * w + lane // 4 + 8 * rsel + 64 * rhi
+    blk = 2 * (lane % 4) + c2
+    tiles = torch.empty(E, NT, KT, TILE, 8, dtype=torch.uint8, device=sp.device)
+    tiles[:, :, :, row, blk] = sp
+    return tiles.permute(0, 1, 3, 2, 4).reshape(E, NT * TILE, KT * 8).contiguous()
+
+
 def column_order(K: int, device=None) -> torch.Tensor:
     """[K] int64: the model column of each MMA column over K (tile by tile)."""
     return (torch.arange(0, K, TILE, device=device)[:, None] + perm_k(device)[None, :]).reshape(-1)
@@ -125,14 +143,18 @@ def column_order(K: int, device=None) -> torch.Tensor:
 
 @triton.jit
 def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
-            KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr):
-    """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e];
-    grid (E·M, K/BLOCK). KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns; 2: nvfp4 bytes (low nibble =
+            KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr = False):
+    """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e]
+    (every row with ALL_ROWS); grid (E·M, K/BLOCK). KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns; 2: nvfp4 bytes (low nibble =
     even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS."""
     em = tl.program_id(0)
     e = em // M
     m = em % M
-    if m < tl.load(CNT + e):
+    if ALL_ROWS:
+        count = M
+    else:
+        count = tl.load(CNT + e)
+    if m < count:
         mk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         t = mk % 128
         src = (mk - t) + 32 * ((t // 2) % 4) + 4 * (t // 16) + 2 * ((t // 8) % 2) + t % 2
@@ -237,11 +259,14 @@ if HAVE_GLUON:
         return acc, acc_u
 
     @gluon.jit
-    def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, alpha_ptr, K, N_OUT, M_MAX, up_tiles,
-                   stride_xe, stride_xm, stride_oe, stride_om,
+    def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, s2_ptr, K, N_OUT, M_MAX, up_tiles,
+                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
-                   UNROLL: gl.constexpr = 1):
-        """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring)."""
+                   UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128):
+        """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
+        CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
+        token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
+        (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
@@ -254,9 +279,21 @@ if HAVE_GLUON:
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.float16)
 
         pid_n = gl.program_id(0)
-        e = gl.program_id(1)
-        m0 = gl.program_id(2) * BM
-        count = gl.load(cnt_ptr + e)
+        if CONTIG:
+            blk = gl.program_id(1)
+            EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            ei = gl.arange(0, E_POW2, layout=EL)
+            ends = gl.load(bstart_ptr + 1 + ei, mask=ei < NUM_E, other=2147483647)
+            found = gl.sum((ends <= blk).to(gl.int32), axis=0)  # experts whose blocks all come before blk
+            e = gl.minimum(found, NUM_E - 1)
+            m0 = (blk - gl.load(bstart_ptr + e)) * BM
+            count = gl.load(cnt_ptr + e) * (found < NUM_E).to(gl.int32)  # 0 past the last block
+            row0 = gl.load(offs_ptr + e)
+        else:
+            e = gl.program_id(1)
+            m0 = gl.program_id(2) * BM
+            count = gl.load(cnt_ptr + e)
+            row0 = 0
         if m0 < count:
             KT = K // 128
             e64 = e.to(gl.int64)
@@ -267,7 +304,8 @@ if HAVE_GLUON:
             su_base = sp + (e64 * tiles + pid_n + up_tiles) * KT * 1024
             xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             xk = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
-            x_rows = x_ptr + e64 * stride_xe + gl.expand_dims((m0 + xm) * stride_xm, 1) + gl.expand_dims(xk, 0)
+            x_rows = (x_ptr + e64 * stride_xe + gl.expand_dims((row0 + m0 + xm).to(gl.int64) * stride_xm, 1)
+                      + gl.expand_dims(xk, 0))
             x_ok = gl.expand_dims(m0 + xm < count, 1)
             xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
             acc = gl.zeros([128, BM], gl.float32, layout=mma)
@@ -290,7 +328,7 @@ if HAVE_GLUON:
                 acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
                 if UNROLL == 2:
                     acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
-            alpha = gl.load(alpha_ptr + e)
+            alpha = gl.load(s2_ptr + e) * 16384.0  # weight_scale_2 · ALPHA (2^6 · 2^8, exact)
             res = acc * alpha
             if FUSE_SILU:
                 res = res / (1.0 + gl.exp(-res)) * (acc_u * alpha) * 0.00390625  # the next GEMM's 2^-8
@@ -301,57 +339,95 @@ if HAVE_GLUON:
                 col = (on // 128) * 128 + 16 * ((kk // 4) % 8) + 8 * ((kk // 2) % 2) + 2 * (kk // 32) + kk % 2
             else:
                 col = on
-            o = out_ptr + e64 * stride_oe + gl.expand_dims(om * stride_om, 0) + gl.expand_dims(col, 1)
+            o = (out_ptr + e64 * stride_oe + gl.expand_dims((row0 + om).to(gl.int64) * stride_om, 0)
+                 + gl.expand_dims(col, 1))
             gl.store(o, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
 
 
 ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
 
 
-def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
-              counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1) -> torch.Tensor:
-    """out[e, m, :n_out] (rows m < counts[e]; the others are not written) = act(x[e, m] · W[e]ᵀ).
+def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
+              counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
+              offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
-    x: [E, M, K] fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the
-    gate_up output for the down GEMM (written so when fuse_silu).
+    Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
+    Contiguous (offsets [E + 1] int32): x [N, K], out [N, n_out]; expert e's rows are offsets[e] …
+    offsets[e] + counts[e] - 1. block_starts: `block_schedule(counts, block_m)` (computed when None).
+    x: fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the gate_up output
+    for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
-    alpha: [E] fp32, weight_scale_2 · ALPHA (`pack_experts` keeps it). out: fuse_silu → fp16 [E, M, n_out] for
-    the down GEMM; else [E, M, n_out] of the caller's dtype. counts: [E] int32 (masked_m). block_m: tokens per
-    program (16, 32 or 64; the wgmma N). unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is
-    odd). Graph-safe (no host sync)."""
-    E, M, K = x.shape
+    scale_2: [E] fp32, weight_scale_2 (the kernel multiplies it by ALPHA). out: fp16 when fuse_silu (it feeds the down
+    GEMM), else the caller's dtype. counts: [E] int32. block_m: tokens per program (16, 32 or 64; the wgmma N).
+    unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is odd). Graph-safe (no host sync)."""
+    K = x.shape[-1]
     if fuse_silu and out.dtype != torch.float16:
         raise ValueError("frag_gemm: the gate_up output feeds the down GEMM and must be fp16 (MMA K order, ·2^-8)")
     up_tiles = n_out // TILE if fuse_silu else 0
-    grid = (n_out // TILE, E, -(-M // block_m))
-    _frag_gemm[grid](wp, sp, x, out, counts, alpha, K, n_out, M, up_tiles, x.stride(0), x.stride(1),
-                     out.stride(0), out.stride(1), BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
-                     UNROLL=unroll if (K // TILE) % unroll == 0 else 1, num_warps=4)
+    E = counts.numel()
+    if offsets is None:
+        M = x.shape[1]
+        grid = (n_out // TILE, E, -(-M // block_m))
+        strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
+        offsets = block_starts = counts  # (not read)
+    else:
+        M = x.shape[0]
+        if block_starts is None:
+            block_starts = block_schedule(counts, block_m)
+        grid = (n_out // TILE, -(-M // block_m) + E)  # Σ ⌈counts[e] / BM⌉ ≤ ⌈N / BM⌉ + E
+        strides = (0, x.stride(0), 0, out.stride(0))
+    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
+                     BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
+                     UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
+                     E_POW2=max(128, triton.next_power_of_2(E)), num_warps=4)
     return out
 
 
+def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[E + 1] int32: the first token block of each expert in a contiguous layout's block list (expert e owns
+    ⌈counts[e] / block_m⌉ blocks), then the total. counts: [E] int32. Graph-safe."""
+    blocks = (counts.to(torch.int32) + (block_m - 1)) // block_m
+    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device),
+                      torch.cumsum(blocks, 0, dtype=torch.int32)])
+
+
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int) -> torch.Tensor:
-    """The experts on a Masked slab (bf16 / fp8 / nvfp4 payload) → [E, M, H] `out_dtype` (rows m >= masked_m[e]
-    unwritten). packs: {"w13", "s13", "w13_alpha", "w2", "s2", "w2_alpha"} (`pack_experts`)."""
-    counts = layout.masked_m.to(torch.int32)
-    x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale)
-    E, M, H = x.shape
-    h = torch.empty(E, M, intermediate, dtype=torch.float16, device=x.device)
-    frag_gemm(x, packs["w13"], packs["s13"], packs["w13_alpha"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m)
-    out = torch.empty(E, M, H, dtype=out_dtype, device=x.device)
+    """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
+    `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"}
+    (`pack_experts`, or the tensors of experts stored in fragment order)."""
+    masked = layout.hidden.dim() == 3
+    counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
+    offsets = None if masked else layout.offsets.to(torch.int32)
+    starts = None if masked else block_schedule(counts, block_m)
+    x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets)
+    lead, H = x.shape[:-1], x.shape[-1]
+    h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
+    frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
+              block_m=block_m, offsets=offsets, block_starts=starts)
+    out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
-    return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_alpha"], out, counts, n_out=H, fuse_silu=False,
-                     block_m=block_m, unroll=2)
+    return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
+                     block_m=block_m, unroll=2, offsets=offsets, block_starts=starts)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",
-                        scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """A masked slab's activations → fp16 [E, M, K] ·2^-8 with columns in MMA K order, rows m < counts[e] (others
-    unwritten). x: [E, M, K] float ("bf16"); [E, M, K] float8_e4m3fn + scales fp32 [E, M, K/128] ("fp8");
-    [E, M, K/2] uint8 + scales e4m3 [E, M, K/16] + global_scale [1] or [E] ("nvfp4"). Graph-safe."""
+                        scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
+                        offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Activations → fp16 ·2^-8 with columns in MMA K order. Masked slab (offsets None): x [E, M, ·] → [E, M, K],
+    rows m < counts[e] (others unwritten). Contiguous rows (offsets [E + 1] int32): x [N, ·] → [N, K], every row.
+    x: float ("bf16"); float8_e4m3fn + scales fp32 [.., K/128] ("fp8"); uint8 [.., K/2] + scales e4m3 [.., K/16]
+    + global_scale [1] or [E] ("nvfp4"). Graph-safe."""
     kind = {"bf16": 0, "fp8": 1, "nvfp4": 2}[payload]
+    rows = offsets is not None
+    if rows:  # each row its own (E = N, M = 1) slab, all rows converted
+        x = x.unsqueeze(1)
+        scales = None if scales is None else scales.unsqueeze(1)
+        if kind == 2 and global_scale.numel() > 1:  # one global scale per expert → one per row
+            n = x.shape[0]
+            owner = torch.searchsorted(offsets[1:].to(torch.int64), torch.arange(n, device=x.device), right=True)
+            global_scale = global_scale.float().reshape(-1)[owner.clamp_(max=global_scale.numel() - 1)]
     E, M, C = x.shape
     K = 2 * C if kind == 2 else C
     if x.stride(-1) != 1:
@@ -368,15 +444,16 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
         block = 512 if K % 512 == 0 else 128
         _prep_x[(E * M, K // block)](x, scales, gs, y, counts, M, K, x.stride(0), x.stride(1),
                                      scales.stride(0) if kind else 0, scales.stride(1) if kind else 0, KIND=kind,
-                                     GS_PER_EXPERT=kind == 2 and gs.numel() > 1, BLOCK=block, num_warps=4)
-    return y
+                                     GS_PER_EXPERT=kind == 2 and gs.numel() > 1, BLOCK=block, ALL_ROWS=rows,
+                                     num_warps=4)
+    return y.squeeze(1) if rows else y
 
 
 def pack_experts(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w13_s2: torch.Tensor,
                  w2_s2: torch.Tensor) -> dict:
     """The experts' NVFP4 tensors (modelopt layout) in fragment order: w13 [E, 2I, H/2] uint8, s13 [E, 2I, H/16]
     e4m3, w2 [E, H, I/2] uint8, s2 [E, H, I/16] e4m3 → {"w13", "s13", "w2", "s2"} (`pack_weights` /
-    `pack_scales`), with the epilogue's per-expert alphas from the weight_scale_2 vectors w13_s2, w2_s2 [E]
-    ("w13_alpha", "w2_alpha": fp32 [E], weight_scale_2 · ALPHA, computed here once instead of per call)."""
-    return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_alpha": (w13_s2.float() * ALPHA).contiguous(),
-            "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_alpha": (w2_s2.float() * ALPHA).contiguous()}
+    `pack_scales`), with the weight_scale_2 vectors w13_s2, w2_s2 [E] fp32 ("w13_s2", "w2_s2") that the epilogue
+    multiplies by ALPHA."""
+    return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_s2": w13_s2.float().contiguous(),
+            "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_s2": w2_s2.float().contiguous()}

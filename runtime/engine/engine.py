@@ -278,7 +278,8 @@ def _with_model_choices(lines: list[str], model) -> list[str]:
     dispatchers = ", ".join(f"{mode}: {d.name}" for mode, d in moe.dispatchers.items())
     cfg = f" config {moe.runner_config}" if getattr(moe, "runner_config", None) else " config by shape (tuned or default)"
     out = [ln for ln in lines if not ln.startswith(("op moe_experts:", "op moe_dispatch:"))]
-    layout = "tiled" if getattr(moe.weights, "nvfp4_tiled", False) else "as loaded"
+    layout = {"modelopt": "as loaded", "tiled": "tiled", "fragment": "in fragment order"}.get(
+        getattr(moe.weights, "nvfp4_layout", "modelopt"), "as loaded")
     out += [f"op moe_experts (model): runner {runners}, payload {moe.payload},{cfg}, NVFP4 weights {layout}",
             f"op moe_dispatch (model): {dispatchers}"]
     return out

@@ -136,11 +136,13 @@ class MoEBlock(nn.Module):
 
     def set_experts(self, weights, *, runner: str | None = None, dispatcher: str = "local",
                     decode_mode: str = "normal", ep_size: int = 1, ep_rank: int = 0, group=None,
-                    tile_weights: bool | None = None, **moe_kwargs) -> None:
+                    weights_layout: str | None = None, **moe_kwargs) -> None:
         """Build the MoELayer over `weights` (pdlab.moe.weights.ExpertWeights, [E, 2I, H] / [E, H, I]).
         Prefill/extend steps dispatch in "normal" mode, decode steps in `decode_mode`; `moe_kwargs`
-        go to MoELayer as they are. tile_weights: store the layer's NVFP4 weights in the Triton runner's
-        tiled layout, in place (None = when the weights are on CUDA, tile, and every mode runs "triton")."""
+        go to MoELayer as they are. weights_layout: how the layer's NVFP4 experts are stored, converted in place
+        (one copy of the experts): "fragment" (the Triton runner's Gluon GEMMs, sm90), "tiled" (its in-loop
+        kernel), "modelopt" (as loaded). None = when the weights are on CUDA, H and I are multiples of 128 and every
+        mode runs "triton": "fragment" where those GEMMs run on this GPU, else "tiled"; otherwise as loaded."""
         from pdlab.moe.layer import MoELayer
 
         self.decode_mode = decode_mode
@@ -150,10 +152,18 @@ class MoEBlock(nn.Module):
             dispatcher=dispatcher, runner=runner, mode="normal", modes=modes, ep_rank=ep_rank, ep_size=ep_size,
             group=group, **moe_kwargs))
         w = self.moe.weights
-        if tile_weights is None:
-            tile_weights = w.can_tile and w.device.type == "cuda" and set(self.moe.runners.values()) == {"triton"}
-        if tile_weights:  # the Triton runner's kernels read the tiled layout; in place keeps one copy of the experts
+        if weights_layout is None:
+            weights_layout = "modelopt"
+            if w.can_tile and w.device.type == "cuda" and set(self.moe.runners.values()) == {"triton"}:
+                from pdlab.moe.triton.nvfp4_frag import available
+
+                weights_layout = "fragment" if available(w.device) is None else "tiled"
+        if weights_layout == "fragment":
+            w.frag_()
+        elif weights_layout == "tiled":
             w.tile_()
+        elif weights_layout != "modelopt":
+            raise ValueError(f"weights_layout {weights_layout!r}: use 'fragment', 'tiled', 'modelopt' or None (auto)")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.moe is None:

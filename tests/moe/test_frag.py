@@ -74,6 +74,46 @@ def test_k_order_is_a_permutation_with_the_kernels_inverse():
                == 2 for q in range(4))
 
 
+def test_experts_stored_in_fragment_order_in_place():
+    # frag_(): same tensors' shapes, bytes = pack_weights / pack_scales; the modelopt bytes come back from
+    # plain_nvfp4() (also from tiled, and to tiled and back); dequantised values unchanged
+    from pdlab.moe.weights import ExpertWeights
+
+    w = ExpertWeights.from_bf16(torch.randn(3, 512, 256) * 0.1, torch.randn(3, 256, 256) * 0.1, quantize=True)
+    plain = {k: v.view(torch.uint8).clone() for k, v in w.plain_nvfp4().items()}
+    before = w.dequantized(torch.float32)
+    w.tile_().frag_()
+    assert w.nvfp4_layout == "fragment" and w.w13_weight.shape == plain["w13_weight"].shape
+    assert torch.equal(w.w13_weight.view(-1), F.pack_weights(plain["w13_weight"]).view(-1))
+    assert torch.equal(w.w2_weight_scale.view(torch.uint8).view(-1),
+                       F.pack_scales(plain["w2_weight_scale"]).view(-1))
+    for k, v in w.plain_nvfp4().items():
+        assert torch.equal(v.view(torch.uint8), plain[k]), k
+    assert all(torch.equal(a, b) for a, b in zip(w.dequantized(torch.float32), before))
+    w.tile_()
+    assert w.nvfp4_tiled and all(torch.equal(v.view(torch.uint8), plain[k]) for k, v in w.plain_nvfp4().items())
+    with pytest.raises(ValueError, match="multiples of 128"):
+        ExpertWeights.from_bf16(torch.randn(1, 128, 64), torch.randn(1, 64, 64), quantize=True).frag_()
+
+
+def test_dequantise_from_fragment_order():
+    # the dense path's NVFP4 → bf16 kernel reading fragment order gives the modelopt layout's values bit for bit
+    from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
+    from pdlab.moe.weights import ExpertWeights
+
+    dev = "cuda" if CUDA else "cpu"
+    w = ExpertWeights.from_bf16(torch.randn(2, 256, 384, device=dev) * 0.1, torch.randn(2, 384, 128, device=dev) * 0.1,
+                                quantize=True)
+    plain = {k: v.view(torch.uint8).clone() for k, v in w.plain_nvfp4().items()}
+    want = [nvfp4_to_bf16(plain[f"{p}_weight"], plain[f"{p}_weight_scale"], getattr(w, f"{p}_weight_scale_2"))
+            for p in ("w13", "w2")]
+    w.frag_()
+    for p, ref in zip(("w13", "w2"), want):
+        got = nvfp4_to_bf16(getattr(w, f"{p}_weight"), getattr(w, f"{p}_weight_scale").view(torch.uint8),
+                            getattr(w, f"{p}_weight_scale_2"), frag=True)
+        assert torch.equal(got, ref), p
+
+
 def test_packing_refuses_shapes_that_do_not_tile():
     with pytest.raises(ValueError, match="multiples of 128"):
         F.pack_weights(torch.zeros(1, 100, 64, dtype=torch.uint8))
@@ -115,15 +155,16 @@ def test_kernel_path_names_what_the_triton_runner_runs():
 
 
 _COMPILE = r"""
-import json, os, triton
+import json, os, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from pdlab.bench.kernel_resources import _disassemble, sass_opcodes
 from pdlab.moe.triton import nvfp4_frag as F
-sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "alpha_ptr": "*fp32",
+contig = sys.argv[1] == "contiguous"
+sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "s2_ptr": "*fp32",
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
-       "stride_oe": "i32", "stride_om": "i32"}
-consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1}
+       "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
+consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
@@ -134,19 +175,23 @@ print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(_disassemble(
 
 
 @pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
-def test_compiles_for_sm90_without_shared_memory_for_the_weights():
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout):
     # compiled for sm90 on any machine (its own process: compiled, not interpreted): the only shared memory is
-    # the activation tile (BM × 128 fp16), and the weight path has no byte permutes beyond the scales'
+    # the activation tile (BM × 128 fp16) and, for contiguous rows, the block search's reduction scratch; the
+    # weight path has no byte permutes beyond the scales'
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, layout], capture_output=True, text=True, env=env,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
     assert got["shared"] <= 16 * 128 * 2 + 1024
-    assert ops["HGMMA"] == 16 and ops.get("LDS", 0) == 0 and ops.get("LDSM", 0) == 0, ops
+    lds = 0 if layout == "masked" else 2  # the expert search's cross-warp sum
+    assert ops["HGMMA"] == 16 and ops.get("LDS", 0) <= lds and ops.get("LDSM", 0) == 0, ops
     assert ops.get("PRMT", 0) <= 16, ops
 
 
@@ -170,13 +215,7 @@ def test_activation_pre_kernel_matches_the_dequantised_rows(payload):
         assert torch.equal(y[e, :n], want[e, :n]), (payload, e)
 
 
-def test_run_frag_launches_on_cpu(monkeypatch):
-    # the host side of the two GEMM launches, with the Gluon kernel replaced by a recorder: grid (N tiles,
-    # experts, token blocks), the per-expert alphas computed once at packing, the gate_up output (fp16, MMA K
-    # order) handed to the down GEMM, down with two tiles' loads in flight
-    from pdlab.moe.layouts import Masked
-    from pdlab.moe.weights import ExpertWeights
-
+def _record_launches(monkeypatch):
     launches = []
 
     class Recorder:
@@ -184,43 +223,111 @@ def test_run_frag_launches_on_cpu(monkeypatch):
             return lambda *args, **kw: launches.append((grid, args, kw))
 
     monkeypatch.setattr(F, "_frag_gemm", Recorder(), raising=False)
+    return launches
+
+
+def test_run_frag_launches_on_cpu(monkeypatch):
+    # the host side of the two GEMM launches, with the Gluon kernel replaced by a recorder: grid (N tiles,
+    # experts, token blocks), the per-expert weight_scale_2 as stored, the gate_up output (fp16, MMA K order)
+    # handed to the down GEMM, down with two tiles' loads in flight
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.weights import ExpertWeights
+
+    launches = _record_launches(monkeypatch)
     E, H, I, M = 2, 256, 256, 5  # down: K = I = two tiles, so its two-tile loads apply
     w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, quantize=True)
     packs = F.pack_experts(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale,
                            w.w13_weight_scale_2, w.w2_weight_scale_2)
-    assert torch.equal(packs["w13_alpha"], w.w13_weight_scale_2.float() * 2.0 ** 14)
+    assert torch.equal(packs["w13_s2"], w.w13_weight_scale_2.float())
     layout = Masked(torch.randn(E, M, H), torch.tensor([5, 2], dtype=torch.int32))
     out = F.run_frag(layout, packs, I, torch.bfloat16, 16)
     (g1, a1, k1), (g2, a2, k2) = launches
     assert g1 == (I // 128, E, 1) and g2 == (H // 128, E, 1)
-    assert a1[5] is packs["w13_alpha"] and a2[5] is packs["w2_alpha"]
+    assert a1[5] is packs["w13_s2"] and a2[5] is packs["w2_s2"]
     h = a1[3]
     assert h.dtype == torch.float16 and h.shape == (E, M, I) and a2[2] is h
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
-    assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "num_warps": 4}
-    assert k2 == {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2, "num_warps": 4}
+    assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
+                  "num_warps": 4}
+    assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
     assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
+    assert a1[10:14] == (M * H, H, M * I, I)  # the slab's strides
+
+
+def test_run_frag_contiguous_block_list(monkeypatch):
+    # contiguous rows: programs (N tile, token block of the block list); expert e owns ⌈counts[e] / BM⌉ blocks
+    # from block_starts[e]; the grid covers every block (⌈N / BM⌉ + E is enough); rows addressed by offsets
+    from pdlab.moe.layouts import Contiguous
+    from pdlab.moe.weights import ExpertWeights
+
+    launches = _record_launches(monkeypatch)
+    E, H, I = 3, 256, 128
+    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, quantize=True)
+    w.frag_()
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+
+    packs = _repack_frag(w)
+    assert packs["w13"] is w.w13_weight and packs["w2_s2"] is w.w2_weight_scale_2  # stored in place: no copy
+    counts = torch.tensor([17, 0, 33], dtype=torch.int32)
+    offsets = torch.tensor([0, 17, 17, 50], dtype=torch.int32)
+    layout = Contiguous(torch.randn(50, H), counts, offsets)
+    out = F.run_frag(layout, packs, I, torch.float32, 16)
+    (g1, a1, k1), (g2, a2, k2) = launches
+    starts = F.block_schedule(counts, 16)
+    assert starts.tolist() == [0, 2, 2, 5]
+    assert g1 == (I // 128, -(-50 // 16) + E) and g2 == (H // 128, -(-50 // 16) + E) and g1[1] >= int(starts[-1])
+    assert a1[2].shape == (50, H) and a1[3].shape == (50, I) and out.shape == (50, H)
+    assert a1[10:14] == (0, H, 0, I) and a2[10:14] == (0, I, 0, H)
+    assert torch.equal(a1[14], offsets) and torch.equal(a1[15], starts) and a1[16] == E
+    assert k1["CONTIG"] and k2["CONTIG"]
+
+
+def test_activation_pre_kernel_contiguous_rows():
+    # contiguous rows: every row converted; an nvfp4 payload with one global scale per expert uses its row's
+    from pdlab.moe.layouts import Contiguous, dequantize_hidden, quantize_payload
+
+    dev = "cuda" if CUDA else "cpu"
+    counts = torch.tensor([2, 0, 3], dtype=torch.int32, device=dev)
+    offsets = torch.tensor([0, 2, 2, 5], dtype=torch.int32, device=dev)
+    x = torch.randn(5, 256, device=dev) * 2
+    gs = torch.tensor([0.5, 1.0, 2.0], device=dev)
+    rows_gs = gs[torch.tensor([0, 0, 2, 2, 2], device=dev)]
+    hidden, scales, _ = quantize_payload(x.to(torch.bfloat16), "nvfp4", torch.tensor([1.0], device=dev))
+    y = F.prepare_activations(hidden, counts, "nvfp4", scales, gs, offsets)
+    want = dequantize_hidden(Contiguous(hidden, counts, offsets, "nvfp4", scales, torch.tensor([1.0], device=dev)))
+    want = (want.float() / rows_gs[:, None] * 2.0 ** -8).to(torch.float16)[:, F.column_order(256, dev)]
+    assert torch.equal(y, want)
 
 
 # ---------------------------------------------------------------------------------------------- H200
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stored", ["copy", "in place"])
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
 @pytest.mark.parametrize("payload", ["bf16", "fp32", "fp8", "nvfp4"])
 @pytest.mark.parametrize("E,H,I,M", [(4, 256, 128, 1), (3, 384, 256, 24), (2, 7168, 2048, 5), (2, 512, 256, 70)])
-def test_gpu_frag_experts_match_the_reference(E, H, I, M, payload):
+def test_gpu_frag_experts_match_the_reference(E, H, I, M, payload, layout, stored):
     from pdlab.bench.harness import cosine_error
     from pdlab.moe.experts import run_experts
-    from pdlab.moe.layouts import Masked, quantize_payload
+    from pdlab.moe.layouts import Contiguous, Masked, quantize_payload
     from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
     from pdlab.moe.weights import ExpertWeights
 
     if F.available(torch.device("cuda")) is not None:
         pytest.skip(F.available(torch.device("cuda")))
+    if stored == "in place" and (layout, payload) != ("contiguous", "nvfp4") and (E, M) != (2, 5):
+        pytest.skip("experts stored in fragment order: one shape per layout and payload is enough")
     g = torch.Generator(device="cuda").manual_seed(E + M)
     w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05,
                                 torch.randn(E, H, I, device="cuda", generator=g) * 0.05, quantize=True)
+    ref_w = w
+    if stored == "in place":
+        ref_w = ExpertWeights.from_modelopt({k: getattr(w, k).clone() for k in ("w13_weight", "w13_weight_scale",
+                                             "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
+                                             "w2_weight_scale_2")})
+        w.frag_()
     counts = torch.tensor([max(0, M - 3 * e) for e in range(E)], dtype=torch.int32, device="cuda")
     x = torch.randn(E * M, H, device="cuda", generator=g)
     if payload in ("bf16", "fp32"):
@@ -232,14 +339,23 @@ def test_gpu_frag_experts_match_the_reference(E, H, I, M, payload):
     hidden = hidden.view(E, M, -1).clone()
     if payload == "bf16":
         hidden[torch.arange(M, device="cuda")[None, :] >= counts[:, None]] = float("nan")  # never read
-    layout = Masked(hidden, counts, payload, None if scales is None else scales.view(E, M, -1), gs)
-    cfg = {"FRAG": 1}
-    assert frag_path_taken(layout, w, cfg)
-    out = run_experts(layout, w, runner="triton", config=cfg).hidden
-    ref = run_experts(layout, w, runner="torch", config={"weights": "nvfp4"}).hidden
+    slab = Masked(hidden, counts, payload, None if scales is None else scales.view(E, M, -1), gs)
     keep = torch.arange(M, device="cuda")[None, :] < counts[:, None]
-    assert torch.isfinite(out[keep]).all()
-    assert cosine_error(out[keep].float(), ref[keep].float()) < 2e-5
+    if layout == "contiguous":  # the valid rows, expert after expert, and two padding rows at the end
+        pad = lambda t: torch.cat([t[keep], t[keep][:2]]) if t is not None else None  # noqa: E731
+        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+        rows = Contiguous(pad(slab.hidden), counts, offsets, payload, pad(slab.scales), gs)
+    cfg = {"FRAG": 1}
+    todo = slab if layout == "masked" else rows
+    assert frag_path_taken(todo, w, cfg)
+    out = run_experts(todo, w, runner="triton", config=cfg).hidden
+    ref = run_experts(todo, ref_w, runner="torch", config={"weights": "nvfp4"}).hidden
+    if layout == "masked":
+        out, ref = out[keep], ref[keep]
+    else:
+        out, ref = out[:int(counts.sum())], ref[:int(counts.sum())]
+    assert torch.isfinite(out).all()
+    assert cosine_error(out.float(), ref.float()) < 2e-5
 
 
 @pytest.mark.gpu
@@ -274,3 +390,45 @@ def test_gpu_frag_is_the_decode_default_and_graph_safe():
     assert torch.equal(captured[keep], eager[keep])
     loop = run_experts(layout, w, runner="triton", config={"FRAG": 0}).hidden
     assert cosine_error(eager[keep].float(), loop[keep].float()) < 2e-5
+
+
+@pytest.mark.gpu
+def test_gpu_experts_stored_in_fragment_order():
+    # the runtime's layout: no copy, the fragment GEMMs for decode slabs and contiguous rows alike (auto, any
+    # tokens per expert), the dense prefill path dequantising from fragment order, and a CUDA graph captured
+    # before any eager call (nothing to pack)
+    from pdlab.bench.harness import cosine_error
+    from pdlab.moe.experts import resolved_config, run_experts
+    from pdlab.moe.layouts import Contiguous, Masked
+    from pdlab.moe.runners.triton_nvfp4 import kernel_path
+    from pdlab.moe.weights import ExpertWeights
+
+    if F.available(torch.device("cuda")) is not None:
+        pytest.skip(F.available(torch.device("cuda")))
+    E, H, I = 4, 512, 256
+    plain = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
+                                    torch.randn(E, H, I, device="cuda") * 0.05, quantize=True)
+    w = ExpertWeights.from_modelopt({k: getattr(plain, k).clone() for k in (
+        "w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale", "w2_weight_scale_2")})
+    w.frag_()
+    counts = torch.tensor([16, 3, 0, 9], dtype=torch.int32, device="cuda")
+    slab = Masked(torch.randn(E, 16, H, device="cuda", dtype=torch.bfloat16), counts)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_experts(slab, w, runner="triton", config={}).hidden
+    graph.replay()
+    eager = run_experts(slab, w, runner="triton", config={}).hidden
+    keep = torch.arange(16, device="cuda")[None, :] < counts[:, None]
+    assert torch.equal(captured[keep], eager[keep])
+    assert "triton" not in w.prepared and "triton_tiled" not in w.prepared  # no copy in another layout
+    ref = run_experts(slab, plain, runner="torch", config={"weights": "nvfp4"}).hidden
+    assert cosine_error(eager[keep].float(), ref[keep].float()) < 2e-5
+    big = torch.tensor([300, 0, 257, 40], dtype=torch.int32, device="cuda")
+    offsets = torch.cat([big.new_zeros(1), torch.cumsum(big, 0, dtype=torch.int32)])
+    rows = Contiguous(torch.randn(int(big.sum()), H, device="cuda", dtype=torch.bfloat16), big, offsets)
+    for cfg, path in (({"DENSE_MIN_M": 0}, "fragment"), ({"DENSE_MIN_M": 64}, "dense")):
+        assert kernel_path(rows, w, resolved_config(rows, w, "triton", cfg, 150)[0]) == path
+        out = run_experts(rows, w, runner="triton", config=cfg, expected_m=150).hidden
+        ref = run_experts(rows, plain, runner="torch", config={"weights": "nvfp4"}).hidden
+        assert cosine_error(out.float(), ref.float()) < 2e-5, path
+    assert "triton" not in w.prepared and "triton_tiled" not in w.prepared

@@ -14,16 +14,10 @@ PROMPTS = ["Hello world", "The capital of France is", "a b c d e f g", "1 2 3 4 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def test_cuda_graph_decode_matches_eager(monkeypatch):
+def test_cuda_graph_decode_matches_eager():
     # Graph decode dispatches MoE tokens in low-latency mode (masked slabs, no host sync), eager decode in normal
-    # mode (contiguous rows). Masked decode slabs run the fragment-order experts GEMMs by default, contiguous rows
-    # the in-loop kernel: two correct kernels that round differently, and this random model turns that into
-    # another greedy token within ~10 tokens. The experts are pinned to the in-loop kernel so that the test
-    # compares graph capture and padding, not rounding (the fragment-order path is checked against the fp32
-    # reference and under a CUDA graph in tests/moe/test_frag.py).
-    from pdlab.moe.runners import triton_nvfp4
-
-    monkeypatch.setattr(triton_nvfp4, "frag_path_taken", lambda *args, **kwargs: False)
+    # mode (contiguous rows). The served experts are stored in one layout and both modes run the same kernels on
+    # it (on sm90 the fragment-order GEMMs for either layout), so the greedy tokens must match exactly.
     graph = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8])
     assert graph.engine.graphs is not None, graph.engine.graph_error
     eager = served_llm(max_total_tokens=8192, disable_cuda_graph=True)
