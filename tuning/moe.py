@@ -133,10 +133,26 @@ def _resolve(backend: str, config: dict, bucket) -> dict:
     return resolve_config(dict(config), int(bucket["tokens_per_expert"]))
 
 
+def _space(backend, bucket, device) -> dict | None:
+    """On sm90 with Gluon the triton runner runs the fragment-order GEMMs (the runtime stores the experts for them
+    and ignores FRAG): only their knobs, and the dense path's for contiguous bf16 rows, change its speed there."""
+    if backend.name != "triton":
+        return None
+    from pdlab.moe.triton.nvfp4_frag import available
+
+    if available(device) is not None:
+        return None
+    full = backend.config_space
+    space = {k: full[k] for k in ("FRAG_BM", "FRAG_UNROLL")}
+    if bucket["layout"] == "contiguous" and bucket["payload"] == "bf16":
+        space.update({k: full[k] for k in ("DENSE_MIN_M", "DENSE_CHUNK")})
+    return space
+
+
 MOE_EXPERTS = register_target(TuneTarget(
     op="moe_experts", description="MoE expert runners (gate_up → SiLU·mul → down)",
     buckets=experts_buckets, build=lambda b, m, d: ExpertInputs(b, m, d), call=_call, error=_error,
-    tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",), resolve=_resolve,
+    tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",), resolve=_resolve, space=_space,
     bucket_doc="tokens_per_expert × experts (EP1, EP4) × layout × payload at the model's hidden/intermediate"))
 
 OPS = ("moe_experts",)

@@ -36,6 +36,8 @@ class TuneTarget:
     handed in service (the store answers for the nearest bucket: other batch sizes, short and ragged
     sequences); the winner must match the reference on each before it is stored, else the next-best
     trial is checked.
+    space(backend, bucket, device) → the part of the backend's config space that changes its speed for this bucket
+    on this device (None, or a None answer: all of it); the knobs left out keep their defaults.
     modules: imported before the registry is read (they register the backends)."""
 
     op: str
@@ -52,6 +54,7 @@ class TuneTarget:
     resolve: Callable[[str, dict, Mapping], dict] = lambda backend, config, bucket: dict(config)
     edge_inputs: Callable[[Mapping, ModelShape, torch.device], list] | None = None
     cuda_graph: bool = False
+    space: Callable[[Backend, Mapping, torch.device], dict | None] | None = None
     bucket_doc: str = ""
     import_errors: dict = field(default_factory=dict)
 

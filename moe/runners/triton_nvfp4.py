@@ -28,12 +28,13 @@ offsets per call: while a CUDA graph is being captured the in-loop kernel runs i
 `dense_path_taken` says whether it runs.
 TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
-is ignored otherwise. FRAG (-1 auto, 0, 1): the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py (sm90, Triton with Gluon;
-each thread loads its own wgmma fragments' weight bytes, no shared memory, no permutes), for either layout and
-any payload. Weights stored in fragment order (`ExpertWeights.frag_()`, what the runtime does on sm90) always run
-them (or the dense path), whatever FRAG says. Otherwise they read a fragment-order copy built once (a second copy
-of the experts): auto takes them when at most 64 tokens per expert are expected and the weights are not stored
-tiled, 1 always. `frag_path_taken` says whether a call runs them.
+is ignored otherwise. FRAG (-1 auto, 0, 1): the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py (sm90,
+Triton with Gluon; each thread loads its own wgmma fragments' weight bytes, no shared memory, no permutes), for
+either layout and any payload; FRAG_BM (0 = 16 / 32 / 64 by the expected tokens per expert) tokens per program,
+FRAG_UNROLL (0 = 2) K tiles the down GEMM loads together. Weights stored in fragment order
+(`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path), whatever FRAG says.
+Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
+weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -51,12 +52,12 @@ from pdlab.moe.weights import tile_nvfp4
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
-            "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1}
+            "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1]}
+          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
 
 
@@ -126,7 +127,7 @@ def run_triton(layout, weights, *, config):
     if path == "dense":
         return _run_dense(layout, weights, cfg)
     if path == "fragment":
-        return _run_frag(layout, weights, expected_m)
+        return _run_frag(layout, weights, cfg, expected_m)
     if weights.nvfp4_tiled and auto_tiled:
         # weights stored tiled (ExpertWeights.tile_): every in-loop call reads them as they are; a plain copy
         # would double the experts' memory. The tiled kernels need BLOCK_K a multiple of 128.
@@ -221,8 +222,8 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
 def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None) -> bool:
     """Whether run_triton runs the fragment-order Gluon GEMMs (moe/triton/nvfp4_frag.py) for this call: always
     for weights stored in fragment order (`ExpertWeights.frag_`; FRAG is ignored for them), else FRAG 1, or -1
-    (auto) when at most 64 tokens per expert are expected (`expected_m`; default: the layout's rows per expert) and the weights are not stored
-    tiled; either layout, any payload; NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose Triton has
+    (auto) unless the weights are stored tiled (`expected_m` is not used: on an H200 they beat the in-loop kernel
+    at every measured token count, 1 to 2048 per expert); either layout, any payload; NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose Triton has
     Gluon. Weights not stored in fragment order are read from a fragment-order copy built at the first call
     outside a CUDA graph capture (packing inside one would record the repack into the graph): a call captured
     before any eager one runs the in-loop kernel."""
@@ -233,13 +234,9 @@ def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None
         frag = 1  # their own kernels, whatever a config says (any other kernel would read a copy)
     if frag == 0 or not weights.can_tile:
         return False
-    if frag == -1:
+    if frag == -1 and weights.nvfp4_tiled:
         # a second copy of experts stored tiled in place (for the in-loop kernel) could exhaust the GPU mid-run
-        if expected_m is None:
-            expected_m = (layout.hidden.shape[1] if isinstance(layout, Masked)
-                          else -(-layout.hidden.shape[0] // max(1, weights.num_experts)))
-        if expected_m > 64 or weights.nvfp4_tiled:
-            return False
+        return False
     if os.environ.get("TRITON_INTERPRET") == "1" or nvfp4_frag.available(layout.hidden.device) is not None:
         return False
     return weights.nvfp4_frag or "triton_frag" in weights.prepared or not _capturing()
@@ -262,17 +259,19 @@ def _choose_path(layout, weights, cfg: dict, expected_m: int) -> str:
     return "fragment" if frag_path_taken(layout, weights, cfg, expected_m) else "in-loop"
 
 
-def _run_frag(layout, weights, expected_m: int) -> torch.Tensor:
+def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     """Masked slabs or Contiguous rows (float, fp8 or nvfp4 activations, converted to fp16 by a small kernel first)
     through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows past an expert's
-    count are not written. Programs are BLOCK_M = 16 / 32 / 64 tokens by the expected tokens per expert (a slab is
-    sized for the worst case; programs past an expert's rows exit at once)."""
+    count are not written. Programs are FRAG_BM tokens (0: 16 / 32 / 64 by the expected tokens per expert; a slab
+    is sized for the worst case, programs past an expert's rows exit at once); the down GEMM requests FRAG_UNROLL
+    K tiles' bytes together (0: 2)."""
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
-    bm = 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
+    bm = int(cfg.get("FRAG_BM") or (16 if expected_m <= 16 else 32 if expected_m <= 32 else 64))
+    unroll = int(cfg.get("FRAG_UNROLL") or 2)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
-    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm)
+    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll)
 
 
 def _repack_frag(w) -> dict:

@@ -392,10 +392,12 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
                       torch.cumsum(blocks, 0, dtype=torch.int32)])
 
 
-def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int) -> torch.Tensor:
+def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
+             unroll_down: int = 2) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"}
-    (`pack_experts`, or the tensors of experts stored in fragment order)."""
+    (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
+    unroll_down: the down GEMM's K tiles loaded together (1, 2)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -409,7 +411,7 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
     return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
-                     block_m=block_m, unroll=2, offsets=offsets, block_starts=starts)
+                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

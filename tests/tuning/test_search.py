@@ -288,3 +288,25 @@ def test_a_winner_wrong_at_the_edge_shapes_is_passed_over(toy, isolated):
     finally:
         registry._REGISTRY.pop("toy_edge", None)
         registry._PROBE_CACHE.clear()
+
+
+def test_target_narrows_the_space_per_bucket(toy, isolated):
+    # a target that says which knobs matter for a bucket on this device: only those are searched (grid of 2),
+    # the others keep their defaults in the stored config
+    import dataclasses
+
+    storage = optuna.storages.InMemoryStorage()
+    seen = []
+
+    def space(backend, bucket, device):
+        seen.append((backend.name, bucket["m"], device.type))
+        return {"BLOCK_K": [16, 64]} if backend.name == "blocked" else None
+
+    target = dataclasses.replace(toy.register(), space=space)
+    rep = tune_op(target, [BUCKET], DEEPSEEK_R1, toy.settings(storage, 12, backends=["blocked"]),
+                  device=torch.device("cpu"), store_root=None, metadata=toy.metadata())
+    (study,) = rep.studies
+    assert seen == [("blocked", 16, "cpu")]
+    trials = [t for t in _trials(storage) if t.state == TrialState.COMPLETE]
+    assert len(trials) == 2 and all(set(t.params) == {"BLOCK_K"} for t in trials)
+    assert study.config["BLOCK_K"] in (16, 64) and study.config["skip_last"] is False
