@@ -143,7 +143,7 @@ def _space(backend, bucket, device) -> dict | None:
     if available(device) is not None:
         return None
     full = backend.config_space
-    space = {k: full[k] for k in ("FRAG_BM", "FRAG_UNROLL")}
+    space = {k: full[k] for k in ("FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC")}
     if bucket["layout"] == "contiguous" and bucket["payload"] == "bf16":
         space.update({k: full[k] for k in ("DENSE_MIN_M", "DENSE_CHUNK")})
     return space

@@ -3,6 +3,7 @@ decode shapes (gate_up+SiLU and down timed apart) and MLA decode over an fp8 / b
 
     python3 bench/gpu/profile_decode.py --what moe --out DIR          # CSV of per-GEMM timings per config
     python3 bench/gpu/profile_decode.py --what moe --once             # each kernel once (for ncu)
+    python3 bench/gpu/profile_decode.py --what frag --config '{"x_async": 1}'   # the fragment-order GEMMs
     ncu --clock-control none -k regex:_moe_nvfp4_gemm --launch-skip 2 --launch-count 2 \
         python3 bench/gpu/profile_decode.py --what moe --once
 
@@ -68,6 +69,51 @@ def _moe(args) -> list[dict]:
     return rows
 
 
+def _frag(args) -> list[dict]:
+    """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
+    pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0} keys (missing: the
+    runner's defaults)."""
+    from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+    from pdlab.moe.triton import nvfp4_frag as F
+
+    E, H, I = args.experts, 7168, 2048
+    dev = torch.device("cuda")
+    w = random_nvfp4_weights(E, H, I, dev, with_bf16=False).frag_()
+    packs = _repack_frag(w)
+    rows = []
+    configs = [json.loads(c) for c in args.config] or [{}]
+    for m in args.tokens:
+        layout = make_layout("masked", "bf16", E, m, H, dev, torch.ones(1, device=dev))
+        counts = layout.masked_m
+        xp = F.prepare_activations(layout.hidden, counts)
+        h = torch.empty(E, m, I, dtype=torch.float16, device=dev)
+        out = torch.empty(E, m, H, dtype=torch.bfloat16, device=dev)
+        for raw in configs:
+            bm = int(raw.get("block_m", 16 if m <= 16 else 32 if m <= 32 else 64))
+            xa = bool(raw.get("x_async", 0))
+
+            def gate_up(bm=bm, xa=xa):
+                F.frag_gemm(xp, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=I, fuse_silu=True,
+                            block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa)
+
+            def down(bm=bm, xa=xa):
+                F.frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
+                            block_m=bm, unroll=int(raw.get("unroll_down", 2)), x_async=xa)
+
+            stages = {"prep": (lambda: F.prepare_activations(layout.hidden, counts), 0),
+                      "gate_up": (gate_up, 2 * I * H), "down": (down, H * I)}
+            for name, (fn, params) in stages.items():
+                us = _time_us(fn, args)
+                if us is None:
+                    continue
+                rows.append({"what": "frag", "stage": name, "tokens_per_expert": m, "config": json.dumps(raw),
+                             "median_us": round(us, 1),
+                             "weight_gbps": round(E * params * NVFP4_BYTES_PER_PARAM / us / 1e3, 1)})
+                print(rows[-1], flush=True)
+    return rows
+
+
 def _mla(args) -> list[dict]:
     from pdlab.attention import ops
     from pdlab.attention.workloads import decode_problem
@@ -124,7 +170,7 @@ def _compiled_kernels() -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--what", choices=["moe", "mla"], required=True)
+    ap.add_argument("--what", choices=["moe", "frag", "mla"], required=True)
     ap.add_argument("--config", action="append", default=[],
                     help="repeatable: JSON config merged over the default, or for mla 'default' / 'tuned' "
                          "(default: moe {}, mla tuned)")
@@ -144,7 +190,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = (_moe if args.what == "moe" else _mla)(args)
+    rows = {"moe": _moe, "frag": _frag, "mla": _mla}[args.what](args)
     if args.out and rows:
         import pandas as pd
         args.out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,8 @@ TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights
 is ignored otherwise. FRAG (-1 auto, 0, 1): the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py (sm90,
 Triton with Gluon; each thread loads its own wgmma fragments' weight bytes, no shared memory, no permutes), for
 either layout and any payload; FRAG_BM (0 = 16 / 32 / 64 by the expected tokens per expert) tokens per program,
-FRAG_UNROLL (0 = 2) K tiles the down GEMM loads together. Weights stored in fragment order
+FRAG_UNROLL (0 = 2) K tiles the down GEMM loads together, FRAG_XASYNC=1 copies the activation tiles
+to shared memory with cp.async one tile ahead instead of through registers. Weights stored in fragment order
 (`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path), whatever FRAG says.
 Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
 weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
@@ -52,12 +53,14 @@ from pdlab.moe.weights import tile_nvfp4
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
-            "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0}
+            "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0,
+            "FRAG_XASYNC": 0}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2]}
+          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
+          "FRAG_XASYNC": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
 
 
@@ -271,7 +274,8 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     bm = int(cfg.get("FRAG_BM") or (16 if expected_m <= 16 else 32 if expected_m <= 32 else 64))
     unroll = int(cfg.get("FRAG_UNROLL") or 2)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
-    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll)
+    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll,
+                               x_async=bool(cfg.get("FRAG_XASYNC", 0)))
 
 
 def _repack_frag(w) -> dict:

@@ -42,9 +42,12 @@ from pdlab.moe.triton.nvfp4_moe import deq_ptx
 try:  # Gluon (Triton ≥ 3.5): explicit layouts
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
-    # the CTA barrier: gl.thread_barrier up to Triton 3.6, gl.barrier after
+    # the CTA barrier: gl.thread_barrier up to Triton 3.6, gl.barrier after; the cp.async copy:
+    # async_copy_global_to_shared up to 3.6, async_load after
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - reported by `available()`
     HAVE_GLUON = False
@@ -259,10 +262,30 @@ if HAVE_GLUON:
         return acc, acc_u
 
     @gluon.jit
+    def _mma_step_async(p, s, pu, su, xr, kt, KT, x_rows, x_ok, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr,
+                        FUSE_SILU: gl.constexpr):
+        """One K tile with the activation tiles copied into a two-tile shared ring by cp.async, one tile ahead:
+        tile kt + 1's copy is issued, tile kt's awaited (issued by the previous step, or before the loop)."""
+        nxt = kt + 1
+        _cp_async(xr.index(nxt % 2), x_rows + nxt * 128, mask=x_ok & (nxt < KT))
+        async_copy.commit_group()
+        a = _operand(p, s, LB, AL)
+        async_copy.wait_group(1)
+        fence_async_shared()
+        _cta_barrier()
+        xs = xr.index(kt % 2)
+        acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
+        if FUSE_SILU:
+            acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
+        _cta_barrier()  # the ring slot read here is refilled by the next step
+        return acc, acc_u
+
+    @gluon.jit
     def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, s2_ptr, K, N_OUT, M_MAX, up_tiles,
                    stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
-                   UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128):
+                   UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
+                   X_ASYNC: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
@@ -307,7 +330,13 @@ if HAVE_GLUON:
             x_rows = (x_ptr + e64 * stride_xe + gl.expand_dims((row0 + m0 + xm).to(gl.int64) * stride_xm, 1)
                       + gl.expand_dims(xk, 0))
             x_ok = gl.expand_dims(m0 + xm < count, 1)
-            xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
+            if X_ASYNC:  # activation tiles through a two-tile ring filled by cp.async one tile ahead
+                x_ok = x_ok & gl.expand_dims(xk < 128, 0)
+                xr = gl.allocate_shared_memory(gl.float16, [2, BM, 128], XS)
+                _cp_async(xr.index(0), x_rows, mask=x_ok)
+                async_copy.commit_group()
+            else:
+                xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
             acc = gl.zeros([128, BM], gl.float32, layout=mma)
             acc_u = gl.zeros([128, BM], gl.float32, layout=mma)
             for kt0 in range(0, KT, UNROLL):
@@ -317,17 +346,26 @@ if HAVE_GLUON:
                     pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, PL, SL)
                 else:  # (not read by the step)
                     pu, su = p, s
-                x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
+                if not X_ASYNC:
+                    x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
                 if UNROLL == 2:
                     p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
                     if FUSE_SILU:
                         pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, PL, SL)
                     else:
                         pu2, su2 = p2, s2
-                    x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
-                acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
-                if UNROLL == 2:
-                    acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                    if not X_ASYNC:
+                        x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
+                if X_ASYNC:
+                    acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LB, AL,
+                                                 FUSE_SILU)
+                    if UNROLL == 2:
+                        acc, acc_u = _mma_step_async(p2, s2, pu2, su2, xr, kt0 + 1, KT, x_rows, x_ok, acc, acc_u,
+                                                     LB, AL, FUSE_SILU)
+                else:
+                    acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                    if UNROLL == 2:
+                        acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
             alpha = gl.load(s2_ptr + e) * 16384.0  # weight_scale_2 · ALPHA (2^6 · 2^8, exact)
             res = acc * alpha
             if FUSE_SILU:
@@ -349,7 +387,8 @@ ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, un
 
 def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
-              offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None) -> torch.Tensor:
+              offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
+              x_async: bool = False) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -360,7 +399,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
     scale_2: [E] fp32, weight_scale_2 (the kernel multiplies it by ALPHA). out: fp16 when fuse_silu (it feeds the down
     GEMM), else the caller's dtype. counts: [E] int32. block_m: tokens per program (16, 32 or 64; the wgmma N).
-    unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is odd). Graph-safe (no host sync)."""
+    unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is odd). x_async: the activation tiles go
+    to shared memory by cp.async one tile ahead (instead of through registers). Graph-safe (no host sync)."""
     K = x.shape[-1]
     if fuse_silu and out.dtype != torch.float16:
         raise ValueError("frag_gemm: the gate_up output feeds the down GEMM and must be fp16 (MMA K order, ·2^-8)")
@@ -380,7 +420,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
-                     E_POW2=max(128, triton.next_power_of_2(E)), num_warps=4)
+                     E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async, num_warps=4)
     return out
 
 
@@ -393,11 +433,11 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
-             unroll_down: int = 2) -> torch.Tensor:
+             unroll_down: int = 2, x_async: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
-    unroll_down: the down GEMM's K tiles loaded together (1, 2)."""
+    unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async: `frag_gemm`'s."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -406,12 +446,12 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts)
+              block_m=block_m, offsets=offsets, block_starts=starts, x_async=x_async)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
     return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
-                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts)
+                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts, x_async=x_async)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

@@ -164,7 +164,8 @@ contig = sys.argv[1] == "contiguous"
 sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "s2_ptr": "*fp32",
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
        "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
-consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128}
+consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
+          "X_ASYNC": sys.argv[2] == "1"}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
@@ -175,8 +176,9 @@ print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(_disassemble(
 
 
 @pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("x_async", [0, 1])
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
-def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout):
+def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout, x_async):
     # compiled for sm90 on any machine (its own process: compiled, not interpreted): the only shared memory is
     # the activation tile (BM × 128 fp16) and, for contiguous rows, the block search's reduction scratch; the
     # weight path has no byte permutes beyond the scales'
@@ -184,14 +186,16 @@ def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", _COMPILE, layout], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async)], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
-    assert got["shared"] <= 16 * 128 * 2 + 1024
-    lds = 0 if layout == "masked" else 2  # the expert search's cross-warp sum
+    assert got["shared"] <= (2 if x_async else 1) * 16 * 128 * 2 + 1024  # x_async: a two-tile ring
+    # the expert search's cross-warp sum; cp.async adds never-executed `@!PT LDS RZ, [RZ]` padding
+    lds = (0 if layout == "masked" else 2) + (12 if x_async else 0)
     assert ops["HGMMA"] == 16 and ops.get("LDS", 0) <= lds and ops.get("LDSM", 0) == 0, ops
+    assert ops.get("LDGSTS", 0) == (4 if x_async else 0), ops  # a tile's two 16-byte copies: before and in the loop
     assert ops.get("PRMT", 0) <= 16, ops
 
 
@@ -248,6 +252,7 @@ def test_run_frag_launches_on_cpu(monkeypatch):
     assert h.dtype == torch.float16 and h.shape == (E, M, I) and a2[2] is h
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
     assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
+                  "X_ASYNC": False,
                   "num_warps": 4}
     assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
@@ -432,3 +437,33 @@ def test_gpu_experts_stored_in_fragment_order():
         ref = run_experts(rows, plain, runner="torch", config={"weights": "nvfp4"}).hidden
         assert cosine_error(out.float(), ref.float()) < 2e-5, path
     assert "triton" not in w.prepared and "triton_tiled" not in w.prepared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize("bm,unroll", [(16, 2), (64, 1)])
+def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
+    # FRAG_XASYNC: the activation tiles reach shared memory by cp.async instead of through registers; the MMAs see
+    # the same operands, so the outputs are bit-equal
+    from pdlab.moe.experts import run_experts
+    from pdlab.moe.layouts import Contiguous, Masked
+    from pdlab.moe.weights import ExpertWeights
+
+    if F.available(torch.device("cuda")) is not None:
+        pytest.skip(F.available(torch.device("cuda")))
+    E, H, I = 3, 768, 384  # K/128 odd for gate_up (6 → even; down 3 → the unroll falls back to 1)
+    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
+                                torch.randn(E, H, I, device="cuda") * 0.05, quantize=True).frag_()
+    counts = torch.tensor([20, 0, 7], dtype=torch.int32, device="cuda")
+    if layout == "masked":
+        x = Masked(torch.randn(E, 20, H, device="cuda", dtype=torch.bfloat16), counts)
+    else:
+        x = Contiguous(torch.randn(27, H, device="cuda", dtype=torch.bfloat16), counts,
+                       torch.tensor([0, 20, 20, 27], dtype=torch.int32, device="cuda"))
+    cfg = {"FRAG_BM": bm, "FRAG_UNROLL": unroll}
+    a = run_experts(x, w, runner="triton", config=cfg).hidden
+    b = run_experts(x, w, runner="triton", config={**cfg, "FRAG_XASYNC": 1}).hidden
+    if layout == "masked":
+        keep = torch.arange(20, device="cuda")[None, :] < counts[:, None]
+        a, b = a[keep], b[keep]
+    assert torch.isfinite(a).all() and torch.equal(a, b)

@@ -50,8 +50,10 @@ def test_sm90_searches_only_the_fragment_gemms_knobs(monkeypatch):
     if nvfp4_frag.available(torch.device("cpu")) is not None:
         assert MOE_EXPERTS.space(triton, b, torch.device("cpu")) is None
     monkeypatch.setattr(nvfp4_frag, "available", lambda device: None)
-    assert MOE_EXPERTS.space(triton, b, torch.device("cpu")) == {"FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2]}
+    assert MOE_EXPERTS.space(triton, b, torch.device("cpu")) == {"FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
+                                                                 "FRAG_XASYNC": [0, 1]}
     rows = MOE_EXPERTS.space(triton, {**b, "layout": "contiguous"}, torch.device("cpu"))
-    assert set(rows) == {"FRAG_BM", "FRAG_UNROLL", "DENSE_MIN_M", "DENSE_CHUNK"}
-    assert set(MOE_EXPERTS.space(triton, {**b, "payload": "nvfp4"}, torch.device("cpu"))) == {"FRAG_BM", "FRAG_UNROLL"}
+    assert set(rows) == {"FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC", "DENSE_MIN_M", "DENSE_CHUNK"}
+    assert set(MOE_EXPERTS.space(triton, {**b, "payload": "nvfp4"}, torch.device("cpu"))) == {
+        "FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC"}
     assert MOE_EXPERTS.space(registry.get_backend("moe_experts", "torch"), b, torch.device("cpu")) is None
