@@ -31,8 +31,11 @@ TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights
 is ignored otherwise. FRAG (-1 auto, 0, 1): the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py (sm90,
 Triton with Gluon; each thread loads its own wgmma fragments' weight bytes, no shared memory, no permutes), for
 either layout and any payload; FRAG_BM (0 = 16 / 32 / 64 by the expected tokens per expert) tokens per program,
-FRAG_UNROLL (0 = 2) K tiles the down GEMM loads together, FRAG_XASYNC=1 copies the activation tiles
-to shared memory with cp.async one tile ahead instead of through registers. Weights stored in fragment order
+FRAG_XASYNC=1 has the down GEMM copy its activation tiles to shared memory with cp.async one tile ahead
+instead of through registers (-1: with 64-token programs), FRAG_UNROLL K tiles the down GEMM loads together (0: 1
+with FRAG_XASYNC and 64-token programs, else 2). On an H200 at EP4, 64 tokens/expert, the down GEMM takes 338 µs
+as (0, 2) and 284 µs as (1, 1); at 1 and 16 tokens/expert (1, ·) is 1–2 % slower, and so is cp.async in gate_up
+at every count (bench/results/NVIDIA_H200/moe_experts/2026-12-01_frag_stored/profile_frag.csv). Weights stored in fragment order
 (`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path), whatever FRAG says.
 Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
 weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
@@ -54,14 +57,14 @@ from pdlab.moe.weights import tile_nvfp4
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
             "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0,
-            "FRAG_XASYNC": 0}
+            "FRAG_XASYNC": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
           "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
           "FRAG_XASYNC": [0, 1]}
-_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")
+_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED", "FRAG_XASYNC")
 
 
 def _probe() -> str | None:
@@ -266,16 +269,17 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     """Masked slabs or Contiguous rows (float, fp8 or nvfp4 activations, converted to fp16 by a small kernel first)
     through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows past an expert's
     count are not written. Programs are FRAG_BM tokens (0: 16 / 32 / 64 by the expected tokens per expert; a slab
-    is sized for the worst case, programs past an expert's rows exit at once); the down GEMM requests FRAG_UNROLL
-    K tiles' bytes together (0: 2)."""
+    is sized for the worst case, programs past an expert's rows exit at once); FRAG_XASYNC and FRAG_UNROLL as in
+    the module docstring."""
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
     bm = int(cfg.get("FRAG_BM") or (16 if expected_m <= 16 else 32 if expected_m <= 32 else 64))
-    unroll = int(cfg.get("FRAG_UNROLL") or 2)
+    x_async = int(cfg.get("FRAG_XASYNC", -1))
+    x_async = bm == 64 if x_async == -1 else bool(x_async)
+    unroll = int(cfg.get("FRAG_UNROLL") or (1 if x_async and bm == 64 else 2))
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
-    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll,
-                               x_async=bool(cfg.get("FRAG_XASYNC", 0)))
+    return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async)
 
 
 def _repack_frag(w) -> dict:

@@ -433,11 +433,12 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
-             unroll_down: int = 2, x_async: bool = False) -> torch.Tensor:
+             unroll_down: int = 2, x_async_down: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
-    unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async: `frag_gemm`'s."""
+    unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async_down: the down GEMM's activation tiles by
+    cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -446,12 +447,13 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts, x_async=x_async)
+              block_m=block_m, offsets=offsets, block_starts=starts)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
     return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
-                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts, x_async=x_async)
+                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
+                     x_async=x_async_down)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

@@ -461,9 +461,20 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
         x = Contiguous(torch.randn(27, H, device="cuda", dtype=torch.bfloat16), counts,
                        torch.tensor([0, 20, 20, 27], dtype=torch.int32, device="cuda"))
     cfg = {"FRAG_BM": bm, "FRAG_UNROLL": unroll}
-    a = run_experts(x, w, runner="triton", config=cfg).hidden
-    b = run_experts(x, w, runner="triton", config={**cfg, "FRAG_XASYNC": 1}).hidden
+    a = run_experts(x, w, runner="triton", config={**cfg, "FRAG_XASYNC": 0}).hidden
+    b = run_experts(x, w, runner="triton", config={**cfg, "FRAG_XASYNC": 1}).hidden  # the down GEMM's
     if layout == "masked":
         keep = torch.arange(20, device="cuda")[None, :] < counts[:, None]
         a, b = a[keep], b[keep]
     assert torch.isfinite(a).all() and torch.equal(a, b)
+    # gate_up (SiLU fused, intermediate written in MMA order) with its activation tiles by cp.async too
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+
+    packs = _repack_frag(w)
+    off = None if layout == "masked" else x.offsets
+    xp = F.prepare_activations(x.hidden, counts, offsets=off)
+    h = [torch.zeros(xp.shape[:-1] + (I,), dtype=torch.float16, device="cuda") for _ in range(2)]
+    for hh, xa in zip(h, (False, True)):
+        F.frag_gemm(xp, packs["w13"], packs["s13"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True, block_m=bm,
+                    offsets=off, x_async=xa)
+    assert torch.equal(h[0], h[1]) and h[0].abs().sum() > 0
