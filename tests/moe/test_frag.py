@@ -478,3 +478,22 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
         F.frag_gemm(xp, packs["w13"], packs["s13"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True, block_m=bm,
                     offsets=off, x_async=xa)
     assert torch.equal(h[0], h[1]) and h[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("m,cfg,want", [(64, {}, (64, 1, True)), (16, {}, (16, 2, False)),
+                                        (64, {"FRAG_XASYNC": 0}, (64, 2, False)),
+                                        (16, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1}, (16, 1, True))])
+def test_fragment_knobs_resolve_as_documented(monkeypatch, m, cfg, want):
+    # defaults through the runner's config resolution: 64-token programs take the down GEMM's activations by
+    # cp.async with one tile in flight (measured faster), smaller programs keep registers and two tiles
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.runners import triton_nvfp4 as R
+    from pdlab.moe.weights import ExpertWeights
+
+    got = []
+    monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down: got.append(
+        (bm, unroll, x_async_down)))
+    w = ExpertWeights.from_bf16(torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1, quantize=True)
+    layout = Masked(torch.randn(2, m, 128), torch.tensor([m, 1], dtype=torch.int32))
+    R._run_frag(layout, w, R.resolve_config({**R._DEFAULT, **cfg}, m), m)
+    assert got == [want]
