@@ -36,6 +36,9 @@ class EngineConfig(BaseModel):
     disable_cuda_graph: bool = Field(False, description="run decode eagerly on CUDA")
     cuda_graph_bs: list[int] | None = Field(None, description="decode batch sizes to capture (default 1,2,4,8,16,24,32,...)")
     kv_backup_chunk_pages: int = Field(256, ge=1, description="pages per chunk of a KV backup copy")
+    moe_weights_layout: Literal["auto", "fragment", "tiled", "modelopt"] = Field(
+        "auto", description="how NVFP4 experts are stored, converted in place at load (auto: fragment order where the "
+                            "triton runner's Gluon GEMMs run (sm90), tiled on other GPUs, as loaded on CPU)")
     seed: int = Field(0, ge=0, description="seed of the embedded model's random weights and of unseeded requests")
 
     @model_validator(mode="after")

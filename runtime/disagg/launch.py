@@ -194,6 +194,7 @@ def _load(cfg, model_factory: str | None, factory_kwargs: dict | None):
         # captured decode steps must not sync with the host: low-latency (masked) dispatch, one slot per
         # running request
         mode, moe_kwargs = "low_latency", {"num_max_dispatch_tokens_per_rank": cfg.max_running_requests}
+    moe_kwargs["weights_layout"] = None if cfg.moe_weights_layout == "auto" else cfg.moe_weights_layout
     opts = LoadOptions(moe_runner=cfg.moe_runner, dispatcher=cfg.moe_dispatcher, moe_decode_mode=mode,
                        moe_kwargs=moe_kwargs)
     if is_synthetic(cfg.model_path):

@@ -72,12 +72,13 @@ class Engine:
         if model is None:
             from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
             from pdlab.runtime.model import LoadOptions
-            options = LoadOptions()
+            layout = {"weights_layout": None if cfg.moe_weights_layout == "auto" else cfg.moe_weights_layout}
+            options = LoadOptions(moe_kwargs=layout)
             if use_graph and self.device.type == "cuda":
                 # Decode steps must not sync with the host to be captured: MoE layers dispatch decode
                 # tokens in low-latency mode (masked layout, no host sync), one slot per running request.
                 options = LoadOptions(moe_decode_mode="low_latency",
-                                      moe_kwargs={"num_max_dispatch_tokens_per_rank": max_running_requests})
+                                      moe_kwargs={"num_max_dispatch_tokens_per_rank": max_running_requests, **layout})
             if is_synthetic(cfg.model_path):
                 model, tokenizer, model_config = load_synthetic(cfg.model_path, self.device, self.dtype, cfg.seed,
                                                                 options)

@@ -159,6 +159,13 @@ class MoEBlock(nn.Module):
 
                 weights_layout = "fragment" if available(w.device) is None else "tiled"
         if weights_layout == "fragment":
+            from pdlab.moe.triton.nvfp4_frag import available
+
+            why = available(w.device) if w.device.type == "cuda" else None
+            if why is not None:  # (on CPU the layout is kept for tests: the runner reads a modelopt copy)
+                raise ValueError(f"--moe-weights-layout fragment: the triton runner's fragment-order GEMMs do not run "
+                                 f"on {torch.cuda.get_device_name(w.device)} ({why}); use --moe-weights-layout tiled "
+                                 f"or auto")
             w.frag_()
         elif weights_layout == "tiled":
             w.tile_()

@@ -55,3 +55,18 @@ def test_no_relayout_for_other_runners(runner):
     opts = LoadOptions(attn_backend="torch", moe_runner=runner)
     model, _, _ = load_model(None, DEV, torch.float32, options=opts)
     assert not any(layer.mlp.moe.weights.nvfp4_layout != "modelopt" for layer in model.model.layers if layer.is_moe)
+
+
+def test_server_flag_reaches_the_moe_layers():
+    # `runtime serve --moe-weights-layout tiled`: the engine stores every MoE layer's experts so, and says so
+    from pdlab.runtime.config import ServerConfig
+    from pdlab.runtime.engine.engine import Engine
+
+    cfg = ServerConfig(device=DEV, moe_weights_layout="tiled", disable_cuda_graph=True, max_total_tokens=1024,
+                       max_context_len=512)
+    engine = Engine(cfg)
+    layers = [m for m in engine.model.modules() if getattr(m, "moe", None) is not None and hasattr(m.moe, "weights")]
+    assert layers and all(m.moe.weights.nvfp4_layout == "tiled" for m in layers)
+    assert any("NVFP4 weights tiled" in line for line in engine.describe())
+    with pytest.raises(Exception, match="moe_weights_layout"):
+        ServerConfig(moe_weights_layout="frag")
