@@ -35,8 +35,8 @@ FRAG_XASYNC=1 has the down GEMM copy its activation tiles to shared memory with 
 instead of through registers (-1: with 64-token programs), FRAG_UNROLL K tiles the down GEMM loads together (0: 1
 with FRAG_XASYNC and 64-token programs, else 2). On an H200 at EP4, 64 tokens/expert, the down GEMM takes 338 µs
 as (0, 2) and 284 µs as (1, 1); at 1 and 16 tokens/expert (1, ·) is 1–2 % slower, and so is cp.async in gate_up
-at every count (bench/results/NVIDIA_H200/moe_experts/2026-12-01_frag_stored/profile_frag.csv). Weights stored in fragment order
-(`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path), whatever FRAG says.
+at every count (bench/results/NVIDIA_H200/moe_experts/2026-12-01_frag_stored/profile_frag.csv). Weights stored in
+fragment order (`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path), whatever FRAG says.
 Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
 weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
@@ -229,8 +229,8 @@ def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None
     """Whether run_triton runs the fragment-order Gluon GEMMs (moe/triton/nvfp4_frag.py) for this call: always
     for weights stored in fragment order (`ExpertWeights.frag_`; FRAG is ignored for them), else FRAG 1, or -1
     (auto) unless the weights are stored tiled (`expected_m` is not used: on an H200 they beat the in-loop kernel
-    at every measured token count, 1 to 2048 per expert); either layout, any payload; NVFP4 weights with H and I multiples of 128, on an sm90 GPU whose Triton has
-    Gluon. Weights not stored in fragment order are read from a fragment-order copy built at the first call
+    at every measured token count, 1 to 2048 per expert); either layout, any payload; NVFP4 weights with H and I
+    multiples of 128, on an sm90 GPU whose Triton has Gluon. Weights not stored in fragment order are read from a fragment-order copy built at the first call
     outside a CUDA graph capture (packing inside one would record the repack into the graph): a call captured
     before any eager one runs the in-loop kernel."""
     from pdlab.moe.triton import nvfp4_frag

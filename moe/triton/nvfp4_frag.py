@@ -148,8 +148,8 @@ def column_order(K: int, device=None) -> torch.Tensor:
 def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
             KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr = False):
     """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e]
-    (every row with ALL_ROWS); grid (E·M, K/BLOCK). KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns; 2: nvfp4 bytes (low nibble =
-    even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS."""
+    (every row with ALL_ROWS); grid (E·M, K/BLOCK). KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns;
+    2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS."""
     em = tl.program_id(0)
     e = em // M
     m = em % M
