@@ -97,17 +97,21 @@ def pack_weights(w: torch.Tensor, chunk: int = 8) -> torch.Tensor:
     return out
 
 
+def _scale_index(device=None):
+    """(row within the tile, scale block within the tile) of thread t's scale byte s: tensors [128, 8]."""
+    t = torch.arange(TILE, device=device)[:, None]
+    s = torch.arange(8, device=device)[None, :]
+    rsel, c2, rhi = s % 2, (s // 2) % 2, s // 4
+    w, lane = t // 32, t % 32
+    return 16 * w + lane // 4 + 8 * rsel + 64 * rhi, 2 * (lane % 4) + c2
+
+
 def pack_scales(sf: torch.Tensor) -> torch.Tensor:
     """Block scales [E, N, K/16] (e4m3 bytes) → [E, N/128, K/128, 128, 8] uint8: thread t's 8 scales, byte
     rsel + 2·c2 + 4·rhi = row 16w + l//4 + 8·rsel + 64·rhi, block 2q + c2 of the tile."""
     E, N, KB = sf.shape
     sf = sf.view(torch.uint8) if sf.dtype != torch.uint8 else sf
-    t = torch.arange(TILE, device=sf.device)[:, None]
-    s = torch.arange(8, device=sf.device)[None, :]
-    rsel, c2, rhi = s % 2, (s // 2) % 2, s // 4
-    w, lane = t // 32, t % 32
-    row = 16 * w + lane // 4 + 8 * rsel + 64 * rhi
-    blk = 2 * (lane % 4) + c2
+    row, blk = _scale_index(sf.device)
     tiles = sf.reshape(E, N // TILE, TILE, KB // 8, 8).permute(0, 1, 3, 2, 4)  # [E, NT, KT, 128 rows, 8 blocks]
     return tiles[:, :, :, row, blk].contiguous()
 
@@ -128,12 +132,7 @@ def unpack_weights(wp: torch.Tensor) -> torch.Tensor:
 def unpack_scales(sp: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_scales`: [E, NT, KT, 128, 8] → [E, N, K/16] uint8."""
     E, NT, KT = sp.shape[:3]
-    t = torch.arange(TILE, device=sp.device)[:, None]
-    s = torch.arange(8, device=sp.device)[None, :]
-    rsel, c2, rhi = s % 2, (s // 2) % 2, s // 4
-    w, lane = t // 32, t % 32
-    row = 16 * w + lane // 4 + 8 * rsel + 64 * rhi
-    blk = 2 * (lane % 4) + c2
+    row, blk = _scale_index(sp.device)
     tiles = torch.empty(E, NT, KT, TILE, 8, dtype=torch.uint8, device=sp.device)
     tiles[:, :, :, row, blk] = sp
     return tiles.permute(0, 1, 3, 2, 4).reshape(E, NT * TILE, KT * 8).contiguous()

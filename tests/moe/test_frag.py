@@ -308,6 +308,26 @@ def test_activation_pre_kernel_contiguous_rows():
 # ---------------------------------------------------------------------------------------------- H200
 
 
+_NVFP4 = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale", "w2_weight_scale_2")
+
+
+def _gpu_experts(E, H, I, generator=None):
+    """Random NVFP4 experts on the GPU (skips where the fragment GEMMs cannot run)."""
+    from pdlab.moe.weights import ExpertWeights
+
+    if F.available(torch.device("cuda")) is not None:
+        pytest.skip(F.available(torch.device("cuda")))
+    return ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda", generator=generator) * 0.05,
+                                   torch.randn(E, H, I, device="cuda", generator=generator) * 0.05, quantize=True)
+
+
+def _modelopt_copy(w):
+    """The same experts in the modelopt layout (a copy: `frag_` on one leaves the other as loaded)."""
+    from pdlab.moe.weights import ExpertWeights
+
+    return ExpertWeights.from_modelopt({k: getattr(w, k).clone() for k in _NVFP4})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("stored", ["copy", "in place"])
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
@@ -318,20 +338,14 @@ def test_gpu_frag_experts_match_the_reference(E, H, I, M, payload, layout, store
     from pdlab.moe.experts import run_experts
     from pdlab.moe.layouts import Contiguous, Masked, quantize_payload
     from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
-    from pdlab.moe.weights import ExpertWeights
 
-    if F.available(torch.device("cuda")) is not None:
-        pytest.skip(F.available(torch.device("cuda")))
     if stored == "in place" and (layout, payload) != ("contiguous", "nvfp4") and (E, M) != (2, 5):
         pytest.skip("experts stored in fragment order: one shape per layout and payload is enough")
     g = torch.Generator(device="cuda").manual_seed(E + M)
-    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05,
-                                torch.randn(E, H, I, device="cuda", generator=g) * 0.05, quantize=True)
+    w = _gpu_experts(E, H, I, g)
     ref_w = w
     if stored == "in place":
-        ref_w = ExpertWeights.from_modelopt({k: getattr(w, k).clone() for k in ("w13_weight", "w13_weight_scale",
-                                             "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
-                                             "w2_weight_scale_2")})
+        ref_w = _modelopt_copy(w)
         w.frag_()
     counts = torch.tensor([max(0, M - 3 * e) for e in range(E)], dtype=torch.int32, device="cuda")
     x = torch.randn(E * M, H, device="cuda", generator=g)
@@ -369,13 +383,9 @@ def test_gpu_frag_is_the_decode_default_and_graph_safe():
     from pdlab.moe.experts import run_experts
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners.triton_nvfp4 import frag_path_taken
-    from pdlab.moe.weights import ExpertWeights
 
-    if F.available(torch.device("cuda")) is not None:
-        pytest.skip(F.available(torch.device("cuda")))
     E, H, I = 4, 512, 256
-    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
-                                torch.randn(E, H, I, device="cuda") * 0.05, quantize=True)
+    w = _gpu_experts(E, H, I)
     x = torch.randn(E, 16, H, device="cuda", dtype=torch.bfloat16)
     counts = torch.tensor([16, 3, 0, 9], dtype=torch.int32, device="cuda")
     layout = Masked(x, counts)
@@ -383,8 +393,7 @@ def test_gpu_frag_is_the_decode_default_and_graph_safe():
     assert frag_path_taken(Masked(torch.randn(E, 80, H, device="cuda"), counts), w, {})  # any tokens per expert
     # experts stored tiled in place (the runtime's layout) are left to the in-loop kernel unless asked: the
     # fragment-order copy would double their memory
-    tiled = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
-                                    torch.randn(E, H, I, device="cuda") * 0.05, quantize=True).tile_()
+    tiled = _gpu_experts(E, H, I).tile_()
     assert not frag_path_taken(layout, tiled, {}) and frag_path_taken(layout, tiled, {"FRAG": 1})
     eager = run_experts(layout, w, runner="triton", config={}).hidden.clone()
     graph = torch.cuda.CUDAGraph()
@@ -406,16 +415,10 @@ def test_gpu_experts_stored_in_fragment_order():
     from pdlab.moe.experts import resolved_config, run_experts
     from pdlab.moe.layouts import Contiguous, Masked
     from pdlab.moe.runners.triton_nvfp4 import kernel_path
-    from pdlab.moe.weights import ExpertWeights
 
-    if F.available(torch.device("cuda")) is not None:
-        pytest.skip(F.available(torch.device("cuda")))
     E, H, I = 4, 512, 256
-    plain = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
-                                    torch.randn(E, H, I, device="cuda") * 0.05, quantize=True)
-    w = ExpertWeights.from_modelopt({k: getattr(plain, k).clone() for k in (
-        "w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale", "w2_weight_scale_2")})
-    w.frag_()
+    plain = _gpu_experts(E, H, I)
+    w = _modelopt_copy(plain).frag_()
     counts = torch.tensor([16, 3, 0, 9], dtype=torch.int32, device="cuda")
     slab = Masked(torch.randn(E, 16, H, device="cuda", dtype=torch.bfloat16), counts)
     graph = torch.cuda.CUDAGraph()
@@ -447,13 +450,9 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
     # the same operands, so the outputs are bit-equal
     from pdlab.moe.experts import run_experts
     from pdlab.moe.layouts import Contiguous, Masked
-    from pdlab.moe.weights import ExpertWeights
 
-    if F.available(torch.device("cuda")) is not None:
-        pytest.skip(F.available(torch.device("cuda")))
-    E, H, I = 3, 768, 384  # K/128 odd for gate_up (6 → even; down 3 → the unroll falls back to 1)
-    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H, device="cuda") * 0.05,
-                                torch.randn(E, H, I, device="cuda") * 0.05, quantize=True).frag_()
+    E, H, I = 3, 768, 384  # K/128: gate_up 6 tiles; down 3 (odd: its two-tile loads fall back to one)
+    w = _gpu_experts(E, H, I).frag_()
     counts = torch.tensor([20, 0, 7], dtype=torch.int32, device="cuda")
     if layout == "masked":
         x = Masked(torch.randn(E, 20, H, device="cuda", dtype=torch.bfloat16), counts)
