@@ -25,8 +25,8 @@ The values: nibble → e4m3 byte → `cvt.rn.f16x2.e4m3x2` = value·2^-6, times 
 per-expert alpha = weight_scale_2 · 2^6 · 2^8 in the fp32 epilogue.
 
 Both dispatch layouts: a Masked slab's programs are (N tile, expert, token block); Contiguous rows are cut into
-per-expert token blocks, and each program finds its expert and block from a prefix sum of the experts' block
-counts that it computes itself (no host sync, no extra launch).
+per-expert token blocks (`block_schedule`) and a program finds its expert by comparing its block with the
+experts' first blocks.
 """
 
 from __future__ import annotations
@@ -261,10 +261,6 @@ if HAVE_GLUON:
         return acc, acc_u
 
     @gluon.jit
-    def _add(a, b):
-        return a + b
-
-    @gluon.jit
     def _mma_step_async(p, s, pu, su, xr, kt, KT, x_rows, x_ok, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr,
                         FUSE_SILU: gl.constexpr):
         """One K tile with the activation tiles copied into a two-tile shared ring by cp.async, one tile ahead:
@@ -285,14 +281,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, s2_ptr, K, N_OUT, M_MAX, up_tiles,
-                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, NUM_E,
+                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
                    X_ASYNC: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
-        token block pid_m of the block list in which expert e owns ⌈cnt[e] / BM⌉ blocks, in expert order (each
-        program scans the NUM_E counts itself; E_POW2 ≥ NUM_E a power of two); programs past the last block exit."""
+        token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
+        (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
@@ -309,15 +305,11 @@ if HAVE_GLUON:
             blk = gl.program_id(1)
             EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
             ei = gl.arange(0, E_POW2, layout=EL)
-            counts = gl.load(cnt_ptr + ei, mask=ei < NUM_E, other=0)
-            blocks = (counts + (BM - 1)) // BM
-            ends = gl.associative_scan(blocks, 0, _add)  # first block of expert e + 1
-            ends = gl.where(ei < NUM_E, ends, 2147483647)
+            ends = gl.load(bstart_ptr + 1 + ei, mask=ei < NUM_E, other=2147483647)
             found = gl.sum((ends <= blk).to(gl.int32), axis=0)  # experts whose blocks all come before blk
             e = gl.minimum(found, NUM_E - 1)
-            mine = ei == e
-            m0 = (blk - gl.sum(gl.where(mine, ends - blocks, 0), axis=0)) * BM
-            count = gl.sum(gl.where(mine, counts, 0), axis=0) * (found < NUM_E).to(gl.int32)  # 0 past the last block
+            m0 = (blk - gl.load(bstart_ptr + e)) * BM
+            count = gl.load(cnt_ptr + e) * (found < NUM_E).to(gl.int32)  # 0 past the last block
             row0 = gl.load(offs_ptr + e)
         else:
             e = gl.program_id(1)
@@ -394,12 +386,13 @@ ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, un
 
 def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
-              offsets: torch.Tensor | None = None, x_async: bool = False) -> torch.Tensor:
+              offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
+              x_async: bool = False) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
     Contiguous (offsets [E + 1] int32): x [N, K], out [N, n_out]; expert e's rows are offsets[e] …
-    offsets[e] + counts[e] - 1 (cut into block_m-token blocks by the kernel itself: no host sync, no extra launch).
+    offsets[e] + counts[e] - 1. block_starts: `block_schedule(counts, block_m)` (computed when None).
     x: fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the gate_up output
     for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
@@ -416,16 +409,26 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
         M = x.shape[1]
         grid = (n_out // TILE, E, -(-M // block_m))
         strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
-        offsets = counts  # (not read)
+        offsets = block_starts = counts  # (not read)
     else:
         M = x.shape[0]
+        if block_starts is None:
+            block_starts = block_schedule(counts, block_m)
         grid = (n_out // TILE, -(-M // block_m) + E)  # Σ ⌈counts[e] / BM⌉ ≤ ⌈N / BM⌉ + E
         strides = (0, x.stride(0), 0, out.stride(0))
-    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, E,
+    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async, num_warps=4)
     return out
+
+
+def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[E + 1] int32: the first token block of each expert in a contiguous layout's block list (expert e owns
+    ⌈counts[e] / block_m⌉ blocks), then the total. counts: [E] int32. Graph-safe."""
+    blocks = (counts.to(torch.int32) + (block_m - 1)) // block_m
+    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device),
+                      torch.cumsum(blocks, 0, dtype=torch.int32)])
 
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
@@ -438,16 +441,18 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
+    starts = None if masked else block_schedule(counts, block_m)
     x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets)
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets)
+              block_m=block_m, offsets=offsets, block_starts=starts)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
     return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
-                     block_m=block_m, unroll=unroll_down, offsets=offsets, x_async=x_async_down)
+                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
+                     x_async=x_async_down)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

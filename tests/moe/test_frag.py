@@ -163,7 +163,7 @@ from pdlab.moe.triton import nvfp4_frag as F
 contig = sys.argv[1] == "contiguous"
 sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "s2_ptr": "*fp32",
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
-       "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "NUM_E": "i32"}
+       "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
 consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
           "X_ASYNC": sys.argv[2] == "1"}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
@@ -192,9 +192,8 @@ def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout, x_async
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
     assert got["shared"] <= (2 if x_async else 1) * 16 * 128 * 2 + 1024  # x_async: a two-tile ring
-    # contiguous rows: the expert search's cross-warp scan and sums, before the main loop; cp.async adds
-    # never-executed `@!PT LDS RZ, [RZ]` padding
-    lds = (0 if layout == "masked" else 8) + (12 if x_async else 0)
+    # the expert search's cross-warp sum; cp.async adds never-executed `@!PT LDS RZ, [RZ]` padding
+    lds = (0 if layout == "masked" else 2) + (12 if x_async else 0)
     assert ops["HGMMA"] == 16 and ops.get("LDS", 0) <= lds and ops.get("LDSM", 0) == 0, ops
     assert ops.get("LDGSTS", 0) == (4 if x_async else 0), ops  # a tile's two 16-byte copies: before and in the loop
     assert ops.get("PRMT", 0) <= 16, ops
@@ -262,8 +261,8 @@ def test_run_frag_launches_on_cpu(monkeypatch):
 
 
 def test_run_frag_contiguous_block_list(monkeypatch):
-    # contiguous rows: programs (N tile, token block of the block list; the kernel gives expert e ⌈counts[e] / BM⌉
-    # blocks); the grid covers every block (⌈N / BM⌉ + E is enough); rows addressed by offsets; no host-side ops
+    # contiguous rows: programs (N tile, token block of the block list); expert e owns ⌈counts[e] / BM⌉ blocks
+    # from block_starts[e]; the grid covers every block (⌈N / BM⌉ + E is enough); rows addressed by offsets
     from pdlab.moe.layouts import Contiguous
     from pdlab.moe.weights import ExpertWeights
 
@@ -280,11 +279,12 @@ def test_run_frag_contiguous_block_list(monkeypatch):
     layout = Contiguous(torch.randn(50, H), counts, offsets)
     out = F.run_frag(layout, packs, I, torch.float32, 16)
     (g1, a1, k1), (g2, a2, k2) = launches
-    blocks = sum(-(-int(c) // 16) for c in counts)  # 2 + 0 + 3
-    assert g1 == (I // 128, -(-50 // 16) + E) and g2 == (H // 128, -(-50 // 16) + E) and g1[1] >= blocks
+    starts = F.block_schedule(counts, 16)
+    assert starts.tolist() == [0, 2, 2, 5]
+    assert g1 == (I // 128, -(-50 // 16) + E) and g2 == (H // 128, -(-50 // 16) + E) and g1[1] >= int(starts[-1])
     assert a1[2].shape == (50, H) and a1[3].shape == (50, I) and out.shape == (50, H)
     assert a1[10:14] == (0, H, 0, I) and a2[10:14] == (0, I, 0, H)
-    assert torch.equal(a1[14], offsets) and a1[15] == E and len(a1) == 16
+    assert torch.equal(a1[14], offsets) and torch.equal(a1[15], starts) and a1[16] == E
     assert k1["CONTIG"] and k2["CONTIG"]
 
 
