@@ -70,3 +70,15 @@ def test_server_flag_reaches_the_moe_layers():
     assert any("NVFP4 weights tiled" in line for line in engine.describe())
     with pytest.raises(Exception, match="moe_weights_layout"):
         ServerConfig(moe_weights_layout="frag")
+
+
+def test_disaggregated_roles_take_the_flag_too():
+    # a prefill / decode server built by the disaggregation launcher stores its experts as asked
+    from pdlab.runtime.disagg.config import RoleConfig
+    from pdlab.runtime.disagg.launch import _load
+
+    for role in ("prefill", "decode"):
+        cfg = RoleConfig(role=role, device=DEV, moe_weights_layout="tiled", disable_cuda_graph=True)
+        model = _load(cfg, None, None)[0]
+        layers = [m for m in model.modules() if getattr(m, "moe", None) is not None and hasattr(m.moe, "weights")]
+        assert layers and all(m.moe.weights.nvfp4_layout == "tiled" for m in layers), role
