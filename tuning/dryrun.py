@@ -25,20 +25,34 @@ def print_plan(plans, arch: str, detected: str, model, args) -> None:
             table.add_column(col, overflow="fold")
         lines = []
         for b in backends:
-            n = space_size(b.config_space)
-            sampler = "default only" if not b.config_space else (
-                args.sampler if args.sampler != "auto" else ("grid" if n <= GRID_MAX else "tpe"))
+            # the searched space per accepted bucket on this arch (a target may narrow it per bucket)
+            spaces: dict[tuple, list] = {}
+            for bk in buckets:
+                if target.accepts(b, bk):
+                    sp = target.search_space(b, bk, arch)
+                    spaces.setdefault(tuple((k, tuple(v)) for k, v in sp.items()), []).append(bk)
+            if not spaces:
+                spaces[tuple((k, tuple(v)) for k, v in b.config_space.items())] = []
+            sizes = sorted({space_size(dict(sp)) for sp in spaces})
+            samplers = sorted({"default only" if not sp else args.sampler if args.sampler != "auto" else (
+                "grid" if space_size(dict(sp)) <= GRID_MAX else "tpe") for sp in spaces})
+            sampler = " / ".join(samplers)
             pkgs = ", ".join(f"{p}{'' if _has_package(p) else ' (not here)'}" for p in b.packages) or "-"
             accepted = sum(1 for bk in buckets if target.accepts(b, bk))
             if b.reference and target.reference_output is None and not (args.backends and b.name in args.backends.split(",")):
                 sampler, accepted_text = "not searched: the reference", "-"
             else:
                 accepted_text = f"{accepted}/{len(buckets)}"
-            table.add_row(b.name + (" (reference)" if b.reference else ""), ",".join(b.archs), pkgs,
-                          f"{n} configs", sampler, accepted_text)
-            knobs = "; ".join(f"{k}: {list(v)}" for k, v in b.config_space.items()) or "no knobs"
+            size_text = f"{sizes[0]} configs" if len(sizes) == 1 else f"{sizes[0]}–{sizes[-1]} configs by bucket"
+            table.add_row(b.name + (" (reference)" if b.reference else ""), ",".join(b.archs), pkgs, size_text,
+                          sampler, accepted_text)
             default = ", ".join(f"{k}={v}" for k, v in b.default_config.items()) or "-"
-            lines.append(f"  {b.name}: {knobs}  (default {default})")
+            for sp, bks in spaces.items():
+                knobs = "; ".join(f"{k}: {list(v)}" for k, v in sp) or "no knobs"
+                scope = f" ({len(bks)} buckets)" if len(spaces) > 1 else ""
+                narrowed = "" if dict(sp) == {k: tuple(v) for k, v in b.config_space.items()} else \
+                    " (the knobs that matter on this arch; the others keep their defaults)"
+                lines.append(f"  {b.name}{scope}: {knobs}{narrowed}  (default {default})")
         console.print(table)
         for line in lines:
             console.print(line, soft_wrap=True, highlight=False)

@@ -133,14 +133,15 @@ def _resolve(backend: str, config: dict, bucket) -> dict:
     return resolve_config(dict(config), int(bucket["tokens_per_expert"]))
 
 
-def _space(backend, bucket, device) -> dict | None:
-    """On sm90 with Gluon the triton runner runs the fragment-order GEMMs (the runtime stores the experts for them
-    and ignores FRAG): only their knobs, and the dense path's for contiguous bf16 rows, change its speed there."""
+def _space(backend, bucket, arch: str) -> dict | None:
+    """On sm90 with a Triton that has Gluon the triton runner runs the fragment-order GEMMs (the runtime stores the
+    experts for them, and they ignore FRAG): only their knobs, and the dense path's for contiguous bf16 rows, change
+    its speed there."""
     if backend.name != "triton":
         return None
-    from pdlab.moe.triton.nvfp4_frag import available
+    from pdlab.moe.triton.nvfp4_frag import HAVE_GLUON
 
-    if available(device) is not None:
+    if arch != "sm90" or not HAVE_GLUON:
         return None
     full = backend.config_space
     space = {k: full[k] for k in ("FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC")}

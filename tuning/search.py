@@ -252,8 +252,9 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
     import optuna
     from optuna.trial import TrialState
 
-    narrowed = target.space(backend, bucket, device) if target.space is not None else None
-    space = {k: list(v) for k, v in (backend.config_space if narrowed is None else narrowed).items()}
+    from pdlab.kernels.arch import detect_arch
+
+    space = {k: list(v) for k, v in target.search_space(backend, bucket, detect_arch(device)).items()}
     name = study_name(device_key, target.op, backend.name, bucket)
     sampler = _sampler(space, settings)
     study = optuna.create_study(study_name=name, storage=_storage(settings.storage), direction="minimize",

@@ -36,8 +36,9 @@ class TuneTarget:
     handed in service (the store answers for the nearest bucket: other batch sizes, short and ragged
     sequences); the winner must match the reference on each before it is stored, else the next-best
     trial is checked.
-    space(backend, bucket, device) → the part of the backend's config space that changes its speed for this bucket
-    on this device (None, or a None answer: all of it); the knobs left out keep their defaults.
+    space(backend, bucket, arch) → the part of the backend's config space that changes its speed for this bucket on
+    that arch ("sm90", ...; None, or a None answer: all of it); the knobs left out keep their defaults. `tune
+    --dry-run` prints it for the target arch.
     modules: imported before the registry is read (they register the backends)."""
 
     op: str
@@ -54,7 +55,12 @@ class TuneTarget:
     resolve: Callable[[str, dict, Mapping], dict] = lambda backend, config, bucket: dict(config)
     edge_inputs: Callable[[Mapping, ModelShape, torch.device], list] | None = None
     cuda_graph: bool = False
-    space: Callable[[Backend, Mapping, torch.device], dict | None] | None = None
+    space: Callable[[Backend, Mapping, str], dict | None] | None = None
+
+    def search_space(self, backend: Backend, bucket: Mapping, arch: str) -> dict:
+        """The knobs searched for `backend` on `bucket` on `arch`: `space`'s answer, else the whole config space."""
+        narrowed = self.space(backend, bucket, arch) if self.space is not None else None
+        return dict(backend.config_space if narrowed is None else narrowed)
     bucket_doc: str = ""
     import_errors: dict = field(default_factory=dict)
 

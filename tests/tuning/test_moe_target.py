@@ -37,9 +37,9 @@ def test_reference_call_drops_its_fp32_weight_copy():
     assert "torch_fp32" not in x.weights.prepared
 
 
-def test_sm90_searches_only_the_fragment_gemms_knobs(monkeypatch):
-    # where the fragment-order GEMMs run, the in-loop kernel's knobs change nothing: the triton space is theirs
-    # (and the dense path's for contiguous bf16 rows); elsewhere (here: no sm90 GPU) the whole space
+def test_sm90_searches_only_the_fragment_gemms_knobs():
+    # where the fragment-order GEMMs run (sm90, a Triton with Gluon), the in-loop kernel's knobs change nothing: the
+    # triton space is theirs (and the dense path's for contiguous bf16 rows); on other archs the whole space
     from pdlab.kernels import registry
     from pdlab.moe.triton import nvfp4_frag
     from pdlab.tuning.moe import MOE_EXPERTS
@@ -47,13 +47,15 @@ def test_sm90_searches_only_the_fragment_gemms_knobs(monkeypatch):
     triton = registry.get_backend("moe_experts", "triton")
     b = {"tokens_per_expert": 16, "experts": 64, "hidden": 7168, "intermediate": 2048, "layout": "masked",
          "payload": "bf16"}
-    if nvfp4_frag.available(torch.device("cpu")) is not None:
-        assert MOE_EXPERTS.space(triton, b, torch.device("cpu")) is None
-    monkeypatch.setattr(nvfp4_frag, "available", lambda device: None)
-    assert MOE_EXPERTS.space(triton, b, torch.device("cpu")) == {"FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
-                                                                 "FRAG_XASYNC": [0, 1]}
-    rows = MOE_EXPERTS.space(triton, {**b, "layout": "contiguous"}, torch.device("cpu"))
-    assert set(rows) == {"FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC", "DENSE_MIN_M", "DENSE_CHUNK"}
-    assert set(MOE_EXPERTS.space(triton, {**b, "payload": "nvfp4"}, torch.device("cpu"))) == {
-        "FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC"}
-    assert MOE_EXPERTS.space(registry.get_backend("moe_experts", "torch"), b, torch.device("cpu")) is None
+    for arch in ("sm100", "sm80", "cpu"):
+        assert MOE_EXPERTS.search_space(triton, b, arch) == triton.config_space
+    if not nvfp4_frag.HAVE_GLUON:
+        assert MOE_EXPERTS.search_space(triton, b, "sm90") == triton.config_space
+        return
+    frag = {"FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1]}
+    assert MOE_EXPERTS.search_space(triton, b, "sm90") == frag
+    rows = MOE_EXPERTS.search_space(triton, {**b, "layout": "contiguous"}, "sm90")
+    assert set(rows) == {*frag, "DENSE_MIN_M", "DENSE_CHUNK"}
+    assert MOE_EXPERTS.search_space(triton, {**b, "payload": "nvfp4", "layout": "contiguous"}, "sm90") == frag
+    ref = registry.get_backend("moe_experts", "torch")
+    assert MOE_EXPERTS.search_space(ref, b, "sm90") == ref.config_space

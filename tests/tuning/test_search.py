@@ -298,8 +298,8 @@ def test_target_narrows_the_space_per_bucket(toy, isolated):
     storage = optuna.storages.InMemoryStorage()
     seen = []
 
-    def space(backend, bucket, device):
-        seen.append((backend.name, bucket["m"], device.type))
+    def space(backend, bucket, arch):
+        seen.append((backend.name, bucket["m"], arch))
         return {"BLOCK_K": [16, 64]} if backend.name == "blocked" else None
 
     target = dataclasses.replace(toy.register(), space=space)
