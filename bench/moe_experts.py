@@ -154,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for r, why in skipped.items():
         print(f"skipping runner {r}: {why}")
     weights = random_nvfp4_weights(E, H, I, dev, with_bf16="torch_grouped" in runners)
-    if args.weights_layout == "fragment":
-        weights.frag_()
-    elif args.weights_layout == "tiled":
-        weights.tile_()
+    weights.store_(args.weights_layout)
     a_gs = weights.activation_global_scale
     shapes = []
     if "decode" in args.shapes:

@@ -204,12 +204,24 @@ class ExpertWeights:
 
         return self._store_as_("fragment", pack)
 
+    def store_(self, layout: str) -> "ExpertWeights":
+        """Store the NVFP4 tensors in `layout` (NVFP4_LAYOUTS: "modelopt", "tiled", "fragment"), in place, one expert
+        at a time, from whichever layout they are in. Raises ValueError for an unknown layout, or (tiled,
+        fragment) when H or I is not a multiple of 128."""
+        if layout == "tiled":
+            return self.tile_()
+        if layout == "fragment":
+            return self.frag_()
+        if layout == "modelopt":
+            return self._store_as_("modelopt", lambda w, sf: (w, sf))
+        raise ValueError(f"unknown NVFP4 layout {layout!r}; known: {', '.join(NVFP4_LAYOUTS)}")
+
     def _store_as_(self, layout: str, convert) -> "ExpertWeights":
         """Store the NVFP4 tensors in `layout`, in place, expert by expert: convert(w [1, N, K/2] uint8,
         sf [1, N, K/16] uint8) → the same shapes in `layout`, from the modelopt layout."""
         if self.nvfp4_layout == layout:
             return self
-        if not self.can_tile:
+        if layout != "modelopt" and not self.can_tile:
             raise ValueError(f"{'tile_' if layout == 'tiled' else 'frag_'}: needs NVFP4 weights with H and I "
                              f"multiples of 128 (H={self.hidden_size}, I={self.intermediate_size}, "
                              f"nvfp4={self.has_nvfp4})")

@@ -94,11 +94,11 @@ def _frag(args) -> list[dict]:
             xa = bool(raw.get("x_async", 0))
 
             def gate_up(bm=bm, xa=xa):
-                F.frag_gemm(xp, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=I, fuse_silu=True,
+                F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=I, fuse_silu=True,
                             block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa)
 
             def down(bm=bm, xa=xa):
-                F.frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
+                F.frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                             block_m=bm, unroll=int(raw.get("unroll_down", 2)), x_async=xa)
 
             stages = {"prep": (lambda: F.prepare_activations(layout.hidden, counts), 0),

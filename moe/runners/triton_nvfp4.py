@@ -36,7 +36,8 @@ instead of through registers (-1: with 64-token programs), FRAG_UNROLL K tiles t
 with FRAG_XASYNC and 64-token programs, else 2). On an H200 at EP4, 64 tokens/expert, the down GEMM takes 338 µs
 as (0, 2) and 284 µs as (1, 1); at 1 and 16 tokens/expert (1, ·) is 1–2 % slower, and so is cp.async in gate_up
 at every count (bench/results/NVIDIA_H200/moe_experts/2026-12-01_frag_stored/profile_frag.csv). Weights stored in
-fragment order (`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path), whatever FRAG says.
+fragment order (`ExpertWeights.frag_()`, what the runtime does on sm90) always run them (or the dense path),
+whatever FRAG says.
 Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
 weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
@@ -177,6 +178,11 @@ def _pack(w13, s13, w2, s2, w) -> dict:
             "w2_s2": w.w2_weight_scale_2.float().contiguous()}
 
 
+def _stored(w) -> dict:
+    """The stored NVFP4 tensors under the kernels' names, as they are (views: no copy, no kernel)."""
+    return _pack(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale, w)
+
+
 def _repack(w) -> dict:
     """The modelopt layout (a copy when the weights are stored tiled)."""
     p = w.plain_nvfp4()
@@ -186,7 +192,7 @@ def _repack(w) -> dict:
 def _repack_tiled(w) -> dict:
     """The tiled layout: the stored tensors when ExpertWeights.tile_ ran, else a tiled copy."""
     if w.nvfp4_tiled:
-        return _pack(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale, w)
+        return _stored(w)
     plain = _repack(w)
     w13, w13_sf = tile_nvfp4(plain["w13"], plain["w13_sf"])
     w2, w2_sf = tile_nvfp4(plain["w2"], plain["w2_sf"])
@@ -225,14 +231,14 @@ def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
             and hasattr(torch, "_grouped_mm") and not _capturing())
 
 
-def frag_path_taken(layout, weights, config: dict, expected_m: int | None = None) -> bool:
+def frag_path_taken(layout, weights, config: dict) -> bool:
     """Whether run_triton runs the fragment-order Gluon GEMMs (moe/triton/nvfp4_frag.py) for this call: always
     for weights stored in fragment order (`ExpertWeights.frag_`; FRAG is ignored for them), else FRAG 1, or -1
-    (auto) unless the weights are stored tiled (`expected_m` is not used: on an H200 they beat the in-loop kernel
-    at every measured token count, 1 to 2048 per expert); either layout, any payload; NVFP4 weights with H and I
-    multiples of 128, on an sm90 GPU whose Triton has Gluon. Weights not stored in fragment order are read from a fragment-order copy built at the first call
-    outside a CUDA graph capture (packing inside one would record the repack into the graph): a call captured
-    before any eager one runs the in-loop kernel."""
+    (auto) unless the weights are stored tiled (at any token count: on an H200 they beat the in-loop kernel from 1
+    to 2048 tokens per expert); either layout, any payload; NVFP4 weights with H and I multiples of 128, on an
+    sm90 GPU whose Triton has Gluon. Weights not stored in fragment order are read from a fragment-order copy
+    built at the first call outside a CUDA graph capture (packing inside one would record the repack into the
+    graph): a call captured before any eager one runs the in-loop kernel."""
     from pdlab.moe.triton import nvfp4_frag
 
     frag = int(config.get("FRAG", -1))
@@ -262,7 +268,7 @@ def _choose_path(layout, weights, cfg: dict, expected_m: int) -> str:
     """run_triton's choice under a resolved config (the one place it is made)."""
     if _dense_path(layout, cfg, expected_m):
         return "dense"
-    return "fragment" if frag_path_taken(layout, weights, cfg, expected_m) else "in-loop"
+    return "fragment" if frag_path_taken(layout, weights, cfg) else "in-loop"
 
 
 def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
@@ -288,8 +294,7 @@ def _repack_frag(w) -> dict:
     from pdlab.moe.triton import nvfp4_frag
 
     if w.nvfp4_frag:
-        return {"w13": w.w13_weight, "s13": w.w13_weight_scale.view(torch.uint8), "w13_s2": w.w13_weight_scale_2,
-                "w2": w.w2_weight, "s2": w.w2_weight_scale.view(torch.uint8), "w2_s2": w.w2_weight_scale_2}
+        return _stored(w)
     p = w.plain_nvfp4()
     return nvfp4_frag.pack_experts(p["w13_weight"], p["w13_weight_scale"], p["w2_weight"], p["w2_weight_scale"],
                                    w.w13_weight_scale_2, w.w2_weight_scale_2)
@@ -309,10 +314,7 @@ def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
     from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
 
     tiled, frag = weights.nvfp4_tiled, weights.nvfp4_frag
-    w = _repack_frag(weights) if frag else _packed(weights, tiled)
-    if frag:
-        w = {"w13": w["w13"], "w13_sf": w["s13"], "w13_s2": w["w13_s2"], "w2": w["w2"], "w2_sf": w["s2"],
-             "w2_s2": w["w2_s2"]}
+    w = _stored(weights) if frag else _packed(weights, tiled)
     x = layout.hidden
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     chunk = max(1, min(E, int(cfg.get("DENSE_CHUNK", 16))))

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdlab.moe.triton.nvfp4_moe import _e4m3_to_f32, _nibbles_f16
 from pdlab.moe.triton.tiled import tiled_cols, tiled_rows
 
 
@@ -46,14 +47,12 @@ def _nvfp4_to_bf16(w_ptr, sf_ptr, s2_ptr, out_ptr, R, rows_per_expert, KH,
         b = tl.load(w_ptr + w_off, mask=r_mask[:, None], other=0)
     sf = tl.load(sf_ptr + sf_off, mask=r_mask[:, None], other=0)
     s2 = tl.load(s2_ptr + r // rows_per_expert, mask=r_mask, other=0.0)
-    x = b.to(tl.int32)
-    # code → fp16 bits s<<15 | e<<10 | m<<9 = value · 2^-14 (exact), e4m3 → fp16 bits = scale · 2^-8
-    lo = (((x << 28) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((x << 24) >> 19) & 0x8E00).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    y = sf.to(tl.int32)
-    s = (((y & 0x7F) << 7) | ((y & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    # code → value · 2^-14 (exact), e4m3 → the scale (exact)
+    lo, hi = _nibbles_f16(b)
+    lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    s = _e4m3_to_f32(sf)
     # value · (scale / (1/s2)) as the reference computes it (IEEE division), then one bf16 rounding
-    f = tl.math.div_rn(s * 256.0, tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s2)[:, None]) * 16384.0
+    f = tl.math.div_rn(s, tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s2)[:, None]) * 16384.0
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_R, BLOCK_C // 8, 8)), (BLOCK_R, BLOCK_C))
     v = tl.reshape(tl.join(lo * f, hi * f), (BLOCK_R, 2 * BLOCK_C)).to(tl.bfloat16)
     cc = 2 * c0 + tl.arange(0, 2 * BLOCK_C)

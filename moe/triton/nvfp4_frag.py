@@ -434,7 +434,7 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
              unroll_down: int = 2, x_async_down: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
-    `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "s13", "w13_s2", "w2", "s2", "w2_s2"}
+    `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
     unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async_down: the down GEMM's activation tiles by
     cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count)."""
@@ -445,12 +445,12 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets)
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
-    frag_gemm(x, packs["w13"], packs["s13"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
+    frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
               block_m=block_m, offsets=offsets, block_starts=starts)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
-    return frag_gemm(h, packs["w2"], packs["s2"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
+    return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
                      x_async=x_async_down)
 
@@ -495,8 +495,8 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
 def pack_experts(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w13_s2: torch.Tensor,
                  w2_s2: torch.Tensor) -> dict:
     """The experts' NVFP4 tensors (modelopt layout) in fragment order: w13 [E, 2I, H/2] uint8, s13 [E, 2I, H/16]
-    e4m3, w2 [E, H, I/2] uint8, s2 [E, H, I/16] e4m3 → {"w13", "s13", "w2", "s2"} (`pack_weights` /
-    `pack_scales`), with the weight_scale_2 vectors w13_s2, w2_s2 [E] fp32 ("w13_s2", "w2_s2") that the epilogue
-    multiplies by ALPHA."""
-    return {"w13": pack_weights(w13), "s13": pack_scales(s13), "w13_s2": w13_s2.float().contiguous(),
-            "w2": pack_weights(w2), "s2": pack_scales(s2), "w2_s2": w2_s2.float().contiguous()}
+    e4m3, w2 [E, H, I/2] uint8, s2 [E, H, I/16] e4m3 → {"w13", "w13_sf", "w2", "w2_sf"} (`pack_weights` /
+    `pack_scales`, the triton runner's key names for every layout), with the weight_scale_2 vectors w13_s2, w2_s2
+    [E] fp32 ("w13_s2", "w2_s2") that the epilogue multiplies by ALPHA."""
+    return {"w13": pack_weights(w13), "w13_sf": pack_scales(s13), "w13_s2": w13_s2.float().contiguous(),
+            "w2": pack_weights(w2), "w2_sf": pack_scales(s2), "w2_s2": w2_s2.float().contiguous()}

@@ -151,26 +151,22 @@ class MoEBlock(nn.Module):
             self.moe_config, weights, self.gate.weight, self.gate.e_score_correction_bias, self.shared_experts,
             dispatcher=dispatcher, runner=runner, mode="normal", modes=modes, ep_rank=ep_rank, ep_size=ep_size,
             group=group, **moe_kwargs))
+        from pdlab.moe.triton.nvfp4_frag import available
+        from pdlab.moe.weights import NVFP4_LAYOUTS
+
         w = self.moe.weights
         if weights_layout is None:
             weights_layout = "modelopt"
             if w.can_tile and w.device.type == "cuda" and set(self.moe.runners.values()) == {"triton"}:
-                from pdlab.moe.triton.nvfp4_frag import available
-
                 weights_layout = "fragment" if available(w.device) is None else "tiled"
-        if weights_layout == "fragment":
-            from pdlab.moe.triton.nvfp4_frag import available
-
-            why = available(w.device) if w.device.type == "cuda" else None
-            if why is not None:  # (on CPU the layout is kept for tests: the runner reads a modelopt copy)
-                raise ValueError(f"--moe-weights-layout fragment: the triton runner's fragment-order GEMMs do not run "
-                                 f"on {torch.cuda.get_device_name(w.device)} ({why}); use --moe-weights-layout tiled "
-                                 f"or auto")
-            w.frag_()
-        elif weights_layout == "tiled":
-            w.tile_()
-        elif weights_layout != "modelopt":
+        if weights_layout not in NVFP4_LAYOUTS:
             raise ValueError(f"weights_layout {weights_layout!r}: use 'fragment', 'tiled', 'modelopt' or None (auto)")
+        why = available(w.device) if weights_layout == "fragment" and w.device.type == "cuda" else None
+        if why is not None:  # (on CPU the layout is kept for tests: the runner reads a modelopt copy)
+            raise ValueError(f"--moe-weights-layout fragment: the triton runner's fragment-order GEMMs do not run "
+                             f"on {torch.cuda.get_device_name(w.device)} ({why}); use --moe-weights-layout tiled "
+                             f"or auto")
+        w.store_(weights_layout)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.moe is None:

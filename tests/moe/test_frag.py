@@ -92,6 +92,11 @@ def test_experts_stored_in_fragment_order_in_place():
     assert all(torch.equal(a, b) for a, b in zip(w.dequantized(torch.float32), before))
     w.tile_()
     assert w.nvfp4_tiled and all(torch.equal(v.view(torch.uint8), plain[k]) for k, v in w.plain_nvfp4().items())
+    w.store_("fragment").store_("modelopt")  # back to the bytes as loaded, in place
+    assert w.nvfp4_layout == "modelopt" and torch.equal(w.w13_weight, plain["w13_weight"])
+    assert torch.equal(w.w2_weight_scale.view(torch.uint8), plain["w2_weight_scale"])
+    with pytest.raises(ValueError, match="unknown NVFP4 layout"):
+        w.store_("frag")
     with pytest.raises(ValueError, match="multiples of 128"):
         ExpertWeights.from_bf16(torch.randn(1, 128, 64), torch.randn(1, 64, 64), quantize=True).frag_()
 
@@ -474,7 +479,7 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
     xp = F.prepare_activations(x.hidden, counts, offsets=off)
     h = [torch.zeros(xp.shape[:-1] + (I,), dtype=torch.float16, device="cuda") for _ in range(2)]
     for hh, xa in zip(h, (False, True)):
-        F.frag_gemm(xp, packs["w13"], packs["s13"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True, block_m=bm,
+        F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True, block_m=bm,
                     offsets=off, x_async=xa)
     assert torch.equal(h[0], h[1]) and h[0].abs().sum() > 0
 
