@@ -10,9 +10,9 @@ shapes and strides matter) with the kernel replaced by a recorder, and the recor
 compiled for `--arch` (default sm90). mla_decode: the triton decode kernel at [batch, seqlen]; the launcher's
 facts about the GPU (its SM count, whether the PTX e4m3 conversion exists: sm89+) are the target's. moe_experts:
 the in-loop NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, masked layout, bf16 activations,
-config resolved from the tokens per expert as the runner does (the kernel experts stored tiled run; masked slabs
-on plain weights take the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py on sm90, which this tool does not
-record). Occupancy uses the Hopper/Blackwell per-SM limits (65536
+config resolved from the tokens per expert as the runner does (the kernel that experts stored tiled run, i.e. on GPUs
+other than sm90; on sm90 the runner runs the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py for both layouts,
+which this tool does not record: tests/moe/test_frag.py compiles them for sm90). Occupancy uses the Hopper/Blackwell per-SM limits (65536
 registers, 227 KB of shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
 
