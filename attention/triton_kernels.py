@@ -582,12 +582,20 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     dev = q3.device
     block_t = _pow2_at_least(q_per_seq) if q_per_seq > 0 else int(config.get("BLOCK_T", 1))
     block_t, block_h = _tile(H, block_t, int(config["BLOCK_H"]), q_per_seq > 0)
+    fp8 = kv_cache.dtype == torch.uint8
+    gluon = _gluon_kernel(config, fp8, q_per_seq, H, q3)
+    if gluon:
+        block_h = H  # one program holds every query row of its sequence
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
     splits = int(config.get("num_splits", 0) or 0)
-    if splits <= 0:
-        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, float(config.get("waves", 2.0)))
-    fp8 = kv_cache.dtype == torch.uint8
+    waves = float(config.get("waves") or 0)
+    if splits <= 0 and gluon and not waves:  # auto: the split count that fills the Gluon kernel's slots best
+        from pdlab.attention import gluon_mla
+
+        splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev))
+    elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
+        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves or (7.5 if block_t * block_h <= 32 else 2.0))
     scale, scale_ptr, from_ptr = _scale_args(kv_scale if fp8 else None, dev)
     prec = "ieee" if q3.dtype == torch.float32 else None  # fp32 oracle checks must not use tf32
     final = splits == 1
@@ -598,6 +606,14 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         o_part = torch.empty(T, H, splits, 512, dtype=torch.float32, device=dev)
         lse_part = torch.empty(T, H, splits, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
+    if gluon:
+        from pdlab.attention import gluon_mla
+
+        gluon_mla.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
+                         softmax_scale * LOG2E, scale, scale_ptr if from_ptr else None, q_per_seq=q_per_seq,
+                         splits=splits)
+        _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
+        return
     grid = (head_blocks, q_blocks * splits, B)
     page, block_n = kv_cache.shape[1], int(config["BLOCK_N"])
     token_major = bool(int(config.get("swap_ab", 0) or 0))
@@ -644,14 +660,43 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                          f"{config['num_stages']}, page_ahead {int(extra.get('PAGE_AHEAD', False))} (which keeps "
                          "num_stages - 1 tiles in flight): lower num_stages, BLOCK_N or BLOCK_H, "
                          "or set page_ahead=0") from None
-    if not final:
-        sq = max(q_per_seq, 1)
-        # combine addresses lse by (token // SQ, token % SQ, head)
-        lse_b = lse_strides[0] * sq if q_per_seq > 0 else lse_strides[0]
-        lse_s = lse_strides[1] if q_per_seq > 0 else 0
-        _mla_combine[(T, H)](o_part, lse_part, out3, lse, *sp, out3.stride(0), out3.stride(1),
-                             lse_b, lse_s, lse_strides[2], splits, SQ=sq,
-                             BLOCK_S=_pow2_at_least(splits), D=512, num_warps=4)
+    _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
+
+
+def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, splits: int, final: bool) -> None:
+    """`_mla_combine` of the splits' partials into out3 and lse (nothing to do with one split)."""
+    if final:
+        return
+    T, H = out3.shape[:2]
+    sq = max(q_per_seq, 1)
+    # combine addresses lse by (token // SQ, token % SQ, head)
+    lse_b = lse_strides[0] * sq if q_per_seq > 0 else lse_strides[0]
+    lse_s = lse_strides[1] if q_per_seq > 0 else 0
+    _mla_combine[(T, H)](o_part, lse_part, out3, lse, *sp, out3.stride(0), out3.stride(1),
+                         lse_b, lse_s, lse_strides[2], splits, SQ=sq,
+                         BLOCK_S=_pow2_at_least(splits), D=512, num_warps=4)
+
+
+def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Tensor) -> bool:
+    """Whether this launch runs the Gluon fp8 decode kernel (attention/gluon_mla.py): config "kernel" "gluon",
+    or "auto" where it can run (sm90, an fp8 pool, decode with heads × S_q ≤ 32, 16-bit queries). "gluon" where it
+    cannot raises ValueError with the reason."""
+    kernel = str(config.get("kernel", "triton"))
+    if kernel == "triton":
+        return False
+    if kernel not in ("auto", "gluon"):
+        raise ValueError(f"mla triton: kernel={kernel!r}; use 'triton', 'gluon' or 'auto'")
+    from pdlab.attention import gluon_mla
+
+    if not fp8 or q_per_seq <= 0:
+        why = "it is the decode kernel for fp8 pools"
+    elif not gluon_mla.rows_fit(H, q_per_seq):
+        why = f"{H} heads × S_q {q_per_seq} exceed the {gluon_mla.MAX_ROWS} query rows one program holds"
+    else:
+        why = gluon_mla.available(q3.device, q3.dtype)
+    if why and kernel == "gluon":
+        raise ValueError(f"mla triton: kernel='gluon' cannot run here: {why}; use kernel='triton' or 'auto'")
+    return why is None
 
 
 def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, kv_scale) -> None:

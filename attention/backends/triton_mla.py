@@ -30,7 +30,11 @@ instead of one; it costs shared memory: at 128 heads over a 16-bit cache with 3 
 q_prescale (fp8 pools in fp16 compute with column quarters: a small kernel divides q per row before the launch,
 so the attention kernel loads q per quarter from memory, kept in shared memory, instead of rescaling it into
 registers; "auto": on above 32 rows per program — 1181 → 1136 µs at 128 heads, no change at 16:
-bench/results/NVIDIA_H200/attention/2026-11-30_q_prescale).
+bench/results/NVIDIA_H200/attention/2026-11-30_q_prescale), kernel (decode over an fp8 pool with heads × S_q ≤ 32 on
+sm90: "gluon" runs attention/gluon_mla.py — a cp.async ring, each thread converting the bytes of its own wgmma
+fragments, every query row of a sequence in one program, two programs per SM — instead of `_mla_fwd`: 0.384 → 0.193 ms
+at B=128, 8k, 16 heads on an H200; of the knobs above it reads num_splits and waves (0, auto: the split count that
+fills the SMs' program slots best); "auto", the default, runs it wherever it can; "triton" never).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
@@ -50,7 +54,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0],
                 "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1],
-                "q_prescale": [0, 1]}
+                "q_prescale": [0, 1], "kernel": ["triton", "gluon"]}
 # Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
 # programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
@@ -60,7 +64,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
 # 128 heads 1.649 → 1.196 ms); without quarters fp16 compute only pays at <= 32 rows.
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
-                  "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto"}
+                  "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto"}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}
@@ -90,7 +94,8 @@ def _warps(config: dict, rows: int, fp8: bool = False) -> dict:
         cfg["BLOCK_N"] = 32 if rows <= 32 else 64
     if not int(cfg.get("num_warps") or 0):
         cfg["num_warps"] = 4 if rows <= 32 else 8
-    if not float(cfg.get("waves") or 0):
+    if not float(cfg.get("waves") or 0) and not (fp8 and cfg.get("kernel", "triton") != "triton"):
+        # (a decode that may run the Gluon kernel keeps 0: the launcher picks its waves by kernel)
         cfg["waves"] = 7.5 if rows <= 32 else 2.0
     return cfg
 

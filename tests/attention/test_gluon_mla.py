@@ -1,0 +1,253 @@
+"""The Gluon fp8 MLA decode kernel (attention/gluon_mla.py): its fragment order, its selection rule and its compiled
+shape on any machine; against the torch reference on a Hopper GPU (page sizes, S_q, splits, ragged lengths with
+NaN-poisoned pages past them, scale as a float or a tensor). Bar: 1e-5 cosine error against the reference on the
+same e4m3 bytes (tests/attention/test_gpu.py says why the fp8 bar is the bf16 one)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdlab.attention import gluon_mla as G
+from pdlab.attention import mla_decode, quantize_kv_fp8
+from pdlab.attention import triton_kernels as tk
+from pdlab.attention.backends.triton_mla import DECODE_DEFAULT, _warps
+from pdlab.attention.workloads import decode_problem
+from pdlab.bench.harness import cosine_error
+
+
+def test_fragment_order_gives_each_thread_sixteen_consecutive_bytes():
+    pk = G.perm_group()
+    assert sorted(pk.tolist()) == list(range(64))
+    for q in range(4):  # thread q of a quad: MMA columns 16c + 8n + 2q + u, c < 4, n, u < 2
+        mma_cols = [16 * c + 8 * n + 2 * q + u for c in range(4) for n in range(2) for u in range(2)]
+        assert sorted(pk[mma_cols].tolist()) == list(range(16 * q, 16 * q + 16))
+    # an A fragment register (u = 0, 1) is two adjacent bytes: one e4m3x2 → f16x2 conversion
+    assert all(pk[2 * i + 1] == pk[2 * i] + 1 for i in range(32))
+    # the kernel's q column formula is the same permutation
+    mk = torch.arange(64)
+    assert torch.equal(16 * ((mk // 2) % 4) + 4 * (mk // 16) + 2 * ((mk // 8) % 2) + mk % 2, pk)
+
+
+def _shared_offsets():
+    """{(token, column): byte offset} of the latent tile's shared layout (XOR of the bases of the offset's bits)."""
+    where = {}
+    for off in range(64 * 512):
+        tok = col = 0
+        for bit, (t, c) in enumerate(G.NOPE_OFFSET_BASES):
+            if off >> bit & 1:
+                tok, col = tok ^ t, col ^ c
+        where[tok, col] = off
+    return where
+
+
+def test_shared_tile_layout_is_a_bijection_free_of_bank_conflicts():
+    where = _shared_offsets()
+    assert len(where) == 64 * 512 and set(where.values()) == set(range(64 * 512))
+    for tok in range(64):  # 16-byte pieces stay whole (16-byte copies and loads)
+        for col in range(0, 512, 16):
+            assert [where[tok, col + b] for b in range(16)] == list(range(where[tok, col], where[tok, col] + 16))
+
+    def conflict_free(pieces):  # one quarter-warp's 16-byte accesses: eight different 16-byte bank groups
+        return len({(where[p] >> 4) % 8 for p in pieces}) == 8
+
+    for w in range(4):
+        for quarter in range(4):
+            lanes = range(8 * quarter, 8 * quarter + 8)
+            # q·k fragments (and the copies): lane 4·rlo + q reads token 16w + rlo + 8·rsel, columns 64g + 16q
+            for rsel in range(2):
+                for g in range(8):
+                    assert conflict_free([(16 * w + l // 4 + 8 * rsel, 64 * g + 16 * (l % 4)) for l in lanes])
+            # V^T fragments: lane 4·rlo + q reads token 2q + c + 8·t3 + 16·kk, columns 128w + 16·rlo
+            for c in range(2):
+                for t3 in range(2):
+                    for kk in range(4):
+                        assert conflict_free([(2 * (l % 4) + c + 8 * t3 + 16 * kk, 128 * w + 16 * (l // 4))
+                                              for l in lanes])
+
+
+def test_value_rows_cover_every_latent_column_once():
+    # accumulator i, row r = 16w + 8·rsel + rlo holds latent column 128w + 16·rlo + 2i + rsel
+    cols = sorted(128 * (r // 16) + 16 * (r % 8) + 2 * i + (r // 8) % 2 for i in range(8) for r in range(64))
+    assert cols == list(range(512))
+
+
+def _q(device="cpu", dtype=torch.bfloat16, heads=16):
+    return torch.zeros(2, heads, 576, dtype=dtype, device=device)
+
+
+def test_selection_rule_and_its_reasons():
+    # "auto" runs the kernel only where it can; "gluon" where it cannot says why and how to get on
+    assert tk._gluon_kernel({"kernel": "triton"}, True, 1, 16, _q()) is False
+    assert tk._gluon_kernel({"kernel": "auto"}, True, 1, 16, _q()) is False  # no GPU here
+    with pytest.raises(ValueError, match="kernel=.gluon. cannot run here: .*kernel=.triton."):
+        tk._gluon_kernel({"kernel": "gluon"}, True, 1, 16, _q())
+    with pytest.raises(ValueError, match="decode kernel for fp8 pools"):
+        tk._gluon_kernel({"kernel": "gluon"}, False, 1, 16, _q())
+    with pytest.raises(ValueError, match="128 heads × S_q 1 exceed the 32 query rows"):
+        tk._gluon_kernel({"kernel": "gluon"}, True, 1, 128, _q(heads=128))
+    with pytest.raises(ValueError, match="decode kernel"):  # prefill (ragged queries)
+        tk._gluon_kernel({"kernel": "gluon"}, True, 0, 16, _q())
+    with pytest.raises(ValueError, match="kernel='wgmma'"):
+        tk._gluon_kernel({"kernel": "wgmma"}, True, 1, 16, _q())
+    assert G.rows_fit(16, 2) and G.rows_fit(32, 1) and not G.rows_fit(16, 4)
+    assert G.program_rows(16, 1) == 16 and G.program_rows(8, 1) == 16 and G.program_rows(16, 2) == 32
+
+
+def test_waves_stay_auto_for_a_decode_that_may_run_the_gluon_kernel():
+    # the launcher picks 2 waves for the Gluon kernel (one program per SM) and keeps 7.5 / 2 by rows for _mla_fwd
+    assert _warps(DECODE_DEFAULT, 16, fp8=True)["waves"] == 0
+    assert _warps({**DECODE_DEFAULT, "kernel": "triton"}, 16, fp8=True)["waves"] == 7.5
+    assert _warps(DECODE_DEFAULT, 16, fp8=False)["waves"] == 7.5
+
+
+def test_shared_memory_limit_is_refused():
+    assert G.shared_bytes(16, 3) <= G.SM90_SHARED and G.shared_bytes(32, 3) <= G.SM90_SHARED
+    assert G.shared_bytes(16, 6) > G.SM90_SHARED
+    q = _q()
+    kv = torch.zeros(4, 64, 576, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="6 ring stages at 16 query rows need 241664 bytes"):
+        G.launch(q, kv, torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                 torch.empty(2, 16, 512), torch.empty(2, 16, 1), q, q, (16, 1, 1), (0,) * 5, 1.0, 1.0, None,
+                 q_per_seq=1, splits=1, stages=6)
+
+
+_COMPILE = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage, sass_opcodes
+from pdlab.attention import gluon_mla as G
+hm, stages, final = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+names = G._mla_fp8_decode.arg_names
+ptrs = {"Q": "*bf16", "KV": "*u8", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32",
+        "O_PART": "*fp32", "LSE_PART": "*fp32", "KV_SCALE_PTR": "*i32"}
+sig = {n: ptrs.get(n, "fp32" if n in ("kv_scale", "qk_scale") else "i32") for n in names}
+consts = {"Q_PER_SEQ": 1, "BLOCK_H": hm, "HM": hm, "PAGE": 64, "STAGES": stages, "FINAL": final,
+          "SCALE_FROM_PTR": False, "OUT_LAYOUT": G.out_layout(hm)}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n.startswith("stride")}
+sig.update({k: "constexpr" for k in consts})
+k = triton.compile(GluonASTSource(fn=G._mla_fp8_decode, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+regs, spill = _ptxas_usage(k.asm["ptx"], 90)
+sass = _disassemble(k.asm["cubin"])
+ops = {}
+for line in sass.splitlines():
+    for name in ("F2FP.F16.E4M3.UNPACK", "LDGSTS.E.BYPASS.128", "LDS.128", "HGMMA.64x%dx16.F32" % hm, "STG.E.128",
+                 "PRMT"):
+        if name in line:
+            ops[name] = ops.get(name, 0) + 1
+print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "ops": ops}))
+"""
+
+
+@pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("final", [False, True])
+def test_compiles_for_sm90_two_programs_per_sm(final):
+    # compiled for sm90 on any machine (its own process). Per tile and thread: its 16 + 2 pieces copied by cp.async,
+    # read back by 16-byte shared loads (16 + 2 for q·k, 16 for V), each byte converted once per use (144 + 128
+    # e4m3x2 conversions), 36 + 32 wgmma, about one byte permute per fragment register that pairs two tokens or two
+    # rows; the output written 16 bytes at a time. No spills, and shared memory for two programs per SM
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, "16", str(G.STAGES), str(int(final))], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    ops = got["ops"]
+    assert ops["F2FP.F16.E4M3.UNPACK"] == 144 + 128 and ops["HGMMA.64x16x16.F32"] == 68, ops
+    assert ops["LDGSTS.E.BYPASS.128"] == 18 * G.STAGES and ops["LDS.128"] >= 34, ops
+    # 4 rows × 16 columns per thread: fp32 partials in 16 stores, the bf16 output in 8
+    assert ops["STG.E.128"] == (8 if final else 16) and ops["PRMT"] <= 200, ops
+    assert got["spill"] == 0, got
+    assert G.shared_bytes(16, G.STAGES) <= got["shared"] <= G.shared_bytes(16, G.STAGES) + 1024, got
+    assert G.programs_per_sm(16) == 2 and G.programs_per_sm(32) == 2
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+def _gpu_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return G.available(torch.device("cuda"))
+
+
+def _fp8_problem(lens, heads, q_len, page, seed, q_dtype=torch.bfloat16):
+    p = decode_problem(lens, heads, q_len, page, q_dtype, device="cuda", seed=seed)
+    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale  # NaN poison stays NaN (0x7F)
+    return p
+
+
+def _lens(B, top, q_len, rng):
+    fixed = [q_len, 63, 64, 65, 128, top]
+    return [max(q_len, n) for n in fixed + [rng.randint(1, top) for _ in range(B - len(fixed))]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len,page,cfg", [
+    (16, 1, 64, {}), (16, 1, 64, {"num_splits": 1}), (16, 1, 64, {"num_splits": 7, "num_stages": 2}),
+    (16, 2, 64, {}), (32, 1, 64, {"num_splits": 3}), (8, 4, 64, {}), (16, 1, 1, {"num_splits": 2}),
+    (16, 1, 16, {}), (16, 1, 128, {"num_splits": 5}), (16, 1, 32, {"num_stages": 2}), (10, 1, 64, {}),
+    (16, 1, 64, {"num_splits": 64}),  # splits past the end of short sequences: empty partials
+])
+def test_gpu_gluon_decode_matches_the_reference(heads, q_len, page, cfg, seed):
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = _fp8_problem(_lens(24, 3000, q_len, rng), heads, q_len, page, seed)
+    ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                     backend="torch")
+    out, lse = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                          backend="triton", config={"kernel": "gluon", **cfg})
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_decode_scale_tensor_large_q_and_cuda_graph(q_dtype, seed):
+    # the scale as a device tensor (graph-safe), q rows far beyond fp16's range in bf16 (rescaled per row by a
+    # power of two), and a CUDA graph replay equal to the eager call
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = _fp8_problem(_lens(16, 8192, 1, rng), 16, 1, 64, seed, q_dtype)
+    if q_dtype == torch.bfloat16:
+        p.q[0] *= 3e5  # |q| ~ 1e5-1e6: overflows fp16 without the per-row factor
+    scale_t = torch.tensor([p.kv_scale], device="cuda")
+    ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                     backend="torch")
+    cfg = {"kernel": "gluon"}
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    out, lse = mla_decode(*args, kv_scale=scale_t, backend="triton", config=cfg)
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = mla_decode(*args, kv_scale=scale_t, backend="triton", config=cfg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout, out) and torch.equal(glse, lse)
+
+
+@pytest.mark.gpu
+def test_gpu_default_decode_over_fp8_at_16_heads_runs_the_gluon_kernel(seed, monkeypatch):
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    calls = []
+    real = G.launch
+    monkeypatch.setattr(G, "launch", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    p = _fp8_problem([100, 5000], 16, 1, 64, seed)
+    out, _ = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                        backend="triton", config={})
+    assert len(calls) == 1
+    ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                     backend="torch")
+    assert cosine_error(out, ref[0]) < 1e-5
