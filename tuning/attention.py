@@ -143,11 +143,25 @@ def _resolve_decode(backend: str, config: dict, bucket) -> dict:
                                  bucket.get("kv_dtype", "bf16") == "fp8")
 
 
+def _decode_space(backend, bucket, arch: str) -> dict | None:
+    """On sm90 with a Triton that has Gluon, a bucket over an fp8 pool with heads × q_len ≤ 32 runs the Gluon kernel
+    by default (attention/gluon_mla.py): the search is the kernel (gluon or triton) and the split knobs it reads;
+    the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space."""
+    if backend.name != "triton" or arch != "sm90" or bucket.get("kv_dtype") != "fp8":
+        return None
+    from pdlab.attention import gluon_mla
+
+    if not gluon_mla.HAVE_GLUON or not gluon_mla.rows_fit(int(bucket["heads"]), int(bucket.get("q_len", 1))):
+        return None
+    full = backend.config_space
+    return {k: full[k] for k in ("kernel", "num_splits", "waves")}
+
+
 MLA_DECODE = register_target(TuneTarget(
     op="mla_decode", description="MLA decode over the paged latent cache",
     buckets=decode_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=False), call=_call_decode,
     error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",), cuda_graph=True,
-    resolve=_resolve_decode, edge_inputs=decode_edge_inputs,
+    resolve=_resolve_decode, edge_inputs=decode_edge_inputs, space=_decode_space,
     bucket_doc="batch × seqlen × heads × kv_dtype, q_len 1, page 64"))
 
 MLA_PREFILL = register_target(TuneTarget(

@@ -27,3 +27,23 @@ def test_edge_inputs_are_ragged_with_poison_past_each_length(kv_dtype):
         bad, _ = mla_decode(x.q, x.kv_cache, x.block_table, longer.clamp(max=512), x.softmax_scale, kv_scale=x.kv_scale,
                             backend="torch")
         assert torch.isnan(bad).any()
+
+
+def test_sm90_fp8_small_head_buckets_search_the_gluon_kernel_and_its_splits():
+    # where the Gluon fp8 kernel runs by default (sm90, heads × q_len ≤ 32, a Triton with Gluon) the search is the
+    # kernel and the split knobs; elsewhere (bf16, 128 heads, other archs) the whole triton space
+    from pdlab.attention import gluon_mla
+    from pdlab.kernels import registry
+    from pdlab.tuning.attention import MLA_DECODE
+
+    triton = registry.get_backend("mla_decode", "triton")
+    b = {"batch": 128, "seqlen": 8192, "heads": 16, "kv_dtype": "fp8", "q_len": 1}
+    for other in ({**b, "kv_dtype": "bf16"}, {**b, "heads": 128}, {**b, "q_len": 4}):
+        assert MLA_DECODE.search_space(triton, other, "sm90") == triton.config_space
+    assert MLA_DECODE.search_space(triton, b, "sm100") == triton.config_space
+    if not gluon_mla.HAVE_GLUON:
+        assert MLA_DECODE.search_space(triton, b, "sm90") == triton.config_space
+        return
+    space = MLA_DECODE.search_space(triton, b, "sm90")
+    assert set(space) == {"kernel", "num_splits", "waves"} and space["kernel"] == ["triton", "gluon"]
+    assert MLA_DECODE.search_space(triton, {**b, "q_len": 2}, "sm90") == space
