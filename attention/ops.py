@@ -139,7 +139,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"],
               "kv_dtype": kv_dtype_name(kv_cache), "q_len": dims["Sq"]}
     b = _select(MLA_DECODE, backend, q, kv_cache, q_len=dims["Sq"], bucket=bucket)
-    cfg, _ = resolve_config(MLA_DECODE.name, b, bucket, q.device, config)
+    cfg, source = resolve_config(MLA_DECODE.name, b, bucket, q.device, config)
+    if source.startswith("tuned") and cfg.get("kernel") == "gluon":
+        # a tuned entry is its nearest bucket's: "auto" runs the Gluon kernel wherever "gluon" could and, where this
+        # problem has more query rows than that kernel holds (S_q 4 at 16 heads), the Triton one instead of failing
+        cfg["kernel"] = "auto"
     return b.impl(q, kv_cache, block_table, seqlens, float(softmax_scale), kv_scale=kv_scale, config=cfg)
 
 

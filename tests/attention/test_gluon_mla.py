@@ -109,6 +109,26 @@ def test_auto_splits_fill_the_program_slots_without_needless_partials():
     assert G.auto_splits(8, 16, 1, 1024, 132) == 4
 
 
+def test_a_tuned_gluon_entry_never_fails_a_problem_it_cannot_take(monkeypatch):
+    # the store's nearest bucket (q_len 1) says kernel "gluon"; a decode with S_q 4 at 16 heads (64 rows) must run
+    # (the Triton kernel), as the served path does with the shipped configs — an explicit "gluon" still refuses
+    from pdlab.attention import ops
+    from pdlab.kernels import registry
+
+    triton = registry.get_backend("mla_decode", "triton")  # the object: runs under the interpreter here
+    p = decode_problem([70, 5], 16, 4, 16, torch.float32, device="cpu", seed=0)
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, 0.05), 0.05
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    ref = mla_decode(*args, kv_scale=p.kv_scale, backend="torch")
+    tuned = {**DECODE_DEFAULT, "kernel": "gluon", "num_splits": 2}
+    monkeypatch.setattr(ops, "resolve_config", lambda op, b, bucket, device, config=None:
+                        (dict(tuned), "tuned:NVIDIA_H200/mla_decode.json") if config is None else (b.config(config), "explicit"))
+    out, lse = mla_decode(*args, kv_scale=p.kv_scale, backend=triton)
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5
+    with pytest.raises(ValueError, match="kernel='gluon' cannot run here"):
+        mla_decode(*args, kv_scale=p.kv_scale, backend=triton, config=tuned)
+
+
 def test_waves_stay_auto_for_a_decode_that_may_run_the_gluon_kernel():
     # the launcher picks 2 waves for the Gluon kernel (one program per SM) and keeps 7.5 / 2 by rows for _mla_fwd
     assert _warps(DECODE_DEFAULT, 16, fp8=True)["waves"] == 0
