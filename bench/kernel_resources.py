@@ -60,7 +60,7 @@ class _Skip:
 
 def _split_launch(fn, seen: dict) -> dict:
     kw = dict(seen["kwargs"])
-    return {"fn": fn, "args": seen["args"], "num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages"),
+    return {"fn": fn, "args": seen["args"], "num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 1),
             "constexprs": kw}
 
 
@@ -82,11 +82,17 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     kv = torch.zeros(1, page, 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.full((batch,), seqlen, dtype=torch.int32)
-    rec = _Recorder()
+    from pdlab.attention import gluon_mla as gm
+
+    rec, grec = _Recorder(), _Recorder()
     real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
-    # the target's facts in place of this machine's: its SM count, and the PTX e4m3 conversion from sm89
+    greal = getattr(gm, "_mla_fp8_decode", None), gm.available
+    # the target's facts in place of this machine's: its SM count, the PTX e4m3 conversion from sm89, and the Gluon
+    # fp8 decode kernel on sm90 (where this Triton has Gluon)
     tk._mla_fwd, tk._mla_combine, tk._q_prescale = rec, _Skip(), _Skip()
     tk._sm_count, tk._ptx_e4m3 = (lambda device: sm_count), (lambda device: arch >= 89)
+    gm._mla_fp8_decode = grec
+    gm.available = lambda device, q_dtype=None: None if arch == 90 and gm.HAVE_GLUON else f"not sm90 (sm{arch})"
     try:
         out = torch.empty(batch * q_len, heads, 512, dtype=q.dtype)
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
@@ -94,8 +100,10 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
                          576 ** -0.5, 0.05 if fp8 else None, q_per_seq=q_len, q_blocks=1, config=cfg)
     finally:
         tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
-    launch = _split_launch(real[0], rec.seen)
-    launch.update(config=cfg, splits=launch["args"][real[0].arg_names.index("num_splits")])
+        gm._mla_fp8_decode, gm.available = greal
+    fn, seen = (greal[0], grec.seen) if grec.seen else (real[0], rec.seen)
+    launch = _split_launch(fn, seen)
+    launch.update(config=cfg, splits=launch["args"][fn.arg_names.index("num_splits")])
     return [("decode", launch)]
 
 
@@ -173,7 +181,15 @@ def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
             sig[name] = "constexpr"
         sig.setdefault(name, "constexpr")
     consts = {k: v for k, v in consts.items() if k in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    source = ASTSource
+    try:  # Gluon kernels (the fp8 decode kernel on sm90) compile through their own source class
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+        if isinstance(fn, GluonJITFunction):
+            source = GluonASTSource
+    except ImportError:
+        pass
+    src = source(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
     regs, spill = _ptxas_usage(k.asm["ptx"], arch)

@@ -15,19 +15,30 @@ def _run(*argv):
 
 
 def test_resources_of_the_fp8_decode_kernel_for_sm90():
-    r = _run("--heads", "16", "--kv-dtype", "fp8", "--config", "default", "--config", '{"BLOCK_N": 16}',
-             "--config", '{"BLOCK_N": 16, "num_stages": 4}')
+    from pdlab.attention import gluon_mla
+
+    t = '{"kernel": "triton"'
+    configs = ["default", t + "}", t + ', "BLOCK_N": 16}', t + ', "BLOCK_N": 16, "num_stages": 4}']
+    r = _run("--heads", "16", "--kv-dtype", "fp8", *[arg for c in configs for arg in ("--config", c)])
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert [x["config"] for x in rows] == ["default", '{"BLOCK_N": 16}', '{"BLOCK_N": 16, "num_stages": 4}']
-    default, bn16, bn16_s4 = rows
-    # B=128, 8k on 132 SMs: 16-head programs, ~8 splits (the launcher's own rule, recorded, not recomputed)
-    assert default["splits"] == 8 and default["warps"] == 4 and default["stages"] == 3
+    assert [x["config"] for x in rows] == configs
+    default, triton, bn16, bn16_s4 = rows
     for x in rows:
         assert isinstance(x["registers"], int) and 32 <= x["registers"] <= 255
         assert x["shared_bytes"] > 0 and x["programs_per_sm"] == min(x["by_registers"], x["by_shared"], 16, 32)
+    # B=128, 8k on 132 SMs, the launchers' own rules (recorded, not recomputed). The default on sm90 is the Gluon
+    # kernel where this Triton has Gluon: every row of a sequence in one program, 2 splits, two programs per SM
+    if gluon_mla.HAVE_GLUON:
+        assert default["splits"] == 2 and default["warps"] == 4 and default["programs_per_sm"] == 2
+        assert gluon_mla.shared_bytes(16, gluon_mla.STAGES) <= default["shared_bytes"] <= \
+            gluon_mla.shared_bytes(16, gluon_mla.STAGES) + 1024
+    else:
+        assert default == {**triton, "config": "default"}
+    # the Triton kernel: 16-head programs, ~8 splits, 3 stages
+    assert triton["splits"] == 8 and triton["warps"] == 4 and triton["stages"] == 3
     # a 16-token tile needs less shared memory than a 32-token one; one more stage needs more
-    assert bn16["shared_bytes"] < default["shared_bytes"] and bn16_s4["shared_bytes"] > bn16["shared_bytes"]
+    assert bn16["shared_bytes"] < triton["shared_bytes"] and bn16_s4["shared_bytes"] > bn16["shared_bytes"]
 
 
 def test_bad_config_and_interpreter_are_refused():
