@@ -146,15 +146,17 @@ def _resolve_decode(backend: str, config: dict, bucket) -> dict:
 def _decode_space(backend, bucket, arch: str) -> dict | None:
     """On sm90 with a Triton that has Gluon, a bucket over an fp8 pool with heads × q_len ≤ 32 runs the Gluon kernel
     by default (attention/gluon_mla.py): the search is the kernel (gluon or triton) and the split knobs it reads;
-    the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space."""
-    if backend.name != "triton" or arch != "sm90" or bucket.get("kv_dtype") != "fp8":
+    the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space but `kernel`
+    (only `_mla_fwd` can run there)."""
+    if backend.name != "triton":
         return None
     from pdlab.attention import gluon_mla
 
-    if not gluon_mla.HAVE_GLUON or not gluon_mla.rows_fit(int(bucket["heads"]), int(bucket.get("q_len", 1))):
-        return None
     full = backend.config_space
-    return {k: full[k] for k in ("kernel", "num_splits", "waves")}
+    if (arch == "sm90" and gluon_mla.HAVE_GLUON and bucket.get("kv_dtype") == "fp8"
+            and gluon_mla.rows_fit(int(bucket["heads"]), int(bucket.get("q_len", 1)))):
+        return {k: full[k] for k in ("kernel", "num_splits", "waves")}
+    return {k: v for k, v in full.items() if k != "kernel"}
 
 
 MLA_DECODE = register_target(TuneTarget(
