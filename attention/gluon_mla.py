@@ -37,6 +37,8 @@ import os
 import torch
 import triton
 
+from pdlab.kernels.arch import wgmma_unavailable
+
 try:  # Gluon (Triton ≥ 3.5)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -73,14 +75,7 @@ def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> st
         return "needs a CUDA GPU (Gluon kernels are not interpreted)"
     if q_dtype == torch.float32:
         return "fp32 queries are the oracle's precision (the kernel computes in fp16)"
-    return _cuda_available(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_available(index: int) -> str | None:
-    if torch.cuda.get_device_capability(index)[0] != 9:
-        return "wgmma kernels are sm90 (Hopper) only"
-    return None
+    return wgmma_unavailable(device)
 
 
 def rows_fit(heads: int, q_len: int) -> bool:

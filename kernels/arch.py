@@ -7,6 +7,7 @@ major*10 + minor). Peak numbers are vendor datasheet figures (dense, no sparsity
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -82,6 +83,21 @@ def detect_arch(device: torch.device | str | int | None = None) -> str:
 
 
 _ARCHS: dict[int, str] = {}  # CUDA device index -> arch
+
+
+def wgmma_unavailable(device: torch.device) -> str | None:
+    """None when `device` is a CUDA GPU of sm90 (the wgmma instructions pdlab's Gluon kernels are written for), else
+    why not. The capability is read once per device."""
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    return _wgmma_unavailable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_unavailable(index: int) -> str | None:
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return "wgmma kernels are sm90 (Hopper) only"
+    return None
 
 
 def arch_family(arch: str) -> str:

@@ -31,12 +31,11 @@ experts' first blocks.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from pdlab.kernels.arch import wgmma_unavailable
 from pdlab.moe.triton.nvfp4_moe import deq_ptx
 
 try:  # Gluon (Triton ≥ 3.5): explicit layouts
@@ -180,16 +179,7 @@ def available(device: torch.device) -> str | None:
     """None when the kernel can run on `device`, else why not (asked per MoE call: answered once per device)."""
     if not HAVE_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if device.type != "cuda":
-        return "needs a CUDA GPU"
-    return _cuda_available(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_available(index: int) -> str | None:
-    if torch.cuda.get_device_capability(index)[0] != 9:
-        return "wgmma kernels are sm90 (Hopper) only"
-    return None
+    return wgmma_unavailable(device)
 
 
 if HAVE_GLUON:
