@@ -404,13 +404,21 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
         M = x.shape[0]
         if block_starts is None:
             block_starts = block_schedule(counts, block_m)
-        grid = (n_out // TILE, -(-M // block_m) + E)  # Σ ⌈counts[e] / BM⌉ ≤ ⌈N / BM⌉ + E
+        grid = (n_out // TILE, max_blocks(M, E, block_m))
         strides = (0, x.stride(0), 0, out.stride(0))
     _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async, num_warps=4)
     return out
+
+
+def max_blocks(rows: int, experts: int, block_m: int) -> int:
+    """An upper bound of the token blocks of `rows` contiguous rows over `experts` experts (Σ ⌈counts[e] / block_m⌉,
+    whatever the counts): ⌈rows / block_m⌉ + min(experts, rows), since only experts with rows add a partial block
+    and there are at most `rows` of them. The contiguous grid's size (programs past the last block exit at once):
+    1 token routed to 8 of 256 experts launches 9 token blocks per N tile instead of 257."""
+    return -(-rows // block_m) + min(experts, rows)
 
 
 def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:

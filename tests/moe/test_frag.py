@@ -267,7 +267,7 @@ def test_run_frag_launches_on_cpu(monkeypatch):
 
 def test_run_frag_contiguous_block_list(monkeypatch):
     # contiguous rows: programs (N tile, token block of the block list); expert e owns ⌈counts[e] / BM⌉ blocks
-    # from block_starts[e]; the grid covers every block (⌈N / BM⌉ + E is enough); rows addressed by offsets
+    # from block_starts[e]; the grid covers every block (⌈N / BM⌉ + min(E, N) is enough); rows addressed by offsets
     from pdlab.moe.layouts import Contiguous
     from pdlab.moe.weights import ExpertWeights
 
@@ -291,6 +291,32 @@ def test_run_frag_contiguous_block_list(monkeypatch):
     assert a1[10:14] == (0, H, 0, I) and a2[10:14] == (0, I, 0, H)
     assert torch.equal(a1[14], offsets) and torch.equal(a1[15], starts) and a1[16] == E
     assert k1["CONTIG"] and k2["CONTIG"]
+    # few rows over many experts: the grid follows the rows (1 token × 8 of 256 experts: 9 blocks, not 257)
+    launches.clear()
+    E2 = 256
+    counts = torch.zeros(E2, dtype=torch.int32)
+    counts[torch.arange(3, 256, 32)] = 1
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(counts, 0, dtype=torch.int32)])
+    many = {k: v[:1].expand(E2, *v.shape[1:]) for k, v in packs.items()}  # one expert's tensors, 256 times
+    F.run_frag(Contiguous(torch.randn(8, H), counts, offsets), many, I, torch.float32, 16)
+    (g1, *_), (g2, *_) = launches
+    assert g1[1] == g2[1] == 1 + 8 == F.max_blocks(8, E2, 16) >= int(F.block_schedule(counts, 16)[-1])
+
+
+def test_block_bound_covers_every_block_list():
+    # Σ ⌈c_e / BM⌉ ≤ ⌈N / BM⌉ + min(E, N) for any counts with Σ c_e ≤ N: random draws, and the extremes (all rows
+    # to one expert, one row per expert, rows spread over every expert)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        E = int(torch.randint(1, 300, (1,), generator=g))
+        N = int(torch.randint(0, 600, (1,), generator=g))
+        bm = [16, 32, 64][int(torch.randint(0, 3, (1,), generator=g))]
+        owner = torch.randint(0, E, (N,), generator=g)
+        counts = torch.bincount(owner, minlength=E).to(torch.int32)
+        assert int(F.block_schedule(counts, bm)[-1]) <= F.max_blocks(N, E, bm)
+    for N, E, bm in [(1000, 1, 16), (256, 256, 16), (100, 256, 64), (0, 8, 16)]:
+        counts = torch.bincount(torch.arange(N) % E, minlength=E).to(torch.int32)
+        assert int(F.block_schedule(counts, bm)[-1]) <= F.max_blocks(N, E, bm)
 
 
 def test_activation_pre_kernel_contiguous_rows():
