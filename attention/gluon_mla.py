@@ -124,7 +124,8 @@ if HAVE_GLUON:
         """A thread's PV bytes [64 τ, 512 d] (d = 128w + 16·rlo + 2i + rsel) → the eight V^T tiles i
         [64 rows 16w + 8·rsel + rlo, 64 τ] (a relabelling of the thread's registers). rsel is the lowest bit of d
         so that a fragment register's two rows r, r + 8 are adjacent bytes of one token."""
-        y = gl.reshape(y, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # τ (6 bits) | w1 w0 rlo2 rlo1 rlo0 i2 i1 i0 rsel
+        # τ (6 bits) | w1 w0 rlo2 rlo1 rlo0 i2 i1 i0 rsel
+        y = gl.reshape(y, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
         y = gl.permute(y, (6, 7, 14, 8, 9, 10, 0, 1, 2, 3, 4, 5, 11, 12, 13))
         return _split8(gl.reshape(y, [64, 64, 2, 2, 2]))
 

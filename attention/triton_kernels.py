@@ -595,7 +595,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 
         splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev))
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
-        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves or (7.5 if block_t * block_h <= 32 else 2.0))
+        waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
+        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
     scale, scale_ptr, from_ptr = _scale_args(kv_scale if fp8 else None, dev)
     prec = "ieee" if q3.dtype == torch.float32 else None  # fp32 oracle checks must not use tf32
     final = splits == 1

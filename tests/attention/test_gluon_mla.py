@@ -121,8 +121,10 @@ def test_a_tuned_gluon_entry_never_fails_a_problem_it_cannot_take(monkeypatch):
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
     ref = mla_decode(*args, kv_scale=p.kv_scale, backend="torch")
     tuned = {**DECODE_DEFAULT, "kernel": "gluon", "num_splits": 2}
-    monkeypatch.setattr(ops, "resolve_config", lambda op, b, bucket, device, config=None:
-                        (dict(tuned), "tuned:NVIDIA_H200/mla_decode.json") if config is None else (b.config(config), "explicit"))
+    def resolve(op, b, bucket, device, config=None):  # the store's answer, or an explicit config
+        return (dict(tuned), "tuned:NVIDIA_H200/mla_decode.json") if config is None else (b.config(config), "explicit")
+
+    monkeypatch.setattr(ops, "resolve_config", resolve)
     out, lse = mla_decode(*args, kv_scale=p.kv_scale, backend=triton)
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5
     with pytest.raises(ValueError, match="kernel='gluon' cannot run here"):
@@ -160,7 +162,8 @@ ptrs = {"Q": "*bf16", "KV": "*u8", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16"
 sig = {n: ptrs.get(n, "fp32" if n in ("kv_scale", "qk_scale") else "i32") for n in names}
 consts = {"Q_PER_SEQ": 1, "BLOCK_H": hm, "HM": hm, "PAGE": 64, "STAGES": stages, "FINAL": final,
           "SCALE_FROM_PTR": False, "OUT_LAYOUT": G.out_layout(hm)}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n.startswith("stride")}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if sig[n].startswith("*") or n.startswith("stride")}
 sig.update({k: "constexpr" for k in consts})
 k = triton.compile(GluonASTSource(fn=G._mla_fp8_decode, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
