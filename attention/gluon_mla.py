@@ -37,7 +37,7 @@ import os
 import torch
 import triton
 
-from pdlab.kernels.arch import wgmma_unavailable
+from pdlab.kernels.arch import SM90, wgmma_unavailable
 
 try:  # Gluon (Triton ≥ 3.5)
     from triton.experimental import gluon
@@ -81,6 +81,16 @@ def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> st
 def rows_fit(heads: int, q_len: int) -> bool:
     """Whether one program holds every query row (heads × S_q ≤ 32): the case this kernel is for."""
     return heads * q_len <= MAX_ROWS
+
+
+def unfit(heads: int, q_len: int, fp8: bool) -> str | None:
+    """None when the kernel takes this problem — decode (q_len ≥ 1 per sequence) over an fp8 pool with
+    heads × q_len ≤ 32 — else why not. What the launcher's "auto" and the tuner's search space both follow."""
+    if not fp8 or q_len <= 0:
+        return "it is the decode kernel for fp8 pools"
+    if not rows_fit(heads, q_len):
+        return f"{heads} heads × S_q {q_len} exceed the {MAX_ROWS} query rows one program holds"
+    return None
 
 
 if HAVE_GLUON:
@@ -367,14 +377,13 @@ if HAVE_GLUON:
             gl.store(LSE_PART + t * stride_lp_t + rh * stride_lp_h + split, lse, mask=row_ok)
 
 
-SM90_SHARED = 227 * 1024
-SM90_SHARED_PER_SM = 228 * 1024  # of which each resident program takes 1 KB more than it asks for
 STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
+REGISTERS = 236  # per thread at HM 16 with Triton 3.6 (the compile test pins "two programs per SM")
 
 
 def programs_per_sm(hm: int, stages: int = STAGES) -> int:
-    """Programs of the kernel one SM holds (shared memory decides; registers allow two)."""
-    return max(1, min(2, SM90_SHARED_PER_SM // (shared_bytes(hm, stages) + 1024)))
+    """Programs of the kernel one sm90 SM holds: its shared memory and four warps of REGISTERS decide."""
+    return SM90.programs_per_sm(registers=REGISTERS, shared=shared_bytes(hm, stages), warps=4)["programs_per_sm"]
 
 
 # per program, besides its share of the cache: the fp32 partial it writes, q and filling the ring (bytes-equivalent;
@@ -435,9 +444,9 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     if q3.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("mla gluon: q and the cache need contiguous last dimensions")
     smem = shared_bytes(hm, stages)
-    if smem > SM90_SHARED:
+    if smem > SM90.shared_per_program:
         raise ValueError(f"mla gluon: {stages} ring stages at {hm} query rows need {smem} bytes of shared memory, "
-                         f"more than an sm90 program gets ({SM90_SHARED})")
+                         f"more than an sm90 program gets ({SM90.shared_per_program})")
     from_ptr = kv_scale_ptr is not None
     _mla_fp8_decode[(1, splits, B)](
         q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, kv_scale,

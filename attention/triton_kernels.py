@@ -689,12 +689,7 @@ def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Ten
         raise ValueError(f"mla triton: kernel={kernel!r}; use 'triton', 'gluon' or 'auto'")
     from pdlab.attention import gluon_mla
 
-    if not fp8 or q_per_seq <= 0:
-        why = "it is the decode kernel for fp8 pools"
-    elif not gluon_mla.rows_fit(H, q_per_seq):
-        why = f"{H} heads × S_q {q_per_seq} exceed the {gluon_mla.MAX_ROWS} query rows one program holds"
-    else:
-        why = gluon_mla.available(q3.device, q3.dtype)
+    why = gluon_mla.unfit(H, q_per_seq, fp8) or gluon_mla.available(q3.device, q3.dtype)
     if why and kernel == "gluon":
         raise ValueError(f"mla triton: kernel='gluon' cannot run here: {why}; use kernel='triton' or 'auto'")
     return why is None

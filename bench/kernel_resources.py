@@ -34,7 +34,8 @@ import tempfile
 
 import torch
 
-SM_REGS, SM_SMEM, SM_WARPS, SM_BLOCKS = 65536, 232448, 64, 32
+from pdlab.kernels.arch import SM90
+
 _TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
           torch.int32: "*i32", torch.int64: "*i64"}
 
@@ -146,12 +147,26 @@ def record_moe_launches(config: dict, tokens: int, experts: int = 64, hidden: in
     return out
 
 
+def _source_class(fn):
+    """Triton's compile source for a kernel: Gluon kernels (the fp8 MLA decode kernel, the fragment GEMMs) have
+    their own."""
+    from triton.compiler import ASTSource
+
+    from pdlab.attention.gluon_mla import HAVE_GLUON
+
+    if HAVE_GLUON:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+        if isinstance(fn, GluonJITFunction):
+            return GluonASTSource
+    return ASTSource
+
+
 def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
     """Compile the recorded launch for sm`arch`; returns registers, spill bytes, shared bytes and programs/SM, and
     with `sass` > 0 the SASS figures of `sass_summary` (its `sass` most frequent opcodes)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     fn = launch["fn"]
     names = fn.arg_names
@@ -181,26 +196,14 @@ def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
             sig[name] = "constexpr"
         sig.setdefault(name, "constexpr")
     consts = {k: v for k, v in consts.items() if k in names}
-    source = ASTSource
-    try:  # Gluon kernels (the fp8 decode kernel on sm90) compile through their own source class
-        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
-
-        if isinstance(fn, GluonJITFunction):
-            source = GluonASTSource
-    except ImportError:
-        pass
-    src = source(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    src = _source_class(fn)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
     regs, spill = _ptxas_usage(k.asm["ptx"], arch)
     shared = int(k.metadata.shared)
-    threads = 32 * launch["num_warps"]
-    by_regs = SM_REGS // max(1, regs * threads) if regs else None
-    by_smem = SM_SMEM // max(1, shared + 1024)  # + the driver's 1 KB per block
-    by_warps = SM_WARPS // launch["num_warps"]
-    fits = min(x for x in (by_regs, by_smem, by_warps, SM_BLOCKS) if x is not None)
     row = {"registers": regs, "spill_bytes": spill, "shared_bytes": shared, "warps": launch["num_warps"],
-           "stages": launch["num_stages"], "programs_per_sm": fits, "by_registers": by_regs, "by_shared": by_smem}
+           "stages": launch["num_stages"],
+           **SM90.programs_per_sm(registers=regs, shared=shared, warps=launch["num_warps"])}
     if sass > 0:
         try:
             row.update(sass_summary(_disassemble(k.asm["cubin"]), sass))

@@ -85,6 +85,30 @@ def detect_arch(device: torch.device | str | int | None = None) -> str:
 _ARCHS: dict[int, str] = {}  # CUDA device index -> arch
 
 
+@dataclass(frozen=True)
+class SmLimits:
+    """What one SM holds (Hopper and Blackwell datacenter parts): registers, shared memory (per SM, and the most one
+    program may ask for; each resident program takes `reserved_shared` more), warps, programs."""
+
+    registers: int = 65536
+    shared: int = 228 * 1024
+    shared_per_program: int = 227 * 1024
+    reserved_shared: int = 1024
+    warps: int = 64
+    programs: int = 32
+
+    def programs_per_sm(self, *, registers: int | None, shared: int, warps: int) -> dict[str, int | None]:
+        """How many programs of `warps` warps using `registers` per thread (None: unknown) and `shared` bytes fit on
+        one SM: {"programs_per_sm", "by_registers", "by_shared"}."""
+        by_regs = self.registers // max(1, registers * 32 * warps) if registers else None
+        by_smem = self.shared // max(1, shared + self.reserved_shared)
+        fits = min(x for x in (by_regs, by_smem, self.warps // warps, self.programs) if x is not None)
+        return {"programs_per_sm": fits, "by_registers": by_regs, "by_shared": by_smem}
+
+
+SM90 = SmLimits()
+
+
 def wgmma_unavailable(device: torch.device) -> str | None:
     """None when `device` is a CUDA GPU of sm90 (the wgmma instructions pdlab's Gluon kernels are written for), else
     why not. The capability is read once per device."""

@@ -153,8 +153,9 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
     from pdlab.attention import gluon_mla
 
     full = backend.config_space
-    if (arch == "sm90" and gluon_mla.HAVE_GLUON and bucket.get("kv_dtype") == "fp8"
-            and gluon_mla.rows_fit(int(bucket["heads"]), int(bucket.get("q_len", 1)))):
+    if (arch == "sm90" and gluon_mla.HAVE_GLUON
+            and gluon_mla.unfit(int(bucket["heads"]), int(bucket.get("q_len", 1)), bucket.get("kv_dtype") == "fp8")
+            is None):
         return {k: full[k] for k in ("kernel", "num_splits", "waves")}
     return {k: v for k, v in full.items() if k != "kernel"}
 

@@ -56,13 +56,13 @@ class TuneTarget:
     edge_inputs: Callable[[Mapping, ModelShape, torch.device], list] | None = None
     cuda_graph: bool = False
     space: Callable[[Backend, Mapping, str], dict | None] | None = None
+    bucket_doc: str = ""
+    import_errors: dict = field(default_factory=dict)
 
     def search_space(self, backend: Backend, bucket: Mapping, arch: str) -> dict:
         """The knobs searched for `backend` on `bucket` on `arch`: `space`'s answer, else the whole config space."""
         narrowed = self.space(backend, bucket, arch) if self.space is not None else None
         return dict(backend.config_space if narrowed is None else narrowed)
-    bucket_doc: str = ""
-    import_errors: dict = field(default_factory=dict)
 
     def load_backends(self) -> None:
         """Import the modules that register this op's backends; failures are kept, not raised."""

@@ -18,6 +18,7 @@ from pdlab.attention import triton_kernels as tk
 from pdlab.attention.backends.triton_mla import DECODE_DEFAULT, _warps
 from pdlab.attention.workloads import decode_problem
 from pdlab.bench.harness import cosine_error
+from pdlab.kernels.arch import SM90
 
 
 def test_fragment_order_gives_each_thread_sixteen_consecutive_bytes():
@@ -139,8 +140,8 @@ def test_waves_stay_auto_for_a_decode_that_may_run_the_gluon_kernel():
 
 
 def test_shared_memory_limit_is_refused():
-    assert G.shared_bytes(16, 3) <= G.SM90_SHARED and G.shared_bytes(32, 3) <= G.SM90_SHARED
-    assert G.shared_bytes(16, 6) > G.SM90_SHARED
+    assert G.shared_bytes(16, 3) <= SM90.shared_per_program and G.shared_bytes(32, 3) <= SM90.shared_per_program
+    assert G.shared_bytes(16, 6) > SM90.shared_per_program
     q = _q()
     kv = torch.zeros(4, 64, 576, dtype=torch.uint8)
     with pytest.raises(ValueError, match="6 ring stages at 16 query rows need 241664 bytes"):

@@ -104,3 +104,18 @@ def test_arch_facts():
     if not torch.cuda.is_available():
         facts = device_facts()
         assert (facts.arch, facts.peaks, facts.key) == ("cpu", None, "cpu")
+
+
+def test_programs_per_sm_known_answers():
+    # sm90: 65536 registers, 228 KB of shared memory (1 KB more per resident program), 64 warps, 32 programs
+    from pdlab.kernels.arch import SM90
+
+    # the Gluon fp8 decode kernel: 4 warps × 236 registers, 94 464 B → two (by both); 128 regs would allow four
+    assert SM90.programs_per_sm(registers=236, shared=94464, warps=4) == \
+        {"programs_per_sm": 2, "by_registers": 2, "by_shared": 2}
+    assert SM90.programs_per_sm(registers=128, shared=40000, warps=4)["programs_per_sm"] == 4
+    # one 8-warp program at 255 registers; 115 200 B still fits twice (2 × 116 224 ≤ 233 472), 116 000 does not
+    assert SM90.programs_per_sm(registers=255, shared=1024, warps=8)["programs_per_sm"] == 1
+    assert SM90.programs_per_sm(registers=None, shared=115200, warps=4)["programs_per_sm"] == 2
+    assert SM90.programs_per_sm(registers=None, shared=116000, warps=4)["programs_per_sm"] == 1
+    assert SM90.programs_per_sm(registers=None, shared=0, warps=1)["programs_per_sm"] == 32  # the program cap
