@@ -391,6 +391,7 @@ def programs_per_sm(hm: int, stages: int = STAGES) -> int:
 PROGRAM_OVERHEAD_BYTES = 100_000
 
 
+@functools.lru_cache(maxsize=1024)  # asked by every decode call (each layer of an eager step): a search over ≤ 64
 def auto_splits(batch: int, heads: int, q_len: int, capacity: int, sm_count: int, min_tokens: int = 256) -> int:
     """KV splits per sequence for a decode of `batch` sequences (pool capacity `capacity` tokens each): the count s
     that minimises ⌈batch·s / slots⌉ · (capacity·576 / s + PROGRAM_OVERHEAD_BYTES) — waves of programs times one
