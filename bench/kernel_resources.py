@@ -12,8 +12,10 @@ facts about the GPU (its SM count, whether the PTX e4m3 conversion exists: sm89+
 the in-loop NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, masked layout, bf16 activations,
 config resolved from the tokens per expert as the runner does (the kernel that experts stored tiled run, i.e. on GPUs
 other than sm90; on sm90 the runner runs the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py for both layouts,
-which this tool does not record: tests/moe/test_frag.py compiles them for sm90). Occupancy uses the Hopper/Blackwell per-SM limits (65536
-registers, 227 KB of shared memory, 64 warps, 32 programs); the compiler version decides the figures, so compare
+which this tool does not record: tests/moe/test_frag.py compiles them for sm90). mla_decode records the Gluon fp8
+kernel where the op runs it (sm90, fp8, heads × S_q ≤ 32). Occupancy uses the Hopper/Blackwell per-SM limits of
+`pdlab.kernels.arch.SM90` (65536 registers, 228 KB of shared memory with 1 KB more per resident program, at most 227 KB
+for one, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
 
 --sass N disassembles the compiled kernel (the nvdisasm Triton ships) and adds its instruction count, the N most
