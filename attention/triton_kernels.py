@@ -583,17 +583,23 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     block_t = _pow2_at_least(q_per_seq) if q_per_seq > 0 else int(config.get("BLOCK_T", 1))
     block_t, block_h = _tile(H, block_t, int(config["BLOCK_H"]), q_per_seq > 0)
     fp8 = kv_cache.dtype == torch.uint8
-    gluon = _gluon_kernel(config, fp8, q_per_seq, H, q3)
-    if gluon:
+    gluon = _gluon_kernel(config, fp8, q_per_seq, H, q3, kv_cache)
+    if gluon == "fp8":
         block_h = H  # one program holds every query row of its sequence
+    elif gluon == "wide":
+        block_h = 64 // q_per_seq  # 64 query rows per program
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
     splits = int(config.get("num_splits", 0) or 0)
     waves = float(config.get("waves") or 0)
-    if splits <= 0 and gluon and not waves:  # auto: the split count that fills the Gluon kernel's slots best
+    if splits <= 0 and gluon == "fp8" and not waves:  # auto: the split count that fills the kernel's slots best
         from pdlab.attention import gluon_mla
 
         splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev))
+    elif splits <= 0 and gluon == "wide" and not waves:
+        from pdlab.attention import gluon_mla_wide
+
+        splits = gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev))
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
         waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
         splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
@@ -607,7 +613,14 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         o_part = torch.empty(T, H, splits, 512, dtype=torch.float32, device=dev)
         lse_part = torch.empty(T, H, splits, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
-    if gluon:
+    if gluon == "wide":
+        from pdlab.attention import gluon_mla_wide
+
+        gluon_mla_wide.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
+                              softmax_scale * LOG2E, q_per_seq=q_per_seq, splits=splits)
+        _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
+        return
+    if gluon == "fp8":
         from pdlab.attention import gluon_mla
 
         gluon_mla.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
@@ -678,21 +691,32 @@ def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, split
                          BLOCK_S=_pow2_at_least(splits), D=512, num_warps=4)
 
 
-def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Tensor) -> bool:
-    """Whether this launch runs the Gluon fp8 decode kernel (attention/gluon_mla.py): config "kernel" "gluon",
-    or "auto" where it can run (sm90, an fp8 pool, decode with heads × S_q ≤ 32, 16-bit queries). "gluon" where it
-    cannot raises ValueError with the reason."""
+def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Tensor,
+                  kv_cache: torch.Tensor) -> str | None:
+    """Which Gluon decode kernel this launch runs: "fp8" (attention/gluon_mla.py: sm90, an fp8 pool, heads × S_q ≤ 32,
+    16-bit queries), "wide" (attention/gluon_mla_wide.py: sm90, a contiguous bf16/fp16 pool of page 64/128, queries of
+    its dtype, heads × S_q in programs of 64 rows) or None (`_mla_fwd`). Config "kernel": "gluon" runs the one that
+    fits (ValueError with both reasons where none does), "auto" likewise but falls back to `_mla_fwd`, "triton"
+    never runs one."""
     kernel = str(config.get("kernel", "triton"))
     if kernel == "triton":
-        return False
+        return None
     if kernel not in ("auto", "gluon"):
         raise ValueError(f"mla triton: kernel={kernel!r}; use 'triton', 'gluon' or 'auto'")
-    from pdlab.attention import gluon_mla
+    from pdlab.attention import gluon_mla, gluon_mla_wide
 
     why = gluon_mla.unfit(H, q_per_seq, fp8) or gluon_mla.available(q3.device, q3.dtype)
-    if why and kernel == "gluon":
-        raise ValueError(f"mla triton: kernel='gluon' cannot run here: {why}; use kernel='triton' or 'auto'")
-    return why is None
+    if why is None:
+        return "fp8"
+    why_wide = (gluon_mla_wide.unfit(H, q_per_seq, kv_cache.dtype, q3.dtype, kv_cache.shape[1])
+                or gluon_mla_wide.available(q3.device, q3.dtype)
+                or (None if kv_cache.is_contiguous() else "the pool is not contiguous (it is read by TMA)"))
+    if why_wide is None:
+        return "wide"
+    if kernel == "gluon":
+        raise ValueError(f"mla triton: kernel='gluon' cannot run here: fp8 kernel: {why}; 16-bit kernel: "
+                         f"{why_wide}; use kernel='triton' or 'auto'")
+    return None
 
 
 def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, kv_scale) -> None:

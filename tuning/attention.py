@@ -144,19 +144,25 @@ def _resolve_decode(backend: str, config: dict, bucket) -> dict:
 
 
 def _decode_space(backend, bucket, arch: str) -> dict | None:
-    """On sm90 with a Triton that has Gluon, a bucket over an fp8 pool with heads × q_len ≤ 32 runs the Gluon kernel
-    by default (attention/gluon_mla.py): the search is the kernel (gluon or triton) and the split knobs it reads;
-    the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space but `kernel`
-    (only `_mla_fwd` can run there)."""
+    """On sm90 with a Triton that has Gluon, a bucket that a Gluon kernel takes runs it by default: over an fp8 pool
+    with heads × q_len ≤ 32 attention/gluon_mla.py, over a bf16/fp16 pool in programs of 64 query rows
+    attention/gluon_mla_wide.py. The search is then the kernel (gluon or triton) and the split knobs both Gluon
+    kernels read; the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space
+    but `kernel` (only `_mla_fwd` can run there)."""
     if backend.name != "triton":
         return None
-    from pdlab.attention import gluon_mla
+    import torch
+
+    from pdlab.attention import gluon_mla, gluon_mla_wide
 
     full = backend.config_space
-    if (arch == "sm90" and gluon_mla.HAVE_GLUON
-            and gluon_mla.unfit(int(bucket["heads"]), int(bucket.get("q_len", 1)), bucket.get("kv_dtype") == "fp8")
-            is None):
-        return {k: full[k] for k in ("kernel", "num_splits", "waves")}
+    heads, q_len, kv = int(bucket["heads"]), int(bucket.get("q_len", 1)), bucket.get("kv_dtype", "bf16")
+    if arch == "sm90" and gluon_mla.HAVE_GLUON:
+        if gluon_mla.unfit(heads, q_len, kv == "fp8") is None:
+            return {k: full[k] for k in ("kernel", "num_splits", "waves")}
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kv)
+        if dt is not None and gluon_mla_wide.unfit(heads, q_len, dt, dt, 64) is None:
+            return {k: full[k] for k in ("kernel", "num_splits", "waves")}
     return {k: v for k, v in full.items() if k != "kernel"}
 
 

@@ -94,8 +94,8 @@ def _warps(config: dict, rows: int, fp8: bool = False) -> dict:
         cfg["BLOCK_N"] = 32 if rows <= 32 else 64
     if not int(cfg.get("num_warps") or 0):
         cfg["num_warps"] = 4 if rows <= 32 else 8
-    if not float(cfg.get("waves") or 0) and not (fp8 and cfg.get("kernel", "triton") != "triton"):
-        # (a decode that may run the Gluon kernel keeps 0: the launcher picks its waves by kernel)
+    if not float(cfg.get("waves") or 0) and cfg.get("kernel", "triton") == "triton":
+        # (a decode that may run a Gluon kernel keeps 0: the launcher picks the splits by the kernel it runs)
         cfg["waves"] = 7.5 if rows <= 32 else 2.0
     return cfg
 

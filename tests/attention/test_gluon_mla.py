@@ -83,18 +83,19 @@ def _q(device="cpu", dtype=torch.bfloat16, heads=16):
 
 def test_selection_rule_and_its_reasons():
     # "auto" runs the kernel only where it can; "gluon" where it cannot says why and how to get on
-    assert tk._gluon_kernel({"kernel": "triton"}, True, 1, 16, _q()) is False
-    assert tk._gluon_kernel({"kernel": "auto"}, True, 1, 16, _q()) is False  # no GPU here
+    kv8, kv16 = torch.zeros(4, 64, 576, dtype=torch.uint8), torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert tk._gluon_kernel({"kernel": "triton"}, True, 1, 16, _q(), kv8) is None
+    assert tk._gluon_kernel({"kernel": "auto"}, True, 1, 16, _q(), kv8) is None  # no GPU here
     with pytest.raises(ValueError, match="kernel=.gluon. cannot run here: .*kernel=.triton."):
-        tk._gluon_kernel({"kernel": "gluon"}, True, 1, 16, _q())
+        tk._gluon_kernel({"kernel": "gluon"}, True, 1, 16, _q(), kv8)
     with pytest.raises(ValueError, match="decode kernel for fp8 pools"):
-        tk._gluon_kernel({"kernel": "gluon"}, False, 1, 16, _q())
+        tk._gluon_kernel({"kernel": "gluon"}, False, 1, 16, _q(), kv16)
     with pytest.raises(ValueError, match="128 heads × S_q 1 exceed the 32 query rows"):
-        tk._gluon_kernel({"kernel": "gluon"}, True, 1, 128, _q(heads=128))
+        tk._gluon_kernel({"kernel": "gluon"}, True, 1, 128, _q(heads=128), kv8)
     with pytest.raises(ValueError, match="decode kernel"):  # prefill (ragged queries)
-        tk._gluon_kernel({"kernel": "gluon"}, True, 0, 16, _q())
+        tk._gluon_kernel({"kernel": "gluon"}, True, 0, 16, _q(), kv8)
     with pytest.raises(ValueError, match="kernel='wgmma'"):
-        tk._gluon_kernel({"kernel": "wgmma"}, True, 1, 16, _q())
+        tk._gluon_kernel({"kernel": "wgmma"}, True, 1, 16, _q(), kv8)
     assert G.rows_fit(16, 2) and G.rows_fit(32, 1) and not G.rows_fit(16, 4)
     assert G.program_rows(16, 1) == 16 and G.program_rows(8, 1) == 16 and G.program_rows(16, 2) == 32
 
@@ -136,7 +137,8 @@ def test_waves_stay_auto_for_a_decode_that_may_run_the_gluon_kernel():
     # the launcher picks 2 waves for the Gluon kernel (one program per SM) and keeps 7.5 / 2 by rows for _mla_fwd
     assert _warps(DECODE_DEFAULT, 16, fp8=True)["waves"] == 0
     assert _warps({**DECODE_DEFAULT, "kernel": "triton"}, 16, fp8=True)["waves"] == 7.5
-    assert _warps(DECODE_DEFAULT, 16, fp8=False)["waves"] == 7.5
+    assert _warps(DECODE_DEFAULT, 16, fp8=False)["waves"] == 0  # may run the 16-bit Gluon kernel (S_q 4)
+    assert _warps({**DECODE_DEFAULT, "kernel": "triton"}, 128, fp8=False)["waves"] == 2.0
 
 
 def test_shared_memory_limit_is_refused():

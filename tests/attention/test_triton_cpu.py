@@ -207,11 +207,14 @@ def test_auto_knobs_reproduce_the_measured_h200_choice(monkeypatch):
     from pdlab.attention.backends.triton_mla import DECODE_DEFAULT, _warps
 
     monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
-    c16 = _warps(DECODE_DEFAULT, min(DECODE_DEFAULT["BLOCK_H"], 16))
+    # (_mla_fwd's knobs: with kernel "auto" the waves stay 0 and the launcher picks them by the kernel it runs)
+    assert _warps(DECODE_DEFAULT, 16)["waves"] == 0
+    triton_only = {**DECODE_DEFAULT, "kernel": "triton"}
+    c16 = _warps(triton_only, min(DECODE_DEFAULT["BLOCK_H"], 16))
     assert c16["num_warps"] == 4 and tk._tile(16, 1, c16["BLOCK_H"], True) == (1, 16)
     assert tk.auto_splits(128, 1, 1, 8192, torch.device("cpu"), c16["waves"]) == 8
     assert c16["BLOCK_N"] == 32 and c16["tile_in_page"] == 1 and c16["fp8_compute"] == "fp16"
-    c128 = _warps(DECODE_DEFAULT, min(DECODE_DEFAULT["BLOCK_H"], 128))
+    c128 = _warps(triton_only, min(DECODE_DEFAULT["BLOCK_H"], 128))
     assert c128["BLOCK_N"] == 64 and c128["fp8_compute"] == "bf16"
     assert c128["d_quarters"] == 0 and c128["page_ahead"] == 0  # a 16-bit pool: neither (both slower there)
     assert _warps({**DECODE_DEFAULT, "fp8_compute": "fp16"}, 64)["fp8_compute"] == "fp16"  # explicit stays

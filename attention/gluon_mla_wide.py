@@ -1,0 +1,316 @@
+"""MLA decode for Hopper (sm90) in Gluon over a 16-bit (bf16 / fp16) paged cache, 64 query rows per program — the
+compute-bound case (128 heads: DeepSeek with data-parallel attention).
+
+Why: `_mla_fwd` of triton_kernels.py runs a 64-head program as one chain — tile loads, q·k, softmax, p·v — with
+the tensor cores idle whenever the softmax or a load is on the critical path (one 8-warp program per SM, 253
+TFLOPS at B=128, 8k on an H200). Here one program (two warpgroups, one per SM) holds 64 query rows of one
+sequence (heads × S_q = 64: 64 heads of one query token, 32 of two, 16 of four) and walks one split of its KV
+range in tiles of 64 tokens:
+
+- The tiles stream in by TMA (one [64, 64] box per 64 columns, 9 per tile, one mbarrier per tile) into a ring of
+  STAGES = 2 buffers [64 tokens, 576] in the 128-byte swizzle that wgmma reads; q [64, 576] sits beside them in
+  the same layout (72 KB each: 216 KB of the SM's 227). The cache is addressed as one [pages · page, 576] tensor,
+  so a tile lies in one page (page size 64 or 128): the tile's TMA row is page_id · page + offset; the page ids
+  are read a tile before they are needed.
+- s [64 rows, 64 tokens] = q · K^T is one wgmma chain (K = 576) with both operands in shared memory; the two
+  warpgroups take 32 tokens each. Online softmax in base 2; the row max is exchanged between the warpgroups
+  (the only cross-warpgroup reduction per tile; the row sums are accumulated per thread and reduced once at the
+  end).
+- o [64, 512] += p · V: p (bf16/fp16, registers) is the A operand, V the first 512 columns of the same tile read
+  in place (B, N-major); each warpgroup owns 256 output columns (128 fp32 registers per thread).
+- A tile's buffer goes back to the TMA once both warpgroups are done with it: the load of tile i + 2 runs while
+  tile i + 1 is computed. (Issuing q·k of tile i + 1 before p·v of tile i, so that the softmax overlaps p·v, was
+  measured 10–20 % slower: with two buffers the next load then has no time to land.)
+- Rows of the last tile past the split end hold other tokens or, past the sequence, whatever the page holds (NaN
+  in the tests): their scores are masked and their V rows zeroed in shared memory before p·v, so nothing read
+  past a length reaches the output. Pages past a sequence's length are never read.
+
+The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the output contract of
+`_mla_fwd` and of gluon_mla).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from pdlab.kernels.arch import SM90, wgmma_unavailable
+
+try:  # Gluon (Triton ≥ 3.5)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - reported by `available()`
+    HAVE_GLUON = False
+
+ROWS = 64  # query rows per program: the wgmma M of both warpgroups
+BLOCK_N = 64  # tokens per tile
+STAGES = 2  # tiles in the TMA ring (q + 2 tiles = 216 KB of shared memory)
+PAGES = (64, 128)  # page sizes whose pages hold whole tiles
+WARPS = 8
+
+
+def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """None when the kernel can run on `device` for queries of `q_dtype`, else why not."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "needs a CUDA GPU (Gluon kernels are not interpreted)"
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return f"{q_dtype} queries: the kernel computes in the cache's 16-bit type (bf16 or fp16 queries)"
+    return wgmma_unavailable(device)
+
+
+def unfit(heads: int, q_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, page: int) -> str | None:
+    """None when the kernel takes this problem — decode over a bf16/fp16 pool of page 64 or 128 whose queries have
+    the cache's dtype, heads × q_len a multiple of 64 rows with whole heads per program — else why not. What the
+    launcher's "auto" and the tuner's search space both follow."""
+    if kv_dtype not in (torch.bfloat16, torch.float16):
+        return "it is the decode kernel for bf16/fp16 pools"
+    if q_dtype != kv_dtype:
+        return f"{q_dtype} queries over a {kv_dtype} pool (the MMAs take one 16-bit type)"
+    if q_len <= 0 or q_len > ROWS or ROWS % q_len:
+        return f"S_q {q_len}: a program holds {ROWS} rows of whole query tokens"
+    if heads % (ROWS // q_len):
+        return f"{heads} heads × S_q {q_len} do not split into programs of {ROWS} rows"
+    if page not in PAGES:
+        return f"page size {page}: tiles of {BLOCK_N} tokens are read by TMA from one page (page 64 or 128)"
+    return None
+
+
+if HAVE_GLUON:
+    _STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def _issue(kv_desc, nope, pe, bars, slot, page, start, pred, PAGE: gl.constexpr):
+        """TMA of the tile at `start` (in page `page`) into ring slot `slot`: nine [64, 64] boxes, one mbarrier."""
+        bar = bars.index(slot)
+        row = page * PAGE + start % PAGE
+        mbarrier.expect(bar, 9 * 64 * 64 * 2, pred=pred)
+        for c in gl.static_range(8):
+            _tma_load(kv_desc, [row, c * 64], bar, nope.index(slot).slice(c * 64, 64, dim=1), pred=pred)
+        _tma_load(kv_desc, [row, 512], bar, pe.index(slot), pred=pred)
+
+    @gluon.jit
+    def _zero_tail(tile, valid, ZL: gl.constexpr):
+        """Zero the rows ≥ `valid` of a tile's V [64, 512] in shared memory (eight [64, 64] column blocks)."""
+        keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, ZL)) < valid, 1)
+        for c in gl.static_range(8):
+            blk = tile.slice(c * 64, 64, dim=1)
+            x = blk.load(ZL)
+            blk.store(gl.where(keep, x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _qk(qn_smem, qp_smem, nope, pe, slot, s_zero):
+        """Issue s = q · K^T of ring slot `slot` (latent and rope columns, one chain of 36 wgmmas)."""
+        s = warpgroup_mma(qn_smem, nope.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(qp_smem, pe.index(slot).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _scores(s, start, hi, limit, qk_scale, tok):
+        """Masked, scaled scores (base 2) of a tile: -inf where a token is past the split end or not visible."""
+        n = gl.expand_dims(start + tok, 0)
+        visible = (n < hi) & (n < gl.expand_dims(limit, 1))
+        return gl.where(visible, s * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _softmax(s, m_i):
+        """(p, alpha, new row max) for scores s [64, 64] in base 2 against the running max m_i."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_base)
+        p = gl.exp2(s - gl.expand_dims(m_base, 1))
+        return p, alpha, m_new
+
+    @gluon.jit(do_not_specialize=["num_splits"])
+    def _mla_wide_decode(Q, kv_desc, BT, SEQLENS, O, LSE, O_PART, LSE_PART, qk_scale,
+                         stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h,
+                         stride_lse_t, stride_lse_j, stride_lse_h,
+                         stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
+                         H, num_splits,
+                         Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr,
+                         FINAL: gl.constexpr):
+        """Grid (head blocks, splits, batch). Program row r: query token j = r // BLOCK_H of the sequence, head
+        hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
+        dt: gl.constexpr = kv_desc.dtype
+        MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, 32, 16])
+        MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, 256, 16])
+        PL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+        SMEM: gl.constexpr = kv_desc.layout
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+        RS: gl.constexpr = gl.SliceLayout(1, MMA_S)
+        RO: gl.constexpr = gl.SliceLayout(1, MMA_O)
+
+        hb = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2)
+        seqlen = gl.load(SEQLENS + b)
+        q_start = b * Q_PER_SEQ
+        prefix = seqlen - Q_PER_SEQ
+        split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), 64) * 64
+        lo = split * split_len
+        hi = gl.minimum(lo + split_len, seqlen)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
+        bt_row = BT + b.to(gl.int64) * stride_bt_b
+
+        nope = gl.allocate_shared_memory(dt, [_STAGES, 64, 512], SMEM)
+        pe = gl.allocate_shared_memory(dt, [_STAGES, 64, 64], SMEM)
+        bars = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        # the first tiles in flight; the page ids a tile ahead of their TMA
+        for i in gl.static_range(_STAGES):
+            start = lo + i * 64
+            ok = i < n_tiles
+            page = gl.load(bt_row + start // PAGE, mask=ok, other=0)
+            _issue(kv_desc, nope, pe, bars, i, page, start, ok, PAGE)
+        page_ahead = gl.load(bt_row + (lo + _STAGES * 64) // PAGE, mask=_STAGES < n_tiles, other=0)
+
+        # ---- q [64 rows, 576] into shared memory (once)
+        qn_smem = gl.allocate_shared_memory(dt, [64, 512], SMEM)
+        qp_smem = gl.allocate_shared_memory(dt, [64, 64], SMEM)
+        qr = gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+        qj = qr // BLOCK_H
+        qh = hb * BLOCK_H + qr % BLOCK_H
+        q_row = Q + gl.expand_dims((q_start + qj).to(gl.int64) * stride_q_t + qh * stride_q_h, 1)
+        qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
+        for c in gl.static_range(8):
+            qn_smem.slice(c * 64, 64, dim=1).store(gl.load(q_row + c * 64 + qc))
+        qp_smem.store(gl.load(q_row + 512 + qc))
+        fence_async_shared()
+        _cta_barrier()
+
+        r = gl.arange(0, 64, layout=RS)
+        limit = prefix + r // BLOCK_H + 1  # row r sees positions < limit
+        tok = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA_S))
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=RS)
+        l_acc = gl.zeros([64, 64], gl.float32, layout=MMA_S)  # per-thread row sums, reduced once at the end
+        o = gl.zeros([64, 512], gl.float32, layout=MMA_O)
+        s_zero = gl.zeros([64, 64], gl.float32, layout=MMA_S)
+
+        for i in range(n_tiles):
+            slot = i % _STAGES
+            start = lo + i * 64
+            mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
+            s = _qk(qn_smem, qp_smem, nope, pe, slot, s_zero)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            if start + 64 > hi:  # the last tile: V rows past the split end → 0
+                _zero_tail(nope.index(slot), hi - start, ZL)
+                fence_async_shared()
+                _cta_barrier()
+            s = _scores(s, start, hi, limit, qk_scale, tok)
+            p, alpha, m_i = _softmax(s, m_i)
+            l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+            pa = gl.convert_layout(p.to(dt), PL)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
+            o = warpgroup_mma(pa, nope.index(slot), o, is_async=True)
+            o, pa = warpgroup_mma_wait(0, deps=(o, pa))
+            _cta_barrier()  # both warpgroups are done with slot i
+            ahead = i + _STAGES
+            _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE)
+            page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
+        for i in gl.static_range(_STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        l_i = gl.sum(l_acc, 1)
+        empty = l_i == 0.0
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), RO)
+        o = o * gl.expand_dims(inv, 1)
+        orow = gl.arange(0, 64, layout=RO)
+        oj = orow // BLOCK_H
+        oh = hb * BLOCK_H + orow % BLOCK_H
+        ot = (q_start + oj).to(gl.int64)
+        if FINAL:
+            out_rows = O + (ot * stride_o_t + oh * stride_o_h)
+        else:
+            out_rows = O_PART + (ot * stride_op_t + oh * stride_op_h + split * stride_op_s)
+        dcol = gl.arange(0, 512, layout=gl.SliceLayout(0, MMA_O))
+        gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(dcol, 0), o.to(out_rows.dtype.element_ty))
+        rj = r // BLOCK_H
+        rh = hb * BLOCK_H + r % BLOCK_H
+        if FINAL:
+            gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse)
+        else:
+            gl.store(LSE_PART + (q_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h + split, lse)
+
+
+def shared_bytes(stages: int = STAGES) -> int:
+    """Shared memory of one program: q and the ring of tiles (72 KB each); the softmax's exchanges come on top."""
+    return (stages + 1) * 64 * 576 * 2
+
+
+@functools.lru_cache(maxsize=256)
+def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int) -> int:
+    """KV splits per sequence: the count s ≤ capacity / 512 that minimises ⌈programs / SMs⌉ · (tiles per split + 4)
+    — waves of one-per-SM programs times one program's work, with a fixed cost of about four tiles per program
+    (q, filling the ring, the partials); the smallest s among equals."""
+    tiles = -(-capacity // BLOCK_N)
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(64, capacity // 512)) + 1):
+        cost = -(-batch * head_blocks * s // sm_count) * (-(-tiles // s) + 4)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+_DESCS: dict = {}
+
+
+def kv_descriptor(kv_cache: torch.Tensor):
+    """The TMA descriptor of a [P, page, 576] bf16/fp16 pool seen as [P·page, 576] with [64, 64] boxes (cached per
+    pool: a descriptor's host cost would otherwise be paid by every layer of every step)."""
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, kv_cache.device)
+    desc = _DESCS.get(key)
+    if desc is None:
+        flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
+        layout = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16 if kv_cache.dtype == torch.bfloat16
+                                                      else gl.float16)
+        desc = TensorDescriptor.from_tensor(flat, [64, 64], layout)
+        if len(_DESCS) > 1024:
+            _DESCS.clear()
+        _DESCS[key] = desc
+    return desc
+
+
+def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
+           out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
+           lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
+           q_per_seq: int, splits: int) -> None:
+    """Launch `_mla_wide_decode` over grid (head blocks, splits, B).
+
+    q3: [B·S_q, H, 576] bf16/fp16 queries (the cache's dtype; H·S_q a multiple of 64); kv_cache: [P, page, 576]
+    bf16/fp16, page 64 or 128, contiguous; block_table [B, max_pages] int32; seqlens [B] int32; out3
+    [B·S_q, H, 512] (written with splits == 1), lse through lse_strides; with splits > 1 the fp32 partials o_part
+    [B·S_q, H, splits, 512] and lse_part [B·S_q, H, splits] (part_strides: o_part's three, lse_part's two).
+    qk_scale: softmax scale · log2(e). Graph-safe (no host sync; the descriptor is cached per pool)."""
+    T, H, _ = q3.shape
+    B = seqlens.shape[0]
+    why = unfit(H, q_per_seq, kv_cache.dtype, q3.dtype, kv_cache.shape[1])
+    if why:
+        raise ValueError(f"mla gluon (wide): {why}")
+    if q3.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("mla gluon (wide): q needs a contiguous last dimension and the cache must be contiguous "
+                         "(it is read by TMA as one [pages · page, 576] tensor)")
+    block_h = ROWS // q_per_seq
+    _mla_wide_decode[(H // block_h, splits, B)](
+        q3, kv_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale,
+        q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
+        *part_strides, H, splits,
+        Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,
+        num_warps=WARPS)
+
+
+def programs_per_sm() -> int:
+    """Programs one sm90 SM holds: shared memory allows one."""
+    return SM90.programs_per_sm(registers=None, shared=shared_bytes(), warps=WARPS)["programs_per_sm"]

@@ -1,0 +1,132 @@
+"""The 64-row Gluon MLA decode kernel (attention/gluon_mla_wide.py) on a GPU: every variant against the fp32
+reference on ragged, NaN-poisoned problems, then timings at the goal shapes against `_mla_fwd`.
+
+    python3 bench/gpu/wide_mla.py --out DIR [--quick] [--skip-correctness] [--variants '{"num_splits": 2}' ...]
+
+Writes DIR/wide_correctness.csv, DIR/wide_timing.csv and prints both tables. GPU only (sm90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _check(rows, heads, q_len, page, dtype, cfg, seqlens, seed):
+    from pdlab.attention import mla_decode
+    from pdlab.attention.workloads import decode_problem
+    from pdlab.bench.harness import cosine_error
+
+    p = decode_problem(seqlens, heads, q_len=q_len, page=page, dtype=dtype, device="cuda", seed=seed)
+    rec = {"heads": heads, "q_len": q_len, "page": page, "dtype": str(dtype).split(".")[-1], "config": json.dumps(cfg),
+           "batch": len(seqlens), "max_seqlen": max(seqlens)}
+    try:
+        want_o, want_l = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch")
+        got_o, got_l = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="triton",
+                                  config=cfg)
+        torch.cuda.synchronize()
+        rec.update(cos_out=cosine_error(got_o, want_o), cos_lse=cosine_error(got_l, want_l),
+                   nan=bool(torch.isnan(got_o).any()))
+        rec["ok"] = bool(rec["cos_out"] < 1e-5 and rec["cos_lse"] < 1e-5 and not rec["nan"])
+    except Exception as exc:  # a failing variant is a row, not the end of the run
+        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        traceback.print_exc()
+    rows.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def correctness(variants, quick: bool) -> list[dict]:
+    rows: list[dict] = []
+    ragged = [1, 63, 64, 65, 127, 128, 129, 1000, 2047, 4096, 8192, 5, 777]  # raised to S_q below
+    shapes = [(128, 1), (64, 1), (128, 2), (32, 2), (16, 4), (128, 4)]
+    if quick:
+        shapes = shapes[:3]
+    seed = 0
+    for cfg in variants:
+        for heads, q_len in shapes:
+            for page in (64, 128):
+                for splits in (0, 1, 3, 16):
+                    seed += 1
+                    _check(rows, heads, q_len, page, torch.bfloat16, {**cfg, "kernel": "gluon", "num_splits": splits},
+                           [max(q_len, n) for n in ragged], seed)
+    seed += 1
+    _check(rows, 128, 1, 64, torch.float16, {"kernel": "gluon"}, ragged, seed)
+    # the tail of a split inside the first tile, empty splits
+    seed += 1
+    _check(rows, 128, 1, 64, torch.bfloat16, {"kernel": "gluon", "num_splits": 64}, [1, 2, 3, 200], seed)
+    return rows
+
+
+def timing(variants, quick: bool) -> list[dict]:
+    from pdlab.attention import mla_decode
+    from pdlab.attention.workloads import decode_cost, decode_problem
+    from pdlab.bench.harness import bench
+
+    rows = []
+    shapes = [(128, 8192, 128, 1), (128, 16384, 128, 1), (128, 4096, 128, 1), (128, 1024, 128, 1),
+              (64, 8192, 128, 1), (32, 8192, 128, 1), (128, 8192, 128, 2), (128, 8192, 64, 1), (128, 8192, 16, 4)]
+    if quick:
+        shapes = shapes[:1]
+    for batch, seqlen, heads, q_len in shapes:
+        p = decode_problem([seqlen] * batch, heads, q_len=q_len, page=64, device="cuda", poison=False, seed=1)
+        flops, nbytes = decode_cost(batch, q_len, heads, p.total_kv, 2)
+        from pdlab.attention.ops import resolve_config
+        from pdlab.kernels import registry
+
+        bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": "bf16", "q_len": q_len}
+        tuned, src = resolve_config("mla_decode", registry.get_backend("mla_decode", "triton"), bucket,
+                                    torch.device("cuda"), None)
+        cands = [("triton", {"kernel": "triton"}), (f"triton-tuned ({src.split('/')[-1]})", {**tuned, "kernel": "triton"})]
+        cands += [(f"wide {json.dumps(v)}", {**v, "kernel": "gluon"}) for v in variants]
+        for name, cfg in cands:
+            def fn(cfg=cfg):
+                mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="triton", config=cfg)
+            try:
+                t = bench(fn, cuda_graph=True, graph_calls=5, repeats=20, warmup=3)
+                ms = t.median_ms
+                rec = {"batch": batch, "seqlen": seqlen, "heads": heads, "q_len": q_len, "kernel": name,
+                       "ms": round(ms, 4), "p10": round(t.p10_ms, 4), "p90": round(t.p90_ms, 4),
+                       "tflops": round(flops / ms / 1e9, 1), "gbps": round(nbytes / ms / 1e6, 1)}
+            except Exception as exc:
+                rec = {"batch": batch, "seqlen": seqlen, "heads": heads, "q_len": q_len, "kernel": name,
+                       "error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+        del p
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=['{}', '{"num_splits": 1}', '{"num_splits": 2}'],
+                    help="configs of the wide kernel to time (JSON, merged over the default)")
+    ap.add_argument("--skip-correctness", action="store_true")
+    args = ap.parse_args(argv)
+    import pandas as pd
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = [json.loads(v) for v in args.variants]
+    ok = True
+    if not args.skip_correctness:
+        rows = correctness([{}], args.quick)
+        pd.DataFrame(rows).to_csv(out / "wide_correctness.csv", index=False)
+        ok = all(r["ok"] for r in rows)
+        print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} ok", flush=True)
+    rows = timing(variants, args.quick)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "wide_timing.csv", index=False)
+    print(df.to_string(index=False))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The 64-row Gluon MLA decode kernel over 16-bit pools (attention/gluon_mla_wide.py): its selection rule, split rule,
+descriptor cache and refusals on CPU, its sm90 compilation on any machine, and on a GPU its results against the fp32
+reference (FlashMLA's bar: cosine error < 1e-5 on out and lse) with NaN in every row past each sequence's length."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdlab.attention import gluon_mla_wide as W
+from pdlab.attention import mla_decode
+from pdlab.attention import triton_kernels as tk
+from pdlab.attention.workloads import decode_problem
+from pdlab.bench.harness import cosine_error
+from pdlab.kernels.arch import SM90
+
+
+def test_unfit_names_what_the_kernel_does_not_take():
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert W.unfit(128, 1, bf16, bf16, 64) is None and W.unfit(64, 1, fp16, fp16, 128) is None
+    assert W.unfit(32, 2, bf16, bf16, 64) is None and W.unfit(16, 4, bf16, bf16, 64) is None
+    assert "bf16/fp16 pools" in W.unfit(128, 1, torch.uint8, bf16, 64)
+    assert "queries over a" in W.unfit(128, 1, bf16, torch.float32, 64)
+    assert "do not split into programs of 64 rows" in W.unfit(48, 1, bf16, bf16, 64)
+    assert "do not split" in W.unfit(16, 1, bf16, bf16, 64)
+    assert "S_q 3" in W.unfit(128, 3, bf16, bf16, 64)
+    assert "S_q 0" in W.unfit(128, 0, bf16, bf16, 64)  # prefill (ragged queries) is not this kernel's
+    assert "page size 32" in W.unfit(128, 1, bf16, bf16, 32)
+
+
+def _q(heads=128, dtype=torch.bfloat16):
+    return torch.zeros(2, heads, 576, dtype=dtype)
+
+
+def test_selection_picks_the_kernel_that_fits_and_explains_when_none_does():
+    kv16 = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    # no GPU here: "auto" runs neither Gluon kernel; "gluon" says why for both and how to get on
+    assert tk._gluon_kernel({"kernel": "auto"}, False, 1, 128, _q(), kv16) is None
+    assert tk._gluon_kernel({"kernel": "triton"}, False, 1, 128, _q(), kv16) is None
+    with pytest.raises(ValueError, match="fp8 kernel: it is the decode kernel for fp8 pools; 16-bit kernel: needs a "
+                                         "CUDA GPU.*kernel='triton'"):
+        tk._gluon_kernel({"kernel": "gluon"}, False, 1, 128, _q(), kv16)
+    with pytest.raises(ValueError, match="16-bit kernel: page size 32"):
+        tk._gluon_kernel({"kernel": "gluon"}, False, 1, 128, _q(), torch.zeros(4, 32, 576, dtype=torch.bfloat16))
+
+
+def test_auto_splits_known_answers():
+    # H200: 132 SMs, one program per SM. B=128 at 128 heads: 256 programs, ~2 waves, one split (measured best);
+    # B=32: 64 programs would leave half the SMs idle → 2 splits; one sequence: cut to 512-token pieces
+    assert W.auto_splits(128, 2, 8192, 132) == 1
+    assert W.auto_splits(64, 2, 8192, 132) == 1
+    assert W.auto_splits(32, 2, 8192, 132) == 2
+    assert W.auto_splits(1, 2, 8192, 132) == 16
+    assert W.auto_splits(4, 2, 1024, 132) == 2  # capacity / 512
+
+
+@pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_descriptor_is_built_once_per_pool():
+    kv = torch.zeros(6, 64, 576, dtype=torch.bfloat16)
+    d = W.kv_descriptor(kv)
+    assert W.kv_descriptor(kv) is d
+    assert list(d.shape) == [6 * 64, 576] and list(d.block_shape) == [64, 64] and d.base.data_ptr() == kv.data_ptr()
+    other = torch.zeros(6, 64, 576, dtype=torch.float16)
+    assert W.kv_descriptor(other) is not d
+
+
+@pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_launch_refuses_what_it_cannot_take():
+    B, H = 2, 128
+    bt, sl = torch.zeros(B, 2, dtype=torch.int32), torch.ones(B, dtype=torch.int32)
+    out, lse = torch.empty(B, H, 512), torch.empty(B, H, 1)
+
+    def go(q, kv):
+        W.launch(q, kv, bt, sl, out, lse, out, lse, (H, 1, 1), (0,) * 5, 1.0, q_per_seq=1, splits=1)
+
+    with pytest.raises(ValueError, match="page size 16"):
+        go(_q(), torch.zeros(4, 16, 576, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16/fp16 pools"):
+        go(_q(), torch.zeros(4, 64, 576, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        go(_q(), torch.zeros(4, 64, 1152, dtype=torch.bfloat16)[:, :, :576])
+
+
+_COMPILE = r"""
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage, sass_opcodes
+from pdlab.attention import gluon_mla_wide as W
+final = sys.argv[1] == "1"
+names = W._mla_wide_decode.arg_names
+desc = W.kv_descriptor(torch.zeros(8, 64, 576, dtype=torch.bfloat16))
+ptrs = {"Q": "*bf16", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32", "O_PART": "*fp32",
+        "LSE_PART": "*fp32", "kv_desc": f"tensordesc<bf16[64, 64],{desc.layout!r}>"}
+sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+consts = {"Q_PER_SEQ": 1, "BLOCK_H": 64, "PAGE": 64, "FINAL": final}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+sig.update({k: "constexpr" for k in consts})
+k = triton.compile(GluonASTSource(fn=W._mla_wide_decode, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": W.WARPS, "num_stages": 1})
+regs, spill = _ptxas_usage(k.asm["ptx"], 90)
+sass = _disassemble(k.asm["cubin"])
+ops = {}
+for line in sass.splitlines():
+    for name in ("HGMMA.64x32x16.F32.BF16", "HGMMA.64x256x16.F32.BF16", "UTMALDG.2D"):
+        if name in line:
+            ops[name] = ops.get(name, 0) + 1
+print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "ops": ops}))
+"""
+
+
+@pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("final", [True, False])
+def test_compiles_for_sm90_one_program_per_sm(final):
+    # compiled for sm90 on any machine (its own process): q·k as 32 + 4 wgmma of 64×32 per warpgroup (one chain per
+    # tile), p·v as 4 wgmma of 64×256 with p from registers, the tiles by TMA (9 boxes, issued where the ring is
+    # filled and refilled), no spills; q and two tiles fit one SM's shared memory
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final))], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    ops = got["ops"]
+    assert ops["HGMMA.64x32x16.F32.BF16"] == 36, ops
+    assert ops["HGMMA.64x256x16.F32.BF16"] == 4, ops
+    assert ops["UTMALDG.2D"] >= 9 and ops["UTMALDG.2D"] % 9 == 0, ops
+    assert got["spill"] == 0, got
+    assert W.shared_bytes() <= got["shared"] <= SM90.shared_per_program, got
+    assert W.programs_per_sm() == 1
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+def _gpu_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return W.available(torch.device("cuda"))
+
+
+def _lens(B, top, q_len, rng):
+    fixed = [q_len, 63, 64, 65, 128, 129, top]
+    return [max(q_len, n) for n in fixed + [rng.randint(1, top) for _ in range(B - len(fixed))]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len,page,cfg", [
+    (128, 1, 64, {}), (128, 1, 64, {"num_splits": 1}), (128, 1, 128, {"num_splits": 3}), (64, 1, 64, {}),
+    (128, 2, 64, {}), (32, 2, 128, {"num_splits": 5}), (16, 4, 64, {}), (128, 4, 64, {"num_splits": 2}),
+    (128, 1, 64, {"waves": 4.0}), (256, 1, 64, {}),
+    (128, 1, 64, {"num_splits": 64}),  # splits past the end of short sequences: empty partials
+])
+def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = decode_problem(_lens(24, 3000, q_len, rng), heads, q_len, page, torch.bfloat16, device="cuda", seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    ref = mla_decode(*args, backend="torch")
+    out, lse = mla_decode(*args, backend="triton", config={"kernel": "gluon", **cfg})
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+@pytest.mark.gpu
+def test_gpu_wide_decode_fp16_and_cuda_graph(seed):
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = decode_problem(_lens(16, 8192, 1, rng), 128, 1, 64, torch.float16, device="cuda", seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    ref = mla_decode(*args, backend="torch")
+    cfg = {"kernel": "gluon"}
+    out, lse = mla_decode(*args, backend="triton", config=cfg)
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = mla_decode(*args, backend="triton", config=cfg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout, out) and torch.equal(glse, lse)
+
+
+@pytest.mark.gpu
+def test_gpu_default_decode_at_128_heads_runs_the_wide_kernel(seed, monkeypatch):
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    calls = []
+    real = W.launch
+    monkeypatch.setattr(W, "launch", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    p = decode_problem([100, 5000], 128, 1, 64, torch.bfloat16, device="cuda", seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    out, _ = mla_decode(*args, backend="triton", config={})
+    assert len(calls) == 1
+    assert cosine_error(out, mla_decode(*args, backend="torch")[0]) < 1e-5
