@@ -69,12 +69,14 @@ def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> st
 
 
 def unfit(heads: int, q_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, page: int) -> str | None:
-    """None when the kernel takes this problem — decode over a bf16/fp16 pool of page 64 or 128 whose queries have
-    the cache's dtype, heads × q_len a multiple of 64 rows with whole heads per program — else why not. What the
-    launcher's "auto" and the tuner's search space both follow."""
-    if kv_dtype not in (torch.bfloat16, torch.float16):
-        return "it is the decode kernel for bf16/fp16 pools"
-    if q_dtype != kv_dtype:
+    """None when the kernel takes this problem — decode over a pool of page 64 or 128, bf16/fp16 with queries of
+    its dtype or fp8 (uint8 e4m3 bytes) with bf16/fp16 queries, heads × q_len a multiple of 64 rows with whole
+    heads per program — else why not. What the launcher's "auto" and the tuner's search space both follow."""
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.uint8):
+        return f"{kv_dtype} pools: the kernel reads bf16, fp16 or fp8 (uint8 e4m3) pools"
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return f"{q_dtype} queries: the kernel computes in 16 bits (bf16 or fp16 queries)"
+    if kv_dtype != torch.uint8 and q_dtype != kv_dtype:
         return f"{q_dtype} queries over a {kv_dtype} pool (the MMAs take one 16-bit type)"
     if q_len <= 0 or q_len > ROWS or ROWS % q_len:
         return f"S_q {q_len}: a program holds {ROWS} rows of whole query tokens"
@@ -86,14 +88,17 @@ def unfit(heads: int, q_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, p
 
 
 if HAVE_GLUON:
+    from pdlab.attention.gluon_mla import _to_f16
+
     _STAGES = gl.constexpr(STAGES)
+    _TILE16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     @gluon.jit
-    def _issue(kv_desc, nope, pe, bars, slot, page, start, pred, PAGE: gl.constexpr):
+    def _issue(kv_desc, nope, pe, bars, slot, page, start, pred, PAGE: gl.constexpr, BOX_BYTES: gl.constexpr):
         """TMA of the tile at `start` (in page `page`) into ring slot `slot`: nine [64, 64] boxes, one mbarrier."""
         bar = bars.index(slot)
         row = page * PAGE + start % PAGE
-        mbarrier.expect(bar, 9 * 64 * 64 * 2, pred=pred)
+        mbarrier.expect(bar, 9 * BOX_BYTES, pred=pred)
         for c in gl.static_range(8):
             _tma_load(kv_desc, [row, c * 64], bar, nope.index(slot).slice(c * 64, 64, dim=1), pred=pred)
         _tma_load(kv_desc, [row, 512], bar, pe.index(slot), pred=pred)
@@ -108,17 +113,27 @@ if HAVE_GLUON:
             blk.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _qk(qn_smem, qp_smem, nope, pe, slot, s_zero):
-        """Issue s = q · K^T of ring slot `slot` (latent and rope columns, one chain of 36 wgmmas)."""
-        s = warpgroup_mma(qn_smem, nope.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        return warpgroup_mma(qp_smem, pe.index(slot).permute((1, 0)), s, is_async=True)
+    def _convert(nope8, pe8, nope16, pe16, valid, CL: gl.constexpr):
+        """An fp8 tile (e4m3 bytes [64, 512] + [64, 64]) → its fp16 values in the MMAs' tile; rows ≥ `valid` → 0."""
+        keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, CL)) < valid, 1)
+        for c in gl.static_range(8):
+            x = _to_f16(nope8.slice(c * 64, 64, dim=1).load(CL))
+            nope16.slice(c * 64, 64, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+        x = _to_f16(pe8.load(CL))
+        pe16.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _scores(s, start, hi, limit, qk_scale, tok):
+    def _qk(qn_smem, qp_smem, k_nope, k_pe, s_zero):
+        """Issue s = q · K^T of one tile (latent and rope columns, one chain of 36 wgmmas)."""
+        s = warpgroup_mma(qn_smem, k_nope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(qp_smem, k_pe.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _scores(s, start, hi, limit, row_scale, tok):
         """Masked, scaled scores (base 2) of a tile: -inf where a token is past the split end or not visible."""
         n = gl.expand_dims(start + tok, 0)
         visible = (n < hi) & (n < gl.expand_dims(limit, 1))
-        return gl.where(visible, s * qk_scale, float("-inf"))
+        return gl.where(visible, s * gl.expand_dims(row_scale, 1), float("-inf"))
 
     @gluon.jit
     def _softmax(s, m_i):
@@ -130,26 +145,28 @@ if HAVE_GLUON:
         return p, alpha, m_new
 
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _mla_wide_decode(Q, kv_desc, BT, SEQLENS, O, LSE, O_PART, LSE_PART, qk_scale,
+    def _mla_wide_decode(Q, kv_desc, BT, SEQLENS, O, LSE, O_PART, LSE_PART, qk_scale, kv_scale, KV_SCALE_PTR,
                          stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h,
                          stride_lse_t, stride_lse_j, stride_lse_h,
                          stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
                          H, num_splits,
                          Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr,
-                         FINAL: gl.constexpr):
+                         FINAL: gl.constexpr, FP8: gl.constexpr, SCALE_FROM_PTR: gl.constexpr):
         """Grid (head blocks, splits, batch). Program row r: query token j = r // BLOCK_H of the sequence, head
         hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
-        dt: gl.constexpr = kv_desc.dtype
+        dt: gl.constexpr = gl.float16 if FP8 else kv_desc.dtype  # what the MMAs take
         MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, 32, 16])
         MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, 256, 16])
         PL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
-        SMEM: gl.constexpr = kv_desc.layout
+        RING: gl.constexpr = kv_desc.layout
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])
+        CL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])  # 16 bytes of a row per thread
         RS: gl.constexpr = gl.SliceLayout(1, MMA_S)
         RO: gl.constexpr = gl.SliceLayout(1, MMA_O)
+        BOX_BYTES: gl.constexpr = 64 * 64 * (1 if FP8 else 2)
 
         hb = gl.program_id(0)
         split = gl.program_id(1)
@@ -162,9 +179,15 @@ if HAVE_GLUON:
         hi = gl.minimum(lo + split_len, seqlen)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
         bt_row = BT + b.to(gl.int64) * stride_bt_b
+        if SCALE_FROM_PTR:
+            kv_scale = gl.load(KV_SCALE_PTR).to(gl.float32)
 
-        nope = gl.allocate_shared_memory(dt, [_STAGES, 64, 512], SMEM)
-        pe = gl.allocate_shared_memory(dt, [_STAGES, 64, 64], SMEM)
+        # the ring the TMA fills: the MMAs' 16-bit tiles, or (fp8) the bytes, converted into one 16-bit tile
+        nope = gl.allocate_shared_memory(kv_desc.dtype, [_STAGES, 64, 512], RING)
+        pe = gl.allocate_shared_memory(kv_desc.dtype, [_STAGES, 64, 64], RING)
+        if FP8:
+            nope16 = gl.allocate_shared_memory(dt, [64, 512], _TILE16)
+            pe16 = gl.allocate_shared_memory(dt, [64, 64], _TILE16)
         bars = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(_STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -173,20 +196,33 @@ if HAVE_GLUON:
             start = lo + i * 64
             ok = i < n_tiles
             page = gl.load(bt_row + start // PAGE, mask=ok, other=0)
-            _issue(kv_desc, nope, pe, bars, i, page, start, ok, PAGE)
+            _issue(kv_desc, nope, pe, bars, i, page, start, ok, PAGE, BOX_BYTES)
         page_ahead = gl.load(bt_row + (lo + _STAGES * 64) // PAGE, mask=_STAGES < n_tiles, other=0)
 
-        # ---- q [64 rows, 576] into shared memory (once)
-        qn_smem = gl.allocate_shared_memory(dt, [64, 512], SMEM)
-        qp_smem = gl.allocate_shared_memory(dt, [64, 64], SMEM)
+        # ---- q [64 rows, 576] into shared memory (once); over an fp8 pool in fp16, each row divided by a power of
+        # two that keeps it below 2^14 (exact, and no fp16 overflow), the factor folded into the row's scores
+        qn_smem = gl.allocate_shared_memory(dt, [64, 512], _TILE16)
+        qp_smem = gl.allocate_shared_memory(dt, [64, 64], _TILE16)
         qr = gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
         qj = qr // BLOCK_H
         qh = hb * BLOCK_H + qr % BLOCK_H
         q_row = Q + gl.expand_dims((q_start + qj).to(gl.int64) * stride_q_t + qh * stride_q_h, 1)
         qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
-        for c in gl.static_range(8):
-            qn_smem.slice(c * 64, 64, dim=1).store(gl.load(q_row + c * 64 + qc))
-        qp_smem.store(gl.load(q_row + 512 + qc))
+        if FP8:
+            amax = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, QL))
+            for c in gl.static_range(9):
+                amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_row + c * 64 + qc).to(gl.float32)), 1))
+            qfac = gl.exp2(gl.ceil(gl.log2(gl.maximum(amax * (1.0 / 16384.0), 1.0))))
+            inv_f = gl.expand_dims(1.0 / qfac, 1)
+            for c in gl.static_range(8):
+                qn_smem.slice(c * 64, 64, dim=1).store((gl.load(q_row + c * 64 + qc).to(gl.float32) * inv_f).to(dt))
+            qp_smem.store((gl.load(q_row + 512 + qc).to(gl.float32) * inv_f).to(dt))
+            row_scale = gl.convert_layout(qfac, RS) * (qk_scale * kv_scale)
+        else:
+            for c in gl.static_range(8):
+                qn_smem.slice(c * 64, 64, dim=1).store(gl.load(q_row + c * 64 + qc))
+            qp_smem.store(gl.load(q_row + 512 + qc))
+            row_scale = gl.full([64], qk_scale, gl.float32, layout=RS)
         fence_async_shared()
         _cta_barrier()
 
@@ -202,30 +238,48 @@ if HAVE_GLUON:
             slot = i % _STAGES
             start = lo + i * 64
             mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
-            s = _qk(qn_smem, qp_smem, nope, pe, slot, s_zero)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            if start + 64 > hi:  # the last tile: V rows past the split end → 0
-                _zero_tail(nope.index(slot), hi - start, ZL)
+            if FP8:
+                # the bytes → the 16-bit tile (rows past the split end → 0); the slot then goes back to the TMA
+                _convert(nope.index(slot), pe.index(slot), nope16, pe16, hi - start, CL)
                 fence_async_shared()
                 _cta_barrier()
-            s = _scores(s, start, hi, limit, qk_scale, tok)
+                ahead = i + _STAGES
+                _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
+                page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
+                k_nope = nope16
+                k_pe = pe16
+            else:
+                k_nope = nope.index(slot)
+                k_pe = pe.index(slot)
+            s = _qk(qn_smem, qp_smem, k_nope, k_pe, s_zero)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            if not FP8:
+                if start + 64 > hi:  # the last tile: V rows past the split end → 0
+                    _zero_tail(k_nope, hi - start, ZL)
+                    fence_async_shared()
+                    _cta_barrier()
+            s = _scores(s, start, hi, limit, row_scale, tok)
             p, alpha, m_i = _softmax(s, m_i)
             l_acc = l_acc * gl.expand_dims(alpha, 1) + p
             pa = gl.convert_layout(p.to(dt), PL)
             o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
-            o = warpgroup_mma(pa, nope.index(slot), o, is_async=True)
+            o = warpgroup_mma(pa, k_nope, o, is_async=True)
             o, pa = warpgroup_mma_wait(0, deps=(o, pa))
-            _cta_barrier()  # both warpgroups are done with slot i
-            ahead = i + _STAGES
-            _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE)
-            page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
+            _cta_barrier()  # both warpgroups are done with the tile
+            if not FP8:
+                ahead = i + _STAGES
+                _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
+                page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
         for i in gl.static_range(_STAGES):
             mbarrier.invalidate(bars.index(i))
 
         l_i = gl.sum(l_acc, 1)
         empty = l_i == 0.0
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), RO)
+        if FP8:
+            inv = gl.convert_layout(kv_scale / gl.where(empty, 1.0, l_i), RO)
+        else:
+            inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), RO)
         o = o * gl.expand_dims(inv, 1)
         orow = gl.arange(0, 64, layout=RO)
         oj = orow // BLOCK_H
@@ -245,20 +299,30 @@ if HAVE_GLUON:
             gl.store(LSE_PART + (q_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h + split, lse)
 
 
-def shared_bytes(stages: int = STAGES) -> int:
-    """Shared memory of one program: q and the ring of tiles (72 KB each); the softmax's exchanges come on top."""
-    return (stages + 1) * 64 * 576 * 2
+def shared_bytes(stages: int = STAGES, fp8: bool = False) -> int:
+    """Shared memory of one program: q (72 KB) and the ring of tiles (72 KB each; over an fp8 pool 36 KB each, plus
+    the 16-bit tile they are converted into); the softmax's exchanges come on top."""
+    tile = 64 * 576 * 2
+    return tile + (stages * tile // 2 + tile if fp8 else stages * tile)
+
+
+# a program's fixed cost in tiles: q and filling the ring (about one tile), plus with splits the fp32 partial it writes
+# and the combine reads back (128 KB each way per program: about three tiles more)
+FIXED_TILES = 1
+PARTIAL_TILES = 3
 
 
 @functools.lru_cache(maxsize=256)
 def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int) -> int:
-    """KV splits per sequence: the count s ≤ capacity / 512 that minimises ⌈programs / SMs⌉ · (tiles per split + 4)
-    — waves of one-per-SM programs times one program's work, with a fixed cost of about four tiles per program
-    (q, filling the ring, the partials); the smallest s among equals."""
+    """KV splits per sequence: the count s (1 ≤ s ≤ 64, at least one tile per split) that minimises
+    ⌈programs / SMs⌉ · (tiles per split + fixed cost) — waves of one-per-SM programs times one program's work; the
+    smallest s among equals. Fitted to H200 timings (bench/results/NVIDIA_H200/attention/2026-12-01_gluon_wide):
+    B=128 at 1k–16k and B=64 at 8k–16k one split, B=32 at 8k two, B=8 at 1k–16k eight."""
     tiles = -(-capacity // BLOCK_N)
     best, best_cost = 1, None
-    for s in range(1, max(1, min(64, capacity // 512)) + 1):
-        cost = -(-batch * head_blocks * s // sm_count) * (-(-tiles // s) + 4)
+    for s in range(1, max(1, min(64, tiles)) + 1):
+        fixed = FIXED_TILES + (PARTIAL_TILES if s > 1 else 0)
+        cost = -(-batch * head_blocks * s // sm_count) * (-(-tiles // s) + fixed)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -268,15 +332,14 @@ _DESCS: dict = {}
 
 
 def kv_descriptor(kv_cache: torch.Tensor):
-    """The TMA descriptor of a [P, page, 576] bf16/fp16 pool seen as [P·page, 576] with [64, 64] boxes (cached per
-    pool: a descriptor's host cost would otherwise be paid by every layer of every step)."""
+    """The TMA descriptor of a [P, page, 576] pool (bf16/fp16, or uint8 fp8 bytes) seen as [P·page, 576] with
+    [64, 64] boxes (cached per pool: a descriptor's host cost would otherwise be paid by every layer of every step)."""
     key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, kv_cache.device)
     desc = _DESCS.get(key)
     if desc is None:
         flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
-        layout = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16 if kv_cache.dtype == torch.bfloat16
-                                                      else gl.float16)
-        desc = TensorDescriptor.from_tensor(flat, [64, 64], layout)
+        elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[kv_cache.dtype]
+        desc = TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], elem))
         if len(_DESCS) > 1024:
             _DESCS.clear()
         _DESCS[key] = desc
@@ -286,14 +349,16 @@ def kv_descriptor(kv_cache: torch.Tensor):
 def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
-           q_per_seq: int, splits: int) -> None:
+           q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None) -> None:
     """Launch `_mla_wide_decode` over grid (head blocks, splits, B).
 
-    q3: [B·S_q, H, 576] bf16/fp16 queries (the cache's dtype; H·S_q a multiple of 64); kv_cache: [P, page, 576]
-    bf16/fp16, page 64 or 128, contiguous; block_table [B, max_pages] int32; seqlens [B] int32; out3
-    [B·S_q, H, 512] (written with splits == 1), lse through lse_strides; with splits > 1 the fp32 partials o_part
-    [B·S_q, H, splits, 512] and lse_part [B·S_q, H, splits] (part_strides: o_part's three, lse_part's two).
-    qk_scale: softmax scale · log2(e). Graph-safe (no host sync; the descriptor is cached per pool)."""
+    q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q a multiple of 64; the cache's dtype over a 16-bit pool);
+    kv_cache: [P, page, 576] bf16/fp16, or uint8 e4m3 bytes (value = e4m3 · kv_scale), page 64 or 128, contiguous;
+    block_table [B, max_pages] int32; seqlens [B] int32; out3 [B·S_q, H, 512] (written with splits == 1), lse
+    through lse_strides; with splits > 1 the fp32 partials o_part [B·S_q, H, splits, 512] and lse_part
+    [B·S_q, H, splits] (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e);
+    kv_scale: an fp8 pool's scale, or read from kv_scale_ptr [1] fp32 when given. Graph-safe (no host sync; the
+    descriptor is cached per pool)."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     why = unfit(H, q_per_seq, kv_cache.dtype, q3.dtype, kv_cache.shape[1])
@@ -303,12 +368,14 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError("mla gluon (wide): q needs a contiguous last dimension and the cache must be contiguous "
                          "(it is read by TMA as one [pages · page, 576] tensor)")
     block_h = ROWS // q_per_seq
+    from_ptr = kv_scale_ptr is not None
     _mla_wide_decode[(H // block_h, splits, B)](
-        q3, kv_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale,
+        q3, kv_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale, kv_scale,
+        kv_scale_ptr if from_ptr else seqlens,
         q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
         *part_strides, H, splits,
         Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,
-        num_warps=WARPS)
+        FP8=kv_cache.dtype == torch.uint8, SCALE_FROM_PTR=from_ptr, num_warps=WARPS)
 
 
 def programs_per_sm() -> int:

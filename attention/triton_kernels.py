@@ -617,7 +617,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         from pdlab.attention import gluon_mla_wide
 
         gluon_mla_wide.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
-                              softmax_scale * LOG2E, q_per_seq=q_per_seq, splits=splits)
+                              softmax_scale * LOG2E, q_per_seq=q_per_seq, splits=splits, kv_scale=scale,
+                              kv_scale_ptr=scale_ptr if from_ptr else None)
         _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
         return
     if gluon == "fp8":
@@ -694,8 +695,8 @@ def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, split
 def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Tensor,
                   kv_cache: torch.Tensor) -> str | None:
     """Which Gluon decode kernel this launch runs: "fp8" (attention/gluon_mla.py: sm90, an fp8 pool, heads × S_q ≤ 32,
-    16-bit queries), "wide" (attention/gluon_mla_wide.py: sm90, a contiguous bf16/fp16 pool of page 64/128, queries of
-    its dtype, heads × S_q in programs of 64 rows) or None (`_mla_fwd`). Config "kernel": "gluon" runs the one that
+    16-bit queries), "wide" (attention/gluon_mla_wide.py: sm90, a contiguous pool of page 64/128 — bf16/fp16 with
+    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows) or None (`_mla_fwd`). Config "kernel": "gluon" runs the one that
     fits (ValueError with both reasons where none does), "auto" likewise but falls back to `_mla_fwd`, "triton"
     never runs one."""
     kernel = str(config.get("kernel", "triton"))

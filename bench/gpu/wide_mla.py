@@ -17,18 +17,29 @@ from pathlib import Path
 import torch
 
 
-def _check(rows, heads, q_len, page, dtype, cfg, seqlens, seed):
-    from pdlab.attention import mla_decode
+def _problem(seqlens, heads, q_len, page, dtype, kv, seed, poison=True):
+    from pdlab.attention import quantize_kv_fp8
     from pdlab.attention.workloads import decode_problem
+
+    p = decode_problem(seqlens, heads, q_len=q_len, page=page, dtype=dtype, device="cuda", seed=seed, poison=poison)
+    if kv == "fp8":
+        scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
+        p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
+    return p
+
+
+def _check(rows, heads, q_len, page, dtype, cfg, seqlens, seed, kv="same"):
+    from pdlab.attention import mla_decode
     from pdlab.bench.harness import cosine_error
 
-    p = decode_problem(seqlens, heads, q_len=q_len, page=page, dtype=dtype, device="cuda", seed=seed)
-    rec = {"heads": heads, "q_len": q_len, "page": page, "dtype": str(dtype).split(".")[-1], "config": json.dumps(cfg),
-           "batch": len(seqlens), "max_seqlen": max(seqlens)}
+    p = _problem(seqlens, heads, q_len, page, dtype, kv, seed)
+    rec = {"heads": heads, "q_len": q_len, "page": page, "dtype": str(dtype).split(".")[-1], "kv": kv,
+           "config": json.dumps(cfg), "batch": len(seqlens), "max_seqlen": max(seqlens)}
     try:
-        want_o, want_l = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch")
-        got_o, got_l = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="triton",
-                                  config=cfg)
+        want_o, want_l = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                                    backend="torch")
+        got_o, got_l = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                                  backend="triton", config=cfg)
         torch.cuda.synchronize()
         rec.update(cos_out=cosine_error(got_o, want_o), cos_lse=cosine_error(got_l, want_l),
                    nan=bool(torch.isnan(got_o).any()))
@@ -54,6 +65,12 @@ def correctness(variants, quick: bool) -> list[dict]:
                     seed += 1
                     _check(rows, heads, q_len, page, torch.bfloat16, {**cfg, "kernel": "gluon", "num_splits": splits},
                            [max(q_len, n) for n in ragged], seed)
+    for heads, q_len in shapes:  # fp8 pools
+        for page in (64, 128):
+            for splits in (0, 3):
+                seed += 1
+                _check(rows, heads, q_len, page, torch.bfloat16, {"kernel": "gluon", "num_splits": splits},
+                       [max(q_len, n) for n in ragged], seed, kv="fp8")
     seed += 1
     _check(rows, 128, 1, 64, torch.float16, {"kernel": "gluon"}, ragged, seed)
     # the tail of a split inside the first tile, empty splits
@@ -64,36 +81,40 @@ def correctness(variants, quick: bool) -> list[dict]:
 
 def timing(variants, quick: bool) -> list[dict]:
     from pdlab.attention import mla_decode
-    from pdlab.attention.workloads import decode_cost, decode_problem
+    from pdlab.attention.workloads import decode_cost
     from pdlab.bench.harness import bench
 
     rows = []
-    shapes = [(128, 8192, 128, 1), (128, 16384, 128, 1), (128, 4096, 128, 1), (128, 1024, 128, 1),
-              (64, 8192, 128, 1), (32, 8192, 128, 1), (128, 8192, 128, 2), (128, 8192, 64, 1), (128, 8192, 16, 4)]
+    shapes = [(128, 8192, 128, 1, "bf16"), (128, 8192, 128, 1, "fp8"), (128, 16384, 128, 1, "bf16"),
+              (128, 4096, 128, 1, "bf16"), (128, 1024, 128, 1, "bf16"), (128, 1024, 128, 1, "fp8"),
+              (64, 8192, 128, 1, "bf16"), (32, 8192, 128, 1, "bf16"), (32, 8192, 128, 1, "fp8"),
+              (8, 1024, 128, 1, "bf16"), (1, 8192, 128, 1, "bf16"), (128, 8192, 128, 2, "bf16"),
+              (128, 8192, 128, 2, "fp8"), (128, 8192, 64, 1, "bf16"), (128, 8192, 16, 4, "bf16")]
     if quick:
-        shapes = shapes[:1]
-    for batch, seqlen, heads, q_len in shapes:
-        p = decode_problem([seqlen] * batch, heads, q_len=q_len, page=64, device="cuda", poison=False, seed=1)
-        flops, nbytes = decode_cost(batch, q_len, heads, p.total_kv, 2)
+        shapes = shapes[:2]
+    for batch, seqlen, heads, q_len, kv in shapes:
+        p = _problem([seqlen] * batch, heads, q_len, 64, torch.bfloat16, kv, 1, poison=False)
+        flops, nbytes = decode_cost(batch, q_len, heads, p.total_kv, 1 if kv == "fp8" else 2)
         from pdlab.attention.ops import resolve_config
         from pdlab.kernels import registry
 
-        bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": "bf16", "q_len": q_len}
+        bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": kv, "q_len": q_len}
         tuned, src = resolve_config("mla_decode", registry.get_backend("mla_decode", "triton"), bucket,
                                     torch.device("cuda"), None)
         cands = [("triton", {"kernel": "triton"}), (f"triton-tuned ({src.split('/')[-1]})", {**tuned, "kernel": "triton"})]
         cands += [(f"wide {json.dumps(v)}", {**v, "kernel": "gluon"}) for v in variants]
         for name, cfg in cands:
             def fn(cfg=cfg):
-                mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="triton", config=cfg)
+                mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                           backend="triton", config=cfg)
             try:
                 t = bench(fn, cuda_graph=True, graph_calls=5, repeats=20, warmup=3)
                 ms = t.median_ms
-                rec = {"batch": batch, "seqlen": seqlen, "heads": heads, "q_len": q_len, "kernel": name,
+                rec = {"batch": batch, "seqlen": seqlen, "heads": heads, "q_len": q_len, "kv": kv, "kernel": name,
                        "ms": round(ms, 4), "p10": round(t.p10_ms, 4), "p90": round(t.p90_ms, 4),
                        "tflops": round(flops / ms / 1e9, 1), "gbps": round(nbytes / ms / 1e6, 1)}
             except Exception as exc:
-                rec = {"batch": batch, "seqlen": seqlen, "heads": heads, "q_len": q_len, "kernel": name,
+                rec = {"batch": batch, "seqlen": seqlen, "heads": heads, "q_len": q_len, "kv": kv, "kernel": name,
                        "error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(rec)
             print(json.dumps(rec), flush=True)

@@ -1,6 +1,7 @@
-"""The 64-row Gluon MLA decode kernel over 16-bit pools (attention/gluon_mla_wide.py): its selection rule, split rule,
-descriptor cache and refusals on CPU, its sm90 compilation on any machine, and on a GPU its results against the fp32
-reference (FlashMLA's bar: cosine error < 1e-5 on out and lse) with NaN in every row past each sequence's length."""
+"""The 64-row Gluon MLA decode kernel (attention/gluon_mla_wide.py, bf16/fp16 and fp8 pools): its selection rule, split
+rule, descriptor cache and refusals on CPU, its sm90 compilation on any machine, and on a GPU its results against the
+fp32 reference (FlashMLA's bar: cosine error < 1e-5 on out and lse; over fp8 pools against the reference on the same
+bytes, as for the other fp8 kernels) with NaN in every row past each sequence's length."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from pdlab.attention import gluon_mla_wide as W
-from pdlab.attention import mla_decode
+from pdlab.attention import mla_decode, quantize_kv_fp8
 from pdlab.attention import triton_kernels as tk
 from pdlab.attention.workloads import decode_problem
 from pdlab.bench.harness import cosine_error
@@ -23,8 +24,10 @@ def test_unfit_names_what_the_kernel_does_not_take():
     bf16, fp16 = torch.bfloat16, torch.float16
     assert W.unfit(128, 1, bf16, bf16, 64) is None and W.unfit(64, 1, fp16, fp16, 128) is None
     assert W.unfit(32, 2, bf16, bf16, 64) is None and W.unfit(16, 4, bf16, bf16, 64) is None
-    assert "bf16/fp16 pools" in W.unfit(128, 1, torch.uint8, bf16, 64)
-    assert "queries over a" in W.unfit(128, 1, bf16, torch.float32, 64)
+    assert W.unfit(128, 1, torch.uint8, bf16, 64) is None and W.unfit(128, 2, torch.uint8, fp16, 128) is None
+    assert "reads bf16, fp16 or fp8" in W.unfit(128, 1, torch.float32, torch.float32, 64)
+    assert "computes in 16 bits" in W.unfit(128, 1, torch.uint8, torch.float32, 64)
+    assert "queries over a" in W.unfit(128, 1, bf16, fp16, 64)
     assert "do not split into programs of 64 rows" in W.unfit(48, 1, bf16, bf16, 64)
     assert "do not split" in W.unfit(16, 1, bf16, bf16, 64)
     assert "S_q 3" in W.unfit(128, 3, bf16, bf16, 64)
@@ -49,13 +52,18 @@ def test_selection_picks_the_kernel_that_fits_and_explains_when_none_does():
 
 
 def test_auto_splits_known_answers():
-    # H200: 132 SMs, one program per SM. B=128 at 128 heads: 256 programs, ~2 waves, one split (measured best);
-    # B=32: 64 programs would leave half the SMs idle → 2 splits; one sequence: cut to 512-token pieces
-    assert W.auto_splits(128, 2, 8192, 132) == 1
-    assert W.auto_splits(64, 2, 8192, 132) == 1
+    # H200: 132 SMs, one program per SM; the counts the H200 timings and the tuner chose (2026-12-01_gluon_wide):
+    # B=128 at 128 heads: 256 programs, ~2 waves, one split at 1k–16k (2 splits: 5–33 % slower); B=64: one;
+    # B=32: 64 programs would leave half the SMs idle → 2; B=8: 8 splits at 1k and 16k (1k: 0.030 → 0.020 ms)
+    for capacity in (1024, 4096, 8192, 16384):
+        assert W.auto_splits(128, 2, capacity, 132) == 1
+    assert W.auto_splits(64, 2, 8192, 132) == 1 and W.auto_splits(64, 2, 16384, 132) == 1
     assert W.auto_splits(32, 2, 8192, 132) == 2
-    assert W.auto_splits(1, 2, 8192, 132) == 16
-    assert W.auto_splits(4, 2, 1024, 132) == 2  # capacity / 512
+    assert W.auto_splits(8, 2, 1024, 132) == 8 and W.auto_splits(8, 2, 16384, 132) == 8
+    assert W.auto_splits(128, 1, 8192, 132) == 1  # 64 heads or 16 heads × S_q 4: one head block
+    assert W.auto_splits(1, 2, 8192, 132) == 64  # a lone sequence: as many programs as fit in one wave
+    assert W.auto_splits(1, 2, 1024, 132) == 16  # never fewer than one tile per split
+    assert W.auto_splits(1, 2, 128, 132) == 1  # two tiles: a partial costs more than the second tile
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -79,8 +87,8 @@ def test_launch_refuses_what_it_cannot_take():
 
     with pytest.raises(ValueError, match="page size 16"):
         go(_q(), torch.zeros(4, 16, 576, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="bf16/fp16 pools"):
-        go(_q(), torch.zeros(4, 64, 576, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="reads bf16, fp16 or fp8"):
+        go(_q(dtype=torch.float32), torch.zeros(4, 64, 576, dtype=torch.float32))
     with pytest.raises(ValueError, match="must be contiguous"):
         go(_q(), torch.zeros(4, 64, 1152, dtype=torch.bfloat16)[:, :, :576])
 
@@ -91,13 +99,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage, sass_opcodes
 from pdlab.attention import gluon_mla_wide as W
-final = sys.argv[1] == "1"
+final, fp8 = sys.argv[1] == "1", sys.argv[2] == "1"
 names = W._mla_wide_decode.arg_names
-desc = W.kv_descriptor(torch.zeros(8, 64, 576, dtype=torch.bfloat16))
+desc = W.kv_descriptor(torch.zeros(8, 64, 576, dtype=torch.uint8 if fp8 else torch.bfloat16))
 ptrs = {"Q": "*bf16", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32", "O_PART": "*fp32",
-        "LSE_PART": "*fp32", "kv_desc": f"tensordesc<bf16[64, 64],{desc.layout!r}>"}
-sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-consts = {"Q_PER_SEQ": 1, "BLOCK_H": 64, "PAGE": 64, "FINAL": final}
+        "LSE_PART": "*fp32", "KV_SCALE_PTR": "*i32",
+        "kv_desc": f"tensordesc<{'u8' if fp8 else 'bf16'}[64, 64],{desc.layout!r}>"}
+sig = {n: ptrs.get(n, "fp32" if n in ("qk_scale", "kv_scale") else "i32") for n in names}
+consts = {"Q_PER_SEQ": 1, "BLOCK_H": 64, "PAGE": 64, "FINAL": final, "FP8": fp8, "SCALE_FROM_PTR": False}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if sig[n].startswith("*") or n.startswith("stride")}
 sig.update({k: "constexpr" for k in consts})
@@ -107,7 +116,7 @@ regs, spill = _ptxas_usage(k.asm["ptx"], 90)
 sass = _disassemble(k.asm["cubin"])
 ops = {}
 for line in sass.splitlines():
-    for name in ("HGMMA.64x32x16.F32.BF16", "HGMMA.64x256x16.F32.BF16", "UTMALDG.2D"):
+    for name in ("HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "UTMALDG.2D", "F2FP.F16.E4M3.UNPACK_B"):
         if name in line:
             ops[name] = ops.get(name, 0) + 1
 print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "ops": ops}))
@@ -115,22 +124,23 @@ print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "op
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("final", [True, False])
-def test_compiles_for_sm90_one_program_per_sm(final):
+@pytest.mark.parametrize("final,fp8", [(True, False), (False, False), (True, True)])
+def test_compiles_for_sm90_one_program_per_sm(final, fp8):
     # compiled for sm90 on any machine (its own process): q·k as 32 + 4 wgmma of 64×32 per warpgroup (one chain per
     # tile), p·v as 4 wgmma of 64×256 with p from registers, the tiles by TMA (9 boxes, issued where the ring is
-    # filled and refilled), no spills; q and two tiles fit one SM's shared memory
+    # filled and refilled), no spills; q and two tiles fit one SM's shared memory. Over an fp8 pool each thread
+    # converts its 144 bytes of a tile once (72 e4m3x2 conversions) into the MMAs' fp16 tile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final))], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8))], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
-    assert ops["HGMMA.64x32x16.F32.BF16"] == 36, ops
-    assert ops["HGMMA.64x256x16.F32.BF16"] == 4, ops
+    assert ops["HGMMA.64x32x16.F32"] == 36 and ops["HGMMA.64x256x16.F32"] == 4, ops
+    assert ops.get("F2FP.F16.E4M3.UNPACK_B", 0) == (72 if fp8 else 0), ops
     assert ops["UTMALDG.2D"] >= 9 and ops["UTMALDG.2D"] % 9 == 0, ops
     assert got["spill"] == 0, got
-    assert W.shared_bytes() <= got["shared"] <= SM90.shared_per_program, got
+    assert W.shared_bytes(fp8=fp8) <= got["shared"] <= SM90.shared_per_program, got
     assert W.programs_per_sm() == 1
 
 
@@ -168,6 +178,36 @@ def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
 
 
+def _fp8(p):
+    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale  # NaN poison stays NaN (0x7F)
+    return p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len,page,cfg,q_dtype", [
+    (128, 1, 64, {}, torch.bfloat16), (128, 1, 64, {"num_splits": 3}, torch.bfloat16),
+    (128, 2, 128, {}, torch.bfloat16), (16, 4, 64, {"num_splits": 2}, torch.float16), (64, 1, 64, {}, torch.float16),
+    (128, 1, 64, {"num_splits": 64}, torch.bfloat16),
+])
+def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg, q_dtype, seed):
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = _fp8(decode_problem(_lens(24, 3000, q_len, rng), heads, q_len, page, q_dtype, device="cuda", seed=seed))
+    if q_dtype == torch.bfloat16:
+        p.q[0] *= 3e5  # rows far beyond fp16's range: rescaled per row by a power of two
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    ref = mla_decode(*args, kv_scale=p.kv_scale, backend="torch")
+    scale_t = torch.tensor([p.kv_scale], device="cuda")
+    for scale in (p.kv_scale, scale_t):
+        out, lse = mla_decode(*args, kv_scale=scale, backend="triton", config={"kernel": "gluon", **cfg})
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+        assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+            (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
 @pytest.mark.gpu
 def test_gpu_wide_decode_fp16_and_cuda_graph(seed):
     why = _gpu_reason()
@@ -189,7 +229,8 @@ def test_gpu_wide_decode_fp16_and_cuda_graph(seed):
 
 
 @pytest.mark.gpu
-def test_gpu_default_decode_at_128_heads_runs_the_wide_kernel(seed, monkeypatch):
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_default_decode_at_128_heads_runs_the_wide_kernel(kv, seed, monkeypatch):
     why = _gpu_reason()
     if why:
         pytest.skip(why)
@@ -197,7 +238,9 @@ def test_gpu_default_decode_at_128_heads_runs_the_wide_kernel(seed, monkeypatch)
     real = W.launch
     monkeypatch.setattr(W, "launch", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
     p = decode_problem([100, 5000], 128, 1, 64, torch.bfloat16, device="cuda", seed=seed)
+    if kv == "fp8":
+        p = _fp8(p)
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
-    out, _ = mla_decode(*args, backend="triton", config={})
+    out, _ = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={})
     assert len(calls) == 1
-    assert cosine_error(out, mla_decode(*args, backend="torch")[0]) < 1e-5
+    assert cosine_error(out, mla_decode(*args, kv_scale=p.kv_scale, backend="torch")[0]) < 1e-5

@@ -31,8 +31,8 @@ def test_edge_inputs_are_ragged_with_poison_past_each_length(kv_dtype):
 
 def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
     # where a Gluon kernel runs by default on sm90 (with a Triton that has Gluon) the search is the kernel and the
-    # split knobs it reads: fp8 with heads × q_len ≤ 32, bf16 in programs of 64 rows (128 heads, 16 heads × S_q 4);
-    # elsewhere (16 heads bf16, fp8 at 128 heads, other archs) the whole triton space but the kernel knob
+    # split knobs it reads: fp8 with heads × q_len ≤ 32, and bf16 or fp8 in programs of 64 rows (128 heads, 16 heads ×
+    # S_q 4); elsewhere (16 heads bf16, 48 heads, other archs) the whole triton space but the kernel knob
     from pdlab.attention import gluon_mla
     from pdlab.kernels import registry
     from pdlab.tuning.attention import MLA_DECODE
@@ -40,8 +40,9 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
     triton = registry.get_backend("mla_decode", "triton")
     rest = {k: v for k, v in triton.config_space.items() if k != "kernel"}  # where only _mla_fwd can run
     b = {"batch": 128, "seqlen": 8192, "heads": 16, "kv_dtype": "fp8", "q_len": 1}
-    wide = [{**b, "heads": 128, "kv_dtype": "bf16"}, {**b, "kv_dtype": "bf16", "q_len": 4}]
-    for other in ({**b, "kv_dtype": "bf16"}, {**b, "heads": 128}, {**b, "q_len": 4}):
+    wide = [{**b, "heads": 128, "kv_dtype": "bf16"}, {**b, "kv_dtype": "bf16", "q_len": 4}, {**b, "heads": 128},
+            {**b, "q_len": 4}]
+    for other in ({**b, "kv_dtype": "bf16"}, {**b, "heads": 48}):
         assert MLA_DECODE.search_space(triton, other, "sm90") == rest
     for other in [b] + wide:
         assert MLA_DECODE.search_space(triton, other, "sm100") == rest
