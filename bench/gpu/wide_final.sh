@@ -16,10 +16,11 @@ git rev-parse --short HEAD > "$R/commit.txt" 2>/dev/null || true
 date -u +%Y-%m-%dT%H:%M:%SZ > "$R/date.txt"
 cp -r tuning/configs/NVIDIA_H200 "$R/t/configs/"
 if [[ ${SKIP_TUNE:-0} != 1 ]]; then
-  OUT=$R/t ONLY=att ATT_HEADS=128 ATT_KV=bf16 ATT_BATCH=1,32,128 ATT_SEQLEN=8192 TOTAL_BUDGET=${TB1:-55} SERVED_CHECK=0 \
+  OUT=$R/t ONLY=att ATT_HEADS=128 ATT_KV=${ATT_KV:-bf16,fp8} ATT_BATCH=1,32,128 ATT_SEQLEN=8192 TOTAL_BUDGET=${TB1:-55} SERVED_CHECK=0 \
     bash bench/gpu/tuning.sh > "$R/tune1.txt" 2>&1
   cp "$R/t/summary.txt" "$R/summary_1.txt" 2>/dev/null
-  OUT=$R/t ONLY=att ATT_HEADS=128 ATT_KV=bf16 ATT_BATCH=8,64 ATT_SEQLEN=1024,16384 TOTAL_BUDGET=${TB2:-55} SERVED_CHECK=0 \
+  OUT=$R/t ONLY=att ATT_HEADS=128 ATT_KV=${ATT_KV:-bf16,fp8} ATT_BATCH=8,64 ATT_SEQLEN=1024,16384 TOTAL_BUDGET=${TB2:-55} \
+    SERVED_CHECK=0 \
     bash bench/gpu/tuning.sh > "$R/tune2.txt" 2>&1
   cp "$R/t/summary.txt" "$R/summary_2.txt" 2>/dev/null
   tail -12 "$R/summary_2.txt"
@@ -32,11 +33,16 @@ export PDLAB_CONFIG_DIR=$R/t/configs
 timeout 150 $PY -m pdlab bench attention --backend triton,torch --batch 128 --seqlen 8192 --heads 16,128 \
   --kv-dtype bf16,fp8 --page-size 64 --s-q 1 --cuda-graph --max-seconds 1.5 --out "$R/attention" > "$R/bench_attention.txt" 2>&1
 tail -14 "$R/bench_attention.txt"
-timeout 150 $PY -m pdlab.runtime.engine.perf --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 64,256 \
-  --context 1024 --steps 20 --ttft-lens 1024 --overlap-too --out "$R/perf_1k" > "$R/perf_1k.txt" 2>&1
-timeout 150 $PY -m pdlab.runtime.engine.perf --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 32,64,128 \
-  --context 8192 --steps 20 --ttft-lens 8192 --out "$R/perf_8k" > "$R/perf_8k.txt" 2>&1
-tail -8 "$R/perf_1k.txt" "$R/perf_8k.txt"
+if [[ ${SKIP_PERF_1K:-0} != 1 ]]; then
+  timeout 150 $PY -m pdlab.runtime.engine.perf --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 64,256 \
+    --context 1024 --steps 20 --ttft-lens 1024 --overlap-too --out "$R/perf_1k" > "$R/perf_1k.txt" 2>&1
+  tail -8 "$R/perf_1k.txt"
+fi
+for kv in ${PERF_KV:-bf16}; do
+  timeout 150 $PY -m pdlab.runtime.engine.perf --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 32,64,128 \
+    --context 8192 --steps 20 --ttft-lens 8192 --kv-dtype $kv --out "$R/perf_8k_$kv" > "$R/perf_8k_$kv.txt" 2>&1
+  tail -6 "$R/perf_8k_$kv.txt"
+done
 if [[ ${SKIP_MOE:-0} != 1 ]]; then
   timeout 200 $PY -m pdlab bench moe --dispatch nvfp4 --mode normal --tokens 1,16,128,4096 --runner triton \
     --out "$R/moe" > "$R/bench_moe.txt" 2>&1
