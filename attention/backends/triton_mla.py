@@ -33,8 +33,11 @@ registers; "auto": on above 32 rows per program — 1181 → 1136 µs at 128 hea
 bench/results/NVIDIA_H200/attention/2026-11-30_q_prescale), kernel (decode over an fp8 pool with heads × S_q ≤ 32 on
 sm90: "gluon" runs attention/gluon_mla.py — a cp.async ring, each thread converting the bytes of its own wgmma
 fragments, every query row of a sequence in one program, two programs per SM — instead of `_mla_fwd`: 0.384 → 0.193 ms
-at B=128, 8k, 16 heads on an H200; of the knobs above it reads num_splits and waves (0, auto: the split count that
-fills the SMs' program slots best); "auto", the default, runs it wherever it can; "triton" never).
+at B=128, 8k, 16 heads on an H200 — and where 64-row programs hold whole heads (heads × S_q a multiple of 64) over a
+contiguous pool of page 64/128, bf16/fp16 or fp8, attention/gluon_mla_wide.py: TMA into a two-tile ring, two
+warpgroups, q·k and p·v as wgmma from shared memory — 1.14 → 0.70 ms (256 → 418 TFLOPS) at B=128, 8k, 128 heads bf16;
+of the knobs above both read num_splits and waves (0, auto: the split count that fills the SMs best); "auto", the
+default, runs one wherever one can; "triton" never).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
