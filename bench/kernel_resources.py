@@ -12,8 +12,8 @@ facts about the GPU (its SM count, whether the PTX e4m3 conversion exists: sm89+
 the in-loop NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shapes, masked layout, bf16 activations,
 config resolved from the tokens per expert as the runner does (the kernel that experts stored tiled run, i.e. on GPUs
 other than sm90; on sm90 the runner runs the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py for both layouts,
-which this tool does not record: tests/moe/test_frag.py compiles them for sm90). mla_decode records the Gluon fp8
-kernel where the op runs it (sm90, fp8, heads × S_q ≤ 32). Occupancy uses the Hopper/Blackwell per-SM limits of
+which this tool does not record: tests/moe/test_frag.py compiles them for sm90). mla_decode records the Gluon decode
+kernels where the op runs them (sm90: the fp8 kernel at heads × S_q ≤ 32, the wide kernel for programs of 64 rows). Occupancy uses the Hopper/Blackwell per-SM limits of
 `pdlab.kernels.arch.SM90` (65536 registers, 228 KB of shared memory with 1 KB more per resident program, at most 227 KB
 for one, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
@@ -86,16 +86,19 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.full((batch,), seqlen, dtype=torch.int32)
     from pdlab.attention import gluon_mla as gm
+    from pdlab.attention import gluon_mla_wide as gw
 
-    rec, grec = _Recorder(), _Recorder()
+    rec, grec, wrec = _Recorder(), _Recorder(), _Recorder()
     real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
     greal = getattr(gm, "_mla_fp8_decode", None), gm.available
+    wreal = getattr(gw, "_mla_wide_decode", None), gw.available
     # the target's facts in place of this machine's: its SM count, the PTX e4m3 conversion from sm89, and the Gluon
-    # fp8 decode kernel on sm90 (where this Triton has Gluon)
+    # decode kernels on sm90 (where this Triton has Gluon)
     tk._mla_fwd, tk._mla_combine, tk._q_prescale = rec, _Skip(), _Skip()
     tk._sm_count, tk._ptx_e4m3 = (lambda device: sm_count), (lambda device: arch >= 89)
-    gm._mla_fp8_decode = grec
+    gm._mla_fp8_decode, gw._mla_wide_decode = grec, wrec
     gm.available = lambda device, q_dtype=None: None if arch == 90 and gm.HAVE_GLUON else f"not sm90 (sm{arch})"
+    gw.available = lambda device, q_dtype=None: None if arch == 90 and gw.HAVE_GLUON else f"not sm90 (sm{arch})"
     try:
         out = torch.empty(batch * q_len, heads, 512, dtype=q.dtype)
         lse = torch.empty(batch, heads, q_len, dtype=torch.float32)
@@ -104,7 +107,8 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     finally:
         tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
         gm._mla_fp8_decode, gm.available = greal
-    fn, seen = (greal[0], grec.seen) if grec.seen else (real[0], rec.seen)
+        gw._mla_wide_decode, gw.available = wreal
+    fn, seen = (greal[0], grec.seen) if grec.seen else (wreal[0], wrec.seen) if wrec.seen else (real[0], rec.seen)
     launch = _split_launch(fn, seen)
     launch.update(config=cfg, splits=launch["args"][fn.arg_names.index("num_splits")])
     return [("decode", launch)]
@@ -177,7 +181,9 @@ def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
     for i, (name, value) in enumerate(zip(names, launch["args"])):
         # what Triton's JIT specialises on at launch: 16-byte aligned pointers (true of real allocations),
         # integers equal to 1 (made constants) and integers divisible by 16 (marked so), unless do_not_specialize
-        if torch.is_tensor(value):
+        if _is_descriptor(value):
+            sig[name] = _descriptor_type(value)
+        elif torch.is_tensor(value):
             sig[name] = _TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool) or value is None:
@@ -212,6 +218,17 @@ def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
         except (OSError, KeyError, subprocess.SubprocessError) as exc:
             row["sass_error"] = f"{type(exc).__name__}: {exc}"
     return row
+
+
+def _is_descriptor(value) -> bool:
+    """Whether a recorded argument is a Gluon TMA descriptor (the wide MLA decode kernel's cache)."""
+    return type(value).__name__ == "TensorDescriptor" and hasattr(value, "block_shape")
+
+
+def _descriptor_type(desc) -> str:
+    """The signature type the JIT gives a Gluon TMA descriptor: tensordesc<dtype[block],layout>."""
+    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8"}[desc.base.dtype]
+    return f"tensordesc<{elem}[{', '.join(str(d) for d in desc.block_shape)}],{desc.layout!r}>"
 
 
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)")
