@@ -1,5 +1,5 @@
-"""MLA decode for Hopper (sm90) in Gluon over a 16-bit (bf16 / fp16) paged cache, 64 query rows per program — the
-compute-bound case (128 heads: DeepSeek with data-parallel attention).
+"""MLA decode for Hopper (sm90) in Gluon over a paged cache (bf16 / fp16, or fp8 e4m3 bytes), 64 query rows per
+program — the compute-bound case (128 heads: DeepSeek with data-parallel attention).
 
 Why: `_mla_fwd` of triton_kernels.py runs a 64-head program as one chain — tile loads, q·k, softmax, p·v — with
 the tensor cores idle whenever the softmax or a load is on the critical path (one 8-warp program per SM, 253
@@ -24,6 +24,11 @@ range in tiles of 64 tokens:
 - Rows of the last tile past the split end hold other tokens or, past the sequence, whatever the page holds (NaN
   in the tests): their scores are masked and their V rows zeroed in shared memory before p·v, so nothing read
   past a length reaches the output. Pages past a sequence's length are never read.
+- fp8 pools: the ring holds the e4m3 bytes (36 KB a tile) and one fp16 tile [64, 576] the MMAs read. Each tile is
+  converted block by block (64 columns, one `cvt.rn.f16x2.e4m3x2` per two values, rows past the split end → 0),
+  each block's q·k wgmma in flight while the next block is converted; its ring slot then goes back to the TMA. q is
+  stored in fp16 divided per row by a power of two that keeps it below 2^14 (exact; no fp16 overflow), the factor
+  and the pool's scale folded into the scores, the scale into the output.
 
 The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the output contract of
 `_mla_fwd` and of gluon_mla).
@@ -113,14 +118,28 @@ if HAVE_GLUON:
             blk.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _convert(nope8, pe8, nope16, pe16, valid, CL: gl.constexpr):
-        """An fp8 tile (e4m3 bytes [64, 512] + [64, 64]) → its fp16 values in the MMAs' tile; rows ≥ `valid` → 0."""
+    def _convert(src, dst, keep, CL: gl.constexpr):
+        """One [64, 64] block of an fp8 tile (e4m3 bytes) → its fp16 values in the MMAs' tile (rows not `keep` → 0),
+        made visible to the wgmma that reads it next."""
+        x = _to_f16(src.load(CL))
+        dst.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
+    def _qk_fp8(qn_smem, qp_smem, nope8, pe8, nope16, pe16, valid, s_zero, CL: gl.constexpr):
+        """Issue s = q · K^T of an fp8 tile, converting it block by block into the fp16 tile: each block's wgmma is in
+        flight while the next block is converted (rows ≥ `valid` → 0)."""
         keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, CL)) < valid, 1)
-        for c in gl.static_range(8):
-            x = _to_f16(nope8.slice(c * 64, 64, dim=1).load(CL))
-            nope16.slice(c * 64, 64, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
-        x = _to_f16(pe8.load(CL))
-        pe16.store(gl.where(keep, x, gl.zeros_like(x)))
+        _convert(nope8.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1), keep, CL)
+        s = warpgroup_mma(qn_smem.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        for c in gl.static_range(1, 8):
+            _convert(nope8.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1), keep, CL)
+            s = warpgroup_mma(qn_smem.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1).permute((1, 0)), s,
+                              is_async=True)
+        _convert(pe8, pe16, keep, CL)
+        return warpgroup_mma(qp_smem, pe16.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _qk(qn_smem, qp_smem, k_nope, k_pe, s_zero):
@@ -239,19 +258,16 @@ if HAVE_GLUON:
             start = lo + i * 64
             mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
             if FP8:
-                # the bytes → the 16-bit tile (rows past the split end → 0); the slot then goes back to the TMA
-                _convert(nope.index(slot), pe.index(slot), nope16, pe16, hi - start, CL)
-                fence_async_shared()
-                _cta_barrier()
+                # the bytes → the 16-bit tile block by block under q·k (rows past the split end → 0); the slot then
+                # goes back to the TMA
+                s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, hi - start, s_zero, CL)
                 ahead = i + _STAGES
                 _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
                 page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
                 k_nope = nope16
-                k_pe = pe16
             else:
                 k_nope = nope.index(slot)
-                k_pe = pe.index(slot)
-            s = _qk(qn_smem, qp_smem, k_nope, k_pe, s_zero)
+                s = _qk(qn_smem, qp_smem, k_nope, pe.index(slot), s_zero)
             s = warpgroup_mma_wait(0, deps=(s,))
             if not FP8:
                 if start + 64 > hi:  # the last tile: V rows past the split end → 0

@@ -52,13 +52,22 @@ def test_bad_config_and_interpreter_are_refused():
     assert r.returncode == 2 and "run it without that variable" in r.stderr
 
 
-def test_128_head_fp8_launch_with_q_rescaled_first():
-    # above 32 rows an fp8 pool rescales q in its own launch first (q_prescale): recorded past it, compiled
-    r = _run("--heads", "128", "--kv-dtype", "fp8", "--config", "default")
-    assert r.returncode == 0, r.stderr[-2000:]
-    row = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][0])
-    assert row["warps"] == 8 and row["splits"] == 2 and isinstance(row["registers"], int)
-    assert row["programs_per_sm"] >= 1 and row["shared_bytes"] > 64 * 576  # at least one fp8 KV tile
+def test_128_head_fp8_launch_on_sm90_and_elsewhere():
+    # sm90 (a Triton with Gluon): the wide Gluon kernel, one split at B=128 (256 programs, ~2 waves), one 8-warp
+    # program per SM holding q, the fp8 ring and the fp16 tile. sm89: `_mla_fwd`, which above 32 rows over an fp8
+    # pool rescales q in its own launch first (q_prescale): recorded past it, compiled, 2 splits
+    from pdlab.attention import gluon_mla_wide
+
+    for arch in ("90", "89"):
+        r = _run("--heads", "128", "--kv-dtype", "fp8", "--config", "default", "--arch", arch)
+        assert r.returncode == 0, r.stderr[-2000:]
+        row = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][0])
+        assert row["warps"] == 8 and isinstance(row["registers"], int) and row["programs_per_sm"] >= 1
+        if arch == "90" and gluon_mla_wide.HAVE_GLUON:
+            assert row["splits"] == 1 and row["programs_per_sm"] == 1, row
+            assert gluon_mla_wide.shared_bytes(fp8=True) <= row["shared_bytes"] <= 232448, row
+        else:
+            assert row["splits"] == 2 and row["shared_bytes"] > 64 * 576, row  # at least one fp8 KV tile
 
 
 def test_moe_expert_gemms_at_ep4_decode():
