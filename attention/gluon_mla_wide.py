@@ -25,8 +25,9 @@ range in tiles of 64 tokens:
   in the tests): their scores are masked and their V rows zeroed in shared memory before p·v, so nothing read
   past a length reaches the output. Pages past a sequence's length are never read.
 - fp8 pools: the ring holds the e4m3 bytes (36 KB a tile) and one fp16 tile [64, 576] the MMAs read. Each tile is
-  converted block by block (64 columns, one `cvt.rn.f16x2.e4m3x2` per two values, rows past the split end → 0),
-  each block's q·k wgmma in flight while the next block is converted; its ring slot then goes back to the TMA. q is
+  converted block by block (64 columns, one `cvt.rn.f16x2.e4m3x2` per two values), each block's q·k wgmma in flight
+  while the next block is converted; its ring slot then goes back to the TMA (the last tile's V rows past the split
+  end are zeroed in the fp16 tile, as in the 16-bit path). q is
   stored in fp16 divided per row by a power of two that keeps it below 2^14 (exact; no fp16 overflow), the factor
   and the pool's scale folded into the scores, the scale into the output.
 
@@ -118,27 +119,25 @@ if HAVE_GLUON:
             blk.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _convert(src, dst, keep, CL: gl.constexpr):
-        """One [64, 64] block of an fp8 tile (e4m3 bytes) → its fp16 values in the MMAs' tile (rows not `keep` → 0),
-        made visible to the wgmma that reads it next."""
-        x = _to_f16(src.load(CL))
-        dst.store(gl.where(keep, x, gl.zeros_like(x)))
+    def _convert(src, dst, CL: gl.constexpr):
+        """One [64, 64] block of an fp8 tile (e4m3 bytes) → its fp16 values in the MMAs' tile, made visible to the
+        wgmma that reads it next."""
+        dst.store(_to_f16(src.load(CL)))
         fence_async_shared()
         _cta_barrier()
 
     @gluon.jit
-    def _qk_fp8(qn_smem, qp_smem, nope8, pe8, nope16, pe16, valid, s_zero, CL: gl.constexpr):
+    def _qk_fp8(qn_smem, qp_smem, nope8, pe8, nope16, pe16, s_zero, CL: gl.constexpr):
         """Issue s = q · K^T of an fp8 tile, converting it block by block into the fp16 tile: each block's wgmma is in
-        flight while the next block is converted (rows ≥ `valid` → 0)."""
-        keep = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, CL)) < valid, 1)
-        _convert(nope8.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1), keep, CL)
+        flight while the next block is converted."""
+        _convert(nope8.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1), CL)
         s = warpgroup_mma(qn_smem.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         for c in gl.static_range(1, 8):
-            _convert(nope8.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1), keep, CL)
+            _convert(nope8.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1), CL)
             s = warpgroup_mma(qn_smem.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1).permute((1, 0)), s,
                               is_async=True)
-        _convert(pe8, pe16, keep, CL)
+        _convert(pe8, pe16, CL)
         return warpgroup_mma(qp_smem, pe16.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
@@ -258,9 +257,8 @@ if HAVE_GLUON:
             start = lo + i * 64
             mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
             if FP8:
-                # the bytes → the 16-bit tile block by block under q·k (rows past the split end → 0); the slot then
-                # goes back to the TMA
-                s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, hi - start, s_zero, CL)
+                # the bytes → the 16-bit tile block by block under q·k; the slot then goes back to the TMA
+                s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, s_zero, CL)
                 ahead = i + _STAGES
                 _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
                 page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
@@ -269,11 +267,10 @@ if HAVE_GLUON:
                 k_nope = nope.index(slot)
                 s = _qk(qn_smem, qp_smem, k_nope, pe.index(slot), s_zero)
             s = warpgroup_mma_wait(0, deps=(s,))
-            if not FP8:
-                if start + 64 > hi:  # the last tile: V rows past the split end → 0
-                    _zero_tail(k_nope, hi - start, ZL)
-                    fence_async_shared()
-                    _cta_barrier()
+            if start + 64 > hi:  # the last tile: V rows past the split end → 0
+                _zero_tail(k_nope, hi - start, ZL)
+                fence_async_shared()
+                _cta_barrier()
             s = _scores(s, start, hi, limit, row_scale, tok)
             p, alpha, m_i = _softmax(s, m_i)
             l_acc = l_acc * gl.expand_dims(alpha, 1) + p
