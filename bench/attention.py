@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
                         else:
                             used, source = resolve_config(op.name, b, bucket, device, cfg)
                         fn = lambda: call(name, used)  # noqa: E731
+                        kernel = _kernel(args.op, name, p, used)
                         out, lse = fn()
                         err_out = cosine_error(out, ref[0]) if ref is not None else float("nan")
                         err_lse = cosine_error(lse, ref[1]) if ref is not None else float("nan")
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                         t = bench(fn, device=device, repeats=args.repeats, cuda_graph=graph,
                                   warmup=2 if b.reference else 5, max_seconds=args.max_seconds)
                         rf = roofline(flops, nbytes, t.seconds, facts, "bf16")
-                        rows.append(dict(row, status="ok", config_source=source,
+                        rows.append(dict(row, status="ok", config_source=source, kernel=kernel,
                                          config=json.dumps(used, sort_keys=True) if used else "",
                                          median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, timing=t.kind,
                                          tflops=rf["tflops"], gbps=rf["gbps"], pct_roofline=rf["pct_roofline"],
@@ -209,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     meta = report.provenance(facts, {"unavailable": dict(missing), "formulas": "FlashMLA benchmark (ANCHORS.md)"})
     csv = report.save(df, out_dir, stem, meta)
     ok = df[df["status"] == "ok"] if "status" in df else df.iloc[0:0]
-    cols = [c for c in ("shape", "backend", "config_source", "median_ms", "p10_ms", "p90_ms", "tflops", "gbps",
+    cols = [c for c in ("shape", "backend", "kernel", "config_source", "median_ms", "p10_ms", "p90_ms", "tflops",
+                        "gbps",
                         "pct_roofline", "err_out", "err_lse") if c in ok]
     if len(ok):
         report.print_table(ok, f"{op.name} on {facts.name}", cols)
@@ -225,3 +227,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{r['status']}] {r['shape']} {r['backend']} {r.get('config', '')}")
     print(f"wrote {csv}")
     return 0
+
+
+def _kernel(op: str, backend: str, p, config) -> str:
+    """The kernel a row ran: for the triton backend's decode the one its selection rule picks (a Gluon kernel on sm90
+    where one fits, `_mla_fwd` otherwise), else the backend's name."""
+    if op != "decode" or backend != "triton":
+        return backend
+    from pdlab.attention.backends.triton_mla import decode_kernel
+
+    return decode_kernel(p.q, p.kv_cache, config)

@@ -112,6 +112,21 @@ def resolve_decode_config(config: dict, heads: int, q_len: int, fp8: bool = Fals
     return _warps(config, min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * heads), fp8)
 
 
+DECODE_KERNELS = {"fp8": "gluon_mla", "wide": "gluon_mla_wide", None: "_mla_fwd"}
+
+
+def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, config: dict | None = None) -> str:
+    """Which kernel `mla_decode_triton` runs for q [B, S_q, H, 576] over kv_cache [P, page, 576] (uint8 for fp8) with
+    `config` (merged over the default; None: the default): "gluon_mla" (fp8, ≤ 32 query rows, sm90), "gluon_mla_wide" (64-row programs, sm90)
+    or "_mla_fwd". What `bench attention` prints beside each row."""
+    from pdlab.attention import triton_kernels as tk
+
+    B, Sq, H, _ = q.shape
+    fp8 = kv_cache.dtype == torch.uint8
+    cfg = resolve_decode_config({**DECODE_DEFAULT, **(config or {})}, H, Sq, fp8)
+    return DECODE_KERNELS[tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache)]
+
+
 @register_backend("mla_decode", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
                   config_space=DECODE_SPACE, default_config=DECODE_DEFAULT, options=_DECODE_OPTIONS)
 def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_scale=None, config=None):

@@ -51,6 +51,28 @@ def test_selection_picks_the_kernel_that_fits_and_explains_when_none_does():
         tk._gluon_kernel({"kernel": "gluon"}, False, 1, 128, _q(), torch.zeros(4, 32, 576, dtype=torch.bfloat16))
 
 
+def test_decode_kernel_names_what_each_problem_runs(monkeypatch):
+    # what `bench attention` prints per row: here (no GPU) always _mla_fwd; on an sm90 GPU (its availability faked)
+    # the fp8 kernel for ≤ 32 rows over fp8, the wide kernel for 64-row programs, _mla_fwd where neither fits
+    from pdlab.attention import gluon_mla
+    from pdlab.attention.backends.triton_mla import decode_kernel
+
+    def q(heads, q_len=1):
+        return torch.zeros(2, q_len, heads, 576, dtype=torch.bfloat16)
+
+    bf16, fp8 = torch.zeros(4, 64, 576, dtype=torch.bfloat16), torch.zeros(4, 64, 576, dtype=torch.uint8)
+    assert decode_kernel(q(128), bf16) == "_mla_fwd"
+    if not (W.HAVE_GLUON and gluon_mla.HAVE_GLUON):
+        return
+    monkeypatch.setattr(W, "available", lambda device, q_dtype=None: None)
+    monkeypatch.setattr(gluon_mla, "available", lambda device, q_dtype=None: None)
+    assert decode_kernel(q(128), bf16) == "gluon_mla_wide" and decode_kernel(q(128), fp8) == "gluon_mla_wide"
+    assert decode_kernel(q(16, 4), bf16) == "gluon_mla_wide"
+    assert decode_kernel(q(16), fp8) == "gluon_mla" and decode_kernel(q(16), bf16) == "_mla_fwd"
+    assert decode_kernel(q(128), torch.zeros(4, 16, 576, dtype=torch.bfloat16)) == "_mla_fwd"  # page 16
+    assert decode_kernel(q(128), bf16, {"kernel": "triton"}) == "_mla_fwd"
+
+
 def test_auto_splits_known_answers():
     # H200: 132 SMs, one program per SM; the counts the H200 timings and the tuner chose (2026-12-01_gluon_wide):
     # B=128 at 128 heads: 256 programs, ~2 waves, one split at 1k–16k (2 splits: 5–33 % slower); B=64: one;
