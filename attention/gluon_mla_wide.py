@@ -70,7 +70,7 @@ def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> st
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return "needs a CUDA GPU (Gluon kernels are not interpreted)"
     if q_dtype not in (torch.bfloat16, torch.float16):
-        return f"{q_dtype} queries: the kernel computes in the cache's 16-bit type (bf16 or fp16 queries)"
+        return f"{q_dtype} queries: the kernel computes in 16 bits (bf16 or fp16 queries)"
     return wgmma_unavailable(device)
 
 
