@@ -341,22 +341,13 @@ def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int) -> i
     return best
 
 
-_DESCS: dict = {}
-
-
 def kv_descriptor(kv_cache: torch.Tensor):
     """The TMA descriptor of a [P, page, 576] pool (bf16/fp16, or uint8 fp8 bytes) seen as [P·page, 576] with
-    [64, 64] boxes (cached per pool: a descriptor's host cost would otherwise be paid by every layer of every step)."""
-    key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, kv_cache.device)
-    desc = _DESCS.get(key)
-    if desc is None:
-        flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
-        elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[kv_cache.dtype]
-        desc = TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], elem))
-        if len(_DESCS) > 1024:
-            _DESCS.clear()
-        _DESCS[key] = desc
-    return desc
+    [64, 64] boxes. Built per call and not kept: the launcher encodes the hardware descriptor at every launch
+    anyway, and a cache of these would hold every pool it ever saw alive."""
+    flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[kv_cache.dtype]
+    return TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], elem))
 
 
 def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
@@ -371,7 +362,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     through lse_strides; with splits > 1 the fp32 partials o_part [B·S_q, H, splits, 512] and lse_part
     [B·S_q, H, splits] (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e);
     kv_scale: an fp8 pool's scale, or read from kv_scale_ptr [1] fp32 when given. Graph-safe (no host sync; the
-    descriptor is cached per pool)."""
+    descriptor holds the pool's address and shape, which a captured graph keeps)."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     why = unfit(H, q_per_seq, kv_cache.dtype, q3.dtype, kv_cache.shape[1])
