@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The 16-bit Gluon MLA decode kernel's validation on one GPU (an H200), in one batch:
-#  1. re-tune the bf16 128-head mla_decode buckets (the kernel is their default now) into a copy of the shipped store;
+# The wide Gluon MLA decode kernel's validation on one GPU (an H200), in one batch:
+#  1. re-tune the 128-head mla_decode buckets (ATT_KV, default bf16,fp8; the kernel is their default) into a copy of
+#     the shipped store (SKIP_TUNE=1 skips this and the served check; TB1 / TB2 are the two runs' budgets in s);
 #  2. the served check with those configs (runtime + attention GPU tests);
 #  3. `bench attention` at the goal shapes with the defaults (CUDA graphs, torch reference error);
-#  4. the runtime decode step (synthetic R1, 4 layers, CUDA graphs) at context 1024 and 8192;
-#  5. `bench moe --dispatch nvfp4 --mode normal` (EP1: the eager experts stage after the contiguous grid bound).
+#  4. the runtime decode step (synthetic R1, 4 layers, CUDA graphs) at context 1024 (SKIP_PERF_1K=1 skips it) and
+#     8192 (for each kv dtype of PERF_KV, default bf16);
+#  5. `bench moe --dispatch nvfp4 --mode normal` (EP1: the eager experts stage after the contiguous grid bound;
+#     SKIP_MOE=1 skips it).
 # Everything lands under $OUT as results.tgz (the device machine returns a handful of files). Repository root.
 set -u
 OUT=${OUT:-/tmp/pdlab_wide}
