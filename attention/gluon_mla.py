@@ -145,6 +145,19 @@ if HAVE_GLUON:
         return _to_f16(gl.convert_layout(x, AL, assert_trivial=True))
 
     @gluon.jit
+    def _program_span(SEQLENS, num_splits, Q_PER_SEQ: gl.constexpr):
+        """A decode program's place in grid (head blocks, splits, batch) and its KV range: (head block, split,
+        sequence b, its first query token, the tokens before its queries, [lo, hi)). Splits are whole 64-token
+        tiles; a split past the sequence's end has lo ≥ hi. Shared by the Gluon decode kernels."""
+        hb = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2)
+        seqlen = gl.load(SEQLENS + b)
+        split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), 64) * 64
+        lo = split * split_len
+        return hb, split, b, b * Q_PER_SEQ, seqlen - Q_PER_SEQ, lo, gl.minimum(lo + split_len, seqlen)
+
+    @gluon.jit
     def _issue(nope_ring, pe_ring, slot, KV, row_nope, row_pe, ok_nope, ok_pe, col_nope, col_pe):
         """cp.async of one tile's bytes into ring slot (rows whose `ok` is false are zero-filled, not read): each
         thread copies the sixteen 16-byte pieces of its own q·k fragments and two of the rope columns."""
@@ -218,15 +231,7 @@ if HAVE_GLUON:
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
 
-        hb = gl.program_id(0)
-        split = gl.program_id(1)
-        b = gl.program_id(2)
-        seqlen = gl.load(SEQLENS + b)
-        q_start = b * Q_PER_SEQ
-        prefix = seqlen - Q_PER_SEQ
-        split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), 64) * 64
-        lo = split * split_len
-        hi = gl.minimum(lo + split_len, seqlen)
+        hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         if SCALE_FROM_PTR:
             kv_scale = gl.load(KV_SCALE_PTR).to(gl.float32)
 

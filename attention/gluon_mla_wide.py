@@ -94,7 +94,7 @@ def unfit(heads: int, q_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, p
 
 
 if HAVE_GLUON:
-    from pdlab.attention.gluon_mla import _to_f16
+    from pdlab.attention.gluon_mla import _program_span, _to_f16
 
     _STAGES = gl.constexpr(STAGES)
     _TILE16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -186,15 +186,7 @@ if HAVE_GLUON:
         RO: gl.constexpr = gl.SliceLayout(1, MMA_O)
         BOX_BYTES: gl.constexpr = 64 * 64 * (1 if FP8 else 2)
 
-        hb = gl.program_id(0)
-        split = gl.program_id(1)
-        b = gl.program_id(2)
-        seqlen = gl.load(SEQLENS + b)
-        q_start = b * Q_PER_SEQ
-        prefix = seqlen - Q_PER_SEQ
-        split_len = gl.cdiv(gl.cdiv(seqlen, num_splits), 64) * 64
-        lo = split * split_len
-        hi = gl.minimum(lo + split_len, seqlen)
+        hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
         bt_row = BT + b.to(gl.int64) * stride_bt_b
         if SCALE_FROM_PTR:
