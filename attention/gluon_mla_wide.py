@@ -38,11 +38,10 @@ The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from pdlab.kernels.arch import SM90, wgmma_unavailable
+from pdlab.kernels.arch import SM90
 
 try:  # Gluon (Triton ≥ 3.5)
     from triton.experimental import gluon
@@ -64,14 +63,15 @@ WARPS = 8
 
 
 def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """None when the kernel can run on `device` for queries of `q_dtype`, else why not."""
+    """None when the kernel can run on `device` for queries of `q_dtype`, else why not: the fp8 Gluon kernel's
+    conditions (a Triton with Gluon, an sm90 GPU, no interpreter) and its TMA API, 16-bit queries."""
     if not HAVE_GLUON:
-        return "this Triton has no Gluon (triton.experimental.gluon)"
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return "needs a CUDA GPU (Gluon kernels are not interpreted)"
+        return "this Triton has no Gluon with Hopper TMA (triton.experimental.gluon)"
     if q_dtype not in (torch.bfloat16, torch.float16):
         return f"{q_dtype} queries: the kernel computes in 16 bits (bf16 or fp16 queries)"
-    return wgmma_unavailable(device)
+    from pdlab.attention import gluon_mla
+
+    return gluon_mla.available(device, q_dtype)
 
 
 def unfit(heads: int, q_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, page: int) -> str | None:

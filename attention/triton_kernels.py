@@ -587,7 +587,9 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     if gluon == "fp8":
         block_h = H  # one program holds every query row of its sequence
     elif gluon == "wide":
-        block_h = 64 // q_per_seq  # 64 query rows per program
+        from pdlab.attention import gluon_mla_wide
+
+        block_h = gluon_mla_wide.ROWS // q_per_seq  # the kernel's query rows per program
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
     splits = int(config.get("num_splits", 0) or 0)
@@ -696,9 +698,9 @@ def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Ten
                   kv_cache: torch.Tensor) -> str | None:
     """Which Gluon decode kernel this launch runs: "fp8" (attention/gluon_mla.py: sm90, an fp8 pool, heads × S_q ≤ 32,
     16-bit queries), "wide" (attention/gluon_mla_wide.py: sm90, a contiguous pool of page 64/128 — bf16/fp16 with
-    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows) or None (`_mla_fwd`). Config "kernel": "gluon" runs the one that
-    fits (ValueError with both reasons where none does), "auto" likewise but falls back to `_mla_fwd`, "triton"
-    never runs one."""
+    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows) or None (`_mla_fwd`). Config "kernel": "gluon"
+    runs the one that fits (ValueError with both reasons where none does), "auto" likewise but falls back to
+    `_mla_fwd`, "triton" never runs one."""
     kernel = str(config.get("kernel", "triton"))
     if kernel == "triton":
         return None

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_reference:
                 ref = call("torch", None)
             base = {"op": args.op, "batch": B, "seqlen": L, "heads": H, "kv_dtype": kv_dtype, "page": page,
-                    "s_q": sq, "shape": f"B{B} L{L} H{H} {kv_dtype} p{page}" + (f" q{sq}" if args.op == "decode" else "")}
+                    "s_q": sq,
+                    "shape": f"B{B} L{L} H{H} {kv_dtype} p{page}" + (f" q{sq}" if args.op == "decode" else "")}
             bucket = {"batch": B, "seqlen": p.block_table.shape[1] * page, "heads": H, "kv_dtype": kv_dtype,
                       "q_len": sq if args.op == "decode" else p.max_q_len}
             for name in usable:

@@ -13,8 +13,8 @@ the in-loop NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shap
 config resolved from the tokens per expert as the runner does (the kernel that experts stored tiled run, i.e. on GPUs
 other than sm90; on sm90 the runner runs the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py for both layouts,
 which this tool does not record: tests/moe/test_frag.py compiles them for sm90). mla_decode records the Gluon decode
-kernels where the op runs them (sm90: the fp8 kernel at heads × S_q ≤ 32, the wide kernel for programs of 64 rows). Occupancy uses the Hopper/Blackwell per-SM limits of
-`pdlab.kernels.arch.SM90` (65536 registers, 228 KB of shared memory with 1 KB more per resident program, at most 227 KB
+kernels where the op runs them (sm90: the fp8 kernel at heads × S_q ≤ 32, the wide kernel for programs of 64 rows).
+Occupancy uses the Hopper/Blackwell per-SM limits of `pdlab.kernels.arch.SM90` (65536 registers, 228 KB of shared memory with 1 KB more per resident program, at most 227 KB
 for one, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
 

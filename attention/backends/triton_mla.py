@@ -117,8 +117,8 @@ DECODE_KERNELS = {"fp8": "gluon_mla", "wide": "gluon_mla_wide", None: "_mla_fwd"
 
 def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, config: dict | None = None) -> str:
     """Which kernel `mla_decode_triton` runs for q [B, S_q, H, 576] over kv_cache [P, page, 576] (uint8 for fp8) with
-    `config` (merged over the default; None: the default): "gluon_mla" (fp8, ≤ 32 query rows, sm90), "gluon_mla_wide" (64-row programs, sm90)
-    or "_mla_fwd". What `bench attention` prints beside each row."""
+    `config` (merged over the default; None: the default): "gluon_mla" (fp8, ≤ 32 query rows, sm90),
+    "gluon_mla_wide" (64-row programs, sm90) or "_mla_fwd". What `bench attention` prints beside each row."""
     from pdlab.attention import triton_kernels as tk
 
     B, Sq, H, _ = q.shape

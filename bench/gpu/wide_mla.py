@@ -18,14 +18,10 @@ import torch
 
 
 def _problem(seqlens, heads, q_len, page, dtype, kv, seed, poison=True):
-    from pdlab.attention import quantize_kv_fp8
     from pdlab.attention.workloads import decode_problem
 
-    p = decode_problem(seqlens, heads, q_len=q_len, page=page, dtype=dtype, device="cuda", seed=seed, poison=poison)
-    if kv == "fp8":
-        scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
-        p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale
-    return p
+    return decode_problem(seqlens, heads, q_len=q_len, page=page, dtype=dtype,
+                          kv_dtype="fp8" if kv == "fp8" else "same", device="cuda", seed=seed, poison=poison)
 
 
 def _check(rows, heads, q_len, page, dtype, cfg, seqlens, seed, kv="same"):
@@ -101,7 +97,8 @@ def timing(variants, quick: bool) -> list[dict]:
         bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": kv, "q_len": q_len}
         tuned, src = resolve_config("mla_decode", registry.get_backend("mla_decode", "triton"), bucket,
                                     torch.device("cuda"), None)
-        cands = [("triton", {"kernel": "triton"}), (f"triton-tuned ({src.split('/')[-1]})", {**tuned, "kernel": "triton"})]
+        cands = [("triton", {"kernel": "triton"}),
+                 (f"triton-tuned ({src.split('/')[-1]})", {**tuned, "kernel": "triton"})]
         cands += [(f"wide {json.dumps(v)}", {**v, "kernel": "gluon"}) for v in variants]
         for name, cfg in cands:
             def fn(cfg=cfg):

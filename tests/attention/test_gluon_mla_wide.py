@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdlab.attention import gluon_mla_wide as W
-from pdlab.attention import mla_decode, quantize_kv_fp8
+from pdlab.attention import mla_decode
 from pdlab.attention import triton_kernels as tk
 from pdlab.attention.workloads import decode_problem
 from pdlab.bench.harness import cosine_error
@@ -207,12 +207,6 @@ def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
 
 
-def _fp8(p):
-    scale = float(p.kv_cache.float().nan_to_num(0).abs().max()) / 448
-    p.kv_cache, p.kv_scale = quantize_kv_fp8(p.kv_cache, scale), scale  # NaN poison stays NaN (0x7F)
-    return p
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,q_len,page,cfg,q_dtype", [
     (128, 1, 64, {}, torch.bfloat16), (128, 1, 64, {"num_splits": 3}, torch.bfloat16),
@@ -224,7 +218,8 @@ def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg,
     if why:
         pytest.skip(why)
     rng = random.Random(seed)
-    p = _fp8(decode_problem(_lens(24, 3000, q_len, rng), heads, q_len, page, q_dtype, device="cuda", seed=seed))
+    p = decode_problem(_lens(24, 3000, q_len, rng), heads, q_len, page, q_dtype, kv_dtype="fp8", device="cuda",
+                       seed=seed)  # e4m3 bytes, NaN (0x7F) past each length
     if q_dtype == torch.bfloat16:
         p.q[0] *= 3e5  # rows far beyond fp16's range: rescaled per row by a power of two
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
@@ -266,9 +261,8 @@ def test_gpu_default_decode_at_128_heads_runs_the_wide_kernel(kv, seed, monkeypa
     calls = []
     real = W.launch
     monkeypatch.setattr(W, "launch", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
-    p = decode_problem([100, 5000], 128, 1, 64, torch.bfloat16, device="cuda", seed=seed)
-    if kv == "fp8":
-        p = _fp8(p)
+    p = decode_problem([100, 5000], 128, 1, 64, torch.bfloat16, kv_dtype="fp8" if kv == "fp8" else "same",
+                       device="cuda", seed=seed)
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
     out, _ = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={})
     assert len(calls) == 1
