@@ -158,6 +158,20 @@ if HAVE_GLUON:
         return hb, split, b, b * Q_PER_SEQ, seqlen - Q_PER_SEQ, lo, gl.minimum(lo + split_len, seqlen)
 
     @gluon.jit
+    def _out_rows(orow, hb, q_start, split, O, O_PART, stride_o_t, stride_o_h, stride_op_t, stride_op_h,
+                  stride_op_s, BLOCK_H: gl.constexpr, FINAL: gl.constexpr):
+        """(row pointers, query token, head) of program rows `orow`: the output's rows, or with splits the fp32
+        partials' rows of this split."""
+        oj = orow // BLOCK_H
+        oh = hb * BLOCK_H + orow % BLOCK_H
+        ot = (q_start + oj).to(gl.int64)
+        if FINAL:
+            out_rows = O + (ot * stride_o_t + oh * stride_o_h)
+        else:
+            out_rows = O_PART + (ot * stride_op_t + oh * stride_op_h + split * stride_op_s)
+        return out_rows, oj, oh
+
+    @gluon.jit
     def _issue(nope_ring, pe_ring, slot, KV, row_nope, row_pe, ok_nope, ok_pe, col_nope, col_pe):
         """cp.async of one tile's bytes into ring slot (rows whose `ok` is false are zero-filled, not read): each
         thread copies the sixteen 16-byte pieces of its own q·k fragments and two of the rope columns."""
@@ -362,14 +376,8 @@ if HAVE_GLUON:
         o = gl.reshape(gl.permute(o, (6, 0, 1, 3, 4, 5, 9, 8, 7, 2)), [HM, 512])  # d = 128w + 16·rlo + 2i + rsel
         o = gl.convert_layout(o, OUT_LAYOUT, assert_trivial=True)  # the 16 columns as the first registers
         OL: gl.constexpr = OUT_LAYOUT
-        orow = gl.arange(0, HM, layout=gl.SliceLayout(1, OL))
-        oj = orow // BLOCK_H
-        oh = hb * BLOCK_H + orow % BLOCK_H
-        ot = (q_start + oj).to(gl.int64)
-        if FINAL:
-            out_rows = O + (ot * stride_o_t + oh * stride_o_h)
-        else:
-            out_rows = O_PART + (ot * stride_op_t + oh * stride_op_h + split * stride_op_s)
+        out_rows, oj, oh = _out_rows(gl.arange(0, HM, layout=gl.SliceLayout(1, OL)), hb, q_start, split, O, O_PART,
+                                     stride_o_t, stride_o_h, stride_op_t, stride_op_h, stride_op_s, BLOCK_H, FINAL)
         dcol = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, OL)), 1)
         gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(dcol, 0), o.to(out_rows.dtype.element_ty),

@@ -94,7 +94,7 @@ def unfit(heads: int, q_len: int, kv_dtype: torch.dtype, q_dtype: torch.dtype, p
 
 
 if HAVE_GLUON:
-    from pdlab.attention.gluon_mla import _program_span, _to_f16
+    from pdlab.attention.gluon_mla import _out_rows, _program_span, _to_f16
 
     _STAGES = gl.constexpr(STAGES)
     _TILE16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -286,14 +286,8 @@ if HAVE_GLUON:
         else:
             inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), RO)
         o = o * gl.expand_dims(inv, 1)
-        orow = gl.arange(0, 64, layout=RO)
-        oj = orow // BLOCK_H
-        oh = hb * BLOCK_H + orow % BLOCK_H
-        ot = (q_start + oj).to(gl.int64)
-        if FINAL:
-            out_rows = O + (ot * stride_o_t + oh * stride_o_h)
-        else:
-            out_rows = O_PART + (ot * stride_op_t + oh * stride_op_h + split * stride_op_s)
+        out_rows, _, _ = _out_rows(gl.arange(0, 64, layout=RO), hb, q_start, split, O, O_PART, stride_o_t, stride_o_h,
+                                   stride_op_t, stride_op_h, stride_op_s, BLOCK_H, FINAL)
         dcol = gl.arange(0, 512, layout=gl.SliceLayout(0, MMA_O))
         gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(dcol, 0), o.to(out_rows.dtype.element_ty))
         rj = r // BLOCK_H
