@@ -332,8 +332,14 @@ def kv_descriptor(kv_cache: torch.Tensor):
     [64, 64] boxes. Built per call and not kept: the launcher encodes the hardware descriptor at every launch
     anyway, and a cache of these would hold every pool it ever saw alive."""
     flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
-    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[kv_cache.dtype]
-    return TensorDescriptor.from_tensor(flat, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], elem))
+    return TensorDescriptor.from_tensor(flat, [64, 64], _box_layout(kv_cache.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(dtype: torch.dtype):
+    """The shared layout of a [64, 64] TMA box of the pool's element type (fixed per dtype; asked every call)."""
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([64, 64], elem)
 
 
 def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
