@@ -16,8 +16,12 @@ range in tiles of 64 tokens, token-major ("swap AB"), so the tile's tokens are t
   fragment, because the MMA's K order inside a group is permuted (MMA column 16c + 8n + 2q + u is model column
   16q + 4c + 2n + u, `perm_group`); q sits in shared memory in that order. Each group's conversion overlaps the
   previous group's MMA.
-- Online softmax over the tile (base 2, scores scaled by softmax scale · kv_scale · q's per-row power of two), p^T
-  to shared memory as fp16.
+  The q·k bytes are converted in the order the shared loads bring them (four bytes of one token per register);
+  the V^T fragments pair two tokens, one byte permute per register.
+- Online softmax over the tile (base 2, scores scaled by softmax scale · kv_scale · q's per-row power of two; the
+  mask only on tiles that reach the split end or the causal rows), p^T to shared memory as fp16. Lazy rescaling:
+  the running max moves, and o and the row sums are rescaled, only when some row's max grew by more than
+  RESCALE_LOG2 (p then stays ≤ 2^8); the row sums are kept per (token slot, row) and reduced once at the end.
 - o^T [512, HM] += V^T · p^T as eight [64, HM] accumulators, V^T's A fragments read from the whole tile with the
   rows of o^T permuted (row r = 16w + 8·rsel + rlo of accumulator i is latent column 128w + 16·rlo + 2i + rsel):
   a thread's fragments are then 16 consecutive bytes of each of its 16 tokens, one 16-byte shared load each.
@@ -56,6 +60,8 @@ BLOCK_N = 64  # tokens per tile: the wgmma M of one warpgroup
 # are XORed with ρ's (see the module docstring)
 NOPE_OFFSET_BASES = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128], [0, 256],
                      [8, 16], [2, 32], [4, 64], [5, 0], [16, 0], [32, 0]]
+# how far (base 2) a row's max may grow before the running max moves (FA4's lazy rescaling)
+RESCALE_LOG2 = 8.0
 MAX_ROWS = 32  # query rows (heads × S_q) one program holds: its 8 accumulators [64, HM] stay in registers
 
 
@@ -94,6 +100,7 @@ def unfit(heads: int, q_len: int, fp8: bool) -> str | None:
 
 
 if HAVE_GLUON:
+    _RESCALE_LOG2 = gl.constexpr(RESCALE_LOG2)
     _NOPE_SMEM = gl.constexpr(gl.SharedLinearLayout(offset_bases=NOPE_OFFSET_BASES))
     _CVT = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
@@ -143,6 +150,14 @@ if HAVE_GLUON:
     def _operand(x, AL: gl.constexpr):
         """A [64, 64] uint8 e4m3 tile in a thread-local order → the fp16 wgmma register A operand."""
         return _to_f16(gl.convert_layout(x, AL, assert_trivial=True))
+
+    @gluon.jit
+    def _qk_operand(x, AL: gl.constexpr):
+        """A q·k group [64 τ, 64 MMA columns] → the fp16 wgmma register A operand, converted in x's own register
+        order: there four consecutive registers are four consecutive bytes of one token (one 32-bit word of the
+        shared load), in the operand's order they are two tokens' (the relabelling would cost a byte permute per
+        word). The fp16 pairs (model columns 2n + u, u = 0, 1) are the operand's pairs either way."""
+        return gl.convert_layout(_to_f16(x), AL, assert_trivial=True)
 
     @gluon.jit
     def _program_span(SEQLENS, num_splits, Q_PER_SEQ: gl.constexpr):
@@ -196,17 +211,17 @@ if HAVE_GLUON:
     def _qk_async(s, a_prev, x, q_smem, AL: gl.constexpr):
         """Convert group x and issue its MMA after the previous one's; wait until that previous one is done (its
         register operand a_prev is free). Returns (the accumulator in flight, x's operand)."""
-        a = _operand(x, AL)
+        a = _qk_operand(x, AL)
         s = warpgroup_mma(a, q_smem.permute((1, 0)), s, is_async=True)
         s, a_prev = warpgroup_mma_wait(1, deps=(s, a_prev))
         return s, a
 
     @gluon.jit
-    def _pv_async(t_prev, a_prev, o, v, p_smem, alpha, AL: gl.constexpr):
-        """Convert V^T tile v and issue its MMA (into o · alpha); wait for the previous tile's MMA. Returns (the
-        previous tile's accumulator, this one's in flight, v's operand)."""
+    def _pv_async(t_prev, a_prev, o, v, p_smem, AL: gl.constexpr):
+        """Convert V^T tile v and issue its MMA (into o); wait for the previous tile's MMA. Returns (the previous
+        tile's accumulator, this one's in flight, v's operand)."""
         a = _operand(v, AL)
-        t = warpgroup_mma(a, p_smem.permute((1, 0)), o * gl.expand_dims(alpha, 0), is_async=True)
+        t = warpgroup_mma(a, p_smem.permute((1, 0)), o, is_async=True)
         o_prev, a_prev = warpgroup_mma_wait(1, deps=(t_prev, a_prev))
         return o_prev, t, a
 
@@ -298,7 +313,13 @@ if HAVE_GLUON:
         _cta_barrier()  # q's shared copies are written
 
         m_i = gl.full([HM], float("-inf"), gl.float32, layout=ROWS)
-        l_i = gl.zeros([HM], gl.float32, layout=ROWS)
+        # p's row sums: at HM 16 per (token slot, row), reduced once at the end; at HM 32 (no registers to spare)
+        # reduced every tile
+        SUM_AT_END: gl.constexpr = HM == 16
+        if SUM_AT_END:
+            l_acc = gl.zeros([64, HM], gl.float32, layout=MMA)
+        else:
+            l_acc = gl.zeros([HM], gl.float32, layout=ROWS)
         o0 = gl.zeros([64, HM], gl.float32, layout=MMA)
         o1 = gl.zeros([64, HM], gl.float32, layout=MMA)
         o2 = gl.zeros([64, HM], gl.float32, layout=MMA)
@@ -324,7 +345,7 @@ if HAVE_GLUON:
             x0, x1, x2, x3, x4, x5, x6, x7 = _qk_groups(nope_ring.index(slot).load(QKL))
             xp = _pe_group(pe_ring.index(slot).load(QKP))
             # each group's bytes are converted while the previous group's MMA runs
-            a = _operand(x0, AL)
+            a = _qk_operand(x0, AL)
             s = warpgroup_mma(a, qn_smem.index(0).permute((1, 0)), gl.zeros([64, HM], gl.float32, layout=MMA),
                               is_async=True)
             s, a = _qk_async(s, a, x1, qn_smem.index(1), AL)
@@ -337,15 +358,29 @@ if HAVE_GLUON:
             s, a = _qk_async(s, a, xp, qp_smem, AL)
             s, a = warpgroup_mma_wait(0, deps=(s, a))
 
-            n = gl.expand_dims(start + tok, 1)
-            visible = (n < hi) & (n < gl.expand_dims(limit, 0))
-            s = gl.where(visible, s * gl.expand_dims(row_scale, 0), float("-inf"))
+            s = s * gl.expand_dims(row_scale, 0)
+            if start + 64 > gl.minimum(hi, prefix + 1):  # the tile reaches the split end or the causal rows
+                n = gl.expand_dims(start + tok, 1)
+                s = gl.where((n < hi) & (n < gl.expand_dims(limit, 0)), s, float("-inf"))
+            # the running max moves (and o, l are rescaled) only when a row's max grew by more than RESCALE_LOG2:
+            # p = 2^(s - m) then stays ≤ 2^RESCALE_LOG2, exact enough in fp16 and far from fp32's range
             m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_base)
-            p = gl.exp2(s - gl.expand_dims(m_base, 0))
-            l_i = l_i * alpha + gl.sum(p, 0)
-            m_i = m_new
+            grow = gl.max(gl.where(m_new > m_i, m_new - m_i, 0.0), 0)
+            if grow > _RESCALE_LOG2:
+                alpha_r = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+                alpha = gl.expand_dims(alpha_r, 0)
+                o0, o1, o2, o3 = o0 * alpha, o1 * alpha, o2 * alpha, o3 * alpha
+                o4, o5, o6, o7 = o4 * alpha, o5 * alpha, o6 * alpha, o7 * alpha
+                if SUM_AT_END:
+                    l_acc = l_acc * alpha
+                else:
+                    l_acc = l_acc * alpha_r
+                m_i = m_new
+            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 0))
+            if SUM_AT_END:
+                l_acc = l_acc + p
+            else:
+                l_acc = l_acc + gl.sum(p, 0)
             p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
             _cta_barrier()  # p^T written, and every thread's pieces of tile i have landed
@@ -354,18 +389,22 @@ if HAVE_GLUON:
             v0, v1, v2, v3, v4, v5, v6, v7 = _pv_tiles(nope_ring.index(slot).load(PVL))
             # each V^T tile is converted while the previous tile's MMA runs
             a = _operand(v0, AL)
-            t0 = warpgroup_mma(a, p_smem.permute((1, 0)), o0 * gl.expand_dims(alpha, 0), is_async=True)
-            o0, t1, a = _pv_async(t0, a, o1, v1, p_smem, alpha, AL)
-            o1, t2, a = _pv_async(t1, a, o2, v2, p_smem, alpha, AL)
-            o2, t3, a = _pv_async(t2, a, o3, v3, p_smem, alpha, AL)
-            o3, t4, a = _pv_async(t3, a, o4, v4, p_smem, alpha, AL)
-            o4, t5, a = _pv_async(t4, a, o5, v5, p_smem, alpha, AL)
-            o5, t6, a = _pv_async(t5, a, o6, v6, p_smem, alpha, AL)
-            o6, t7, a = _pv_async(t6, a, o7, v7, p_smem, alpha, AL)
+            t0 = warpgroup_mma(a, p_smem.permute((1, 0)), o0, is_async=True)
+            o0, t1, a = _pv_async(t0, a, o1, v1, p_smem, AL)
+            o1, t2, a = _pv_async(t1, a, o2, v2, p_smem, AL)
+            o2, t3, a = _pv_async(t2, a, o3, v3, p_smem, AL)
+            o3, t4, a = _pv_async(t3, a, o4, v4, p_smem, AL)
+            o4, t5, a = _pv_async(t4, a, o5, v5, p_smem, AL)
+            o5, t6, a = _pv_async(t5, a, o6, v6, p_smem, AL)
+            o6, t7, a = _pv_async(t6, a, o7, v7, p_smem, AL)
             o7, a = warpgroup_mma_wait(0, deps=(t7, a))
             _cta_barrier()  # the slot and p^T are rewritten by the next tiles
         async_copy.wait_group(0)
 
+        if SUM_AT_END:
+            l_i = gl.sum(l_acc, 0)
+        else:
+            l_i = l_acc
         empty = l_i == 0.0
         inv = kv_scale / gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -391,7 +430,7 @@ if HAVE_GLUON:
 
 
 STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
-REGISTERS = 236  # per thread at HM 16 with Triton 3.6 (the compile test pins "two programs per SM")
+REGISTERS = 253  # per thread at HM 16 with Triton 3.6 (the compile test pins "two programs per SM")
 
 
 def programs_per_sm(hm: int, stages: int = STAGES) -> int:

@@ -146,7 +146,7 @@ def _space(backend, bucket, arch: str) -> dict | None:
     full = backend.config_space
     space = {k: full[k] for k in ("FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC")}
     if bucket["layout"] == "contiguous" and bucket["payload"] == "bf16":
-        space.update({k: full[k] for k in ("DENSE_MIN_M", "DENSE_CHUNK")})
+        space.update({k: full[k] for k in ("DENSE_MIN_M", "DENSE_CHUNK", "DENSE_OVERLAP")})
     return space
 
 

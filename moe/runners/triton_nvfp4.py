@@ -24,7 +24,8 @@ activation tile is permuted the same way in registers, so the result is the same
 DENSE_MIN_M (bf16 activations, contiguous layout): at ≥ DENSE_MIN_M expected tokens per expert
 (0 = never) the weights of DENSE_CHUNK experts at a time are dequantised to bf16 once
 (moe/triton/nvfp4_dequant.py) and both GEMMs run in torch._grouped_mm (one host read of the
-offsets per call: while a CUDA graph is being captured the in-loop kernel runs instead);
+offsets per call: while a CUDA graph is being captured the in-loop kernel runs instead); DENSE_OVERLAP=1 (CUDA)
+dequantises the next half-size chunk on a side stream while the current one's GEMMs run;
 `dense_path_taken` says whether it runs.
 TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
@@ -57,13 +58,13 @@ from pdlab.moe.weights import tile_nvfp4
 
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
-            "DENSE_CHUNK": 16, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0,
+            "DENSE_CHUNK": 16, "DENSE_OVERLAP": 1, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0,
             "FRAG_XASYNC": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
+          "DENSE_CHUNK": [8, 16, 32], "DENSE_OVERLAP": [0, 1], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
           "FRAG_XASYNC": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")  # FRAG_XASYNC's -1 is decided in _run_frag
 
@@ -305,10 +306,24 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+_SIDE_STREAMS: dict = {}  # device index → the stream the dense path dequantises on (one per device, reused)
+
+
+def _side_stream(device: torch.device):
+    """The dense path's dequantisation stream on `device` (created once)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
 def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
     """Contiguous bf16 rows [N, H]: per chunk of experts, NVFP4 → bf16 weights (one pass), then
     gate_up and down through torch._grouped_mm with SiLU·mul between (as the torch_grouped runner).
-    Weights stored tiled or in fragment order are dequantised from that layout (no plain copy)."""
+    Weights stored tiled or in fragment order are dequantised from that layout (no plain copy).
+    On CUDA with DENSE_OVERLAP (default 1) the next chunk is dequantised on a side stream while the current
+    chunk's GEMMs run (two weight buffers of DENSE_CHUNK / 2 experts each, so the scratch stays that of one
+    DENSE_CHUNK chunk); results are the same bits either way."""
     import torch.nn.functional as F
 
     from pdlab.moe.triton.nvfp4_dequant import nvfp4_to_bf16
@@ -317,23 +332,57 @@ def _run_dense(layout, weights, cfg: dict) -> torch.Tensor:
     w = _stored(weights) if frag else _packed(weights, tiled)
     x = layout.hidden
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
+    overlap = x.is_cuda and bool(cfg.get("DENSE_OVERLAP", 1))
     chunk = max(1, min(E, int(cfg.get("DENSE_CHUNK", 16))))
+    if overlap:
+        chunk = max(1, chunk // 2)
     offs = layout.offsets.tolist()  # host read: the row range of each chunk
+    chunks = [(e0, min(E, e0 + chunk)) for e0 in range(0, E, chunk) if offs[min(E, e0 + chunk)] > offs[e0]]
     out = torch.empty((x.shape[0], H), dtype=x.dtype, device=x.device)
-    w13 = torch.empty((chunk, 2 * I, H), dtype=torch.bfloat16, device=x.device)
-    w2 = torch.empty((chunk, H, I), dtype=torch.bfloat16, device=x.device)
-    for e0 in range(0, E, chunk):
-        e1 = min(E, e0 + chunk)
+    nbuf = 2 if overlap and len(chunks) > 1 else 1
+    w13 = torch.empty((nbuf, chunk, 2 * I, H), dtype=torch.bfloat16, device=x.device)
+    w2 = torch.empty((nbuf, chunk, H, I), dtype=torch.bfloat16, device=x.device)
+
+    def dequantise(j):
+        e0, e1 = chunks[j]
+        b = j % nbuf
+        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[b, :e1 - e0], tiled=tiled,
+                      frag=frag)
+        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[b, :e1 - e0], tiled=tiled, frag=frag)
+
+    def gemms(j):
+        e0, e1 = chunks[j]
+        b, n = j % nbuf, e1 - e0
         r0, r1 = offs[e0], offs[e1]
-        if r1 == r0:
-            continue
-        n = e1 - e0
-        nvfp4_to_bf16(w["w13"][e0:e1], w["w13_sf"][e0:e1], w["w13_s2"][e0:e1], w13[:n], tiled=tiled, frag=frag)
-        nvfp4_to_bf16(w["w2"][e0:e1], w["w2_sf"][e0:e1], w["w2_s2"][e0:e1], w2[:n], tiled=tiled, frag=frag)
         ends = (layout.offsets[e0 + 1:e1 + 1] - r0).to(torch.int32)
         xs = x[r0:r1].to(torch.bfloat16)
-        gu = torch._grouped_mm(xs, w13[:n].transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
+        gu = torch._grouped_mm(xs, w13[b, :n].transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16)
         g, u = gu.chunk(2, dim=-1)
-        out[r0:r1] = torch._grouped_mm(F.silu(g) * u, w2[:n].transpose(-2, -1), offs=ends,
+        out[r0:r1] = torch._grouped_mm(F.silu(g) * u, w2[b, :n].transpose(-2, -1), offs=ends,
                                        out_dtype=torch.bfloat16).to(x.dtype)
+
+    if nbuf == 1:
+        for j in range(len(chunks)):
+            dequantise(j)
+            gemms(j)
+        return out
+    # two buffers: chunk j + 1 is dequantised (side stream) while chunk j's GEMMs run (main stream); the side stream
+    # reuses a buffer only after the GEMMs that read it (chunk j - 1) are done. The main stream waits for every
+    # dequantisation it reads, so the buffers (allocated on it) are free for its later work when it frees them.
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)  # the scratch and the inputs as the main stream left them
+    ready, done = [None] * len(chunks), [None] * len(chunks)
+    with torch.cuda.stream(side):
+        dequantise(0)
+        ready[0] = side.record_event()
+    for j in range(len(chunks)):
+        if j + 1 < len(chunks):
+            with torch.cuda.stream(side):
+                if j >= 1:
+                    side.wait_event(done[j - 1])
+                dequantise(j + 1)
+                ready[j + 1] = side.record_event()
+        main.wait_event(ready[j])
+        gemms(j)
+        done[j] = main.record_event()
     return out

@@ -187,8 +187,9 @@ print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "op
 def test_compiles_for_sm90_two_programs_per_sm(final):
     # compiled for sm90 on any machine (its own process). Per tile and thread: its 16 + 2 pieces copied by cp.async,
     # read back by 16-byte shared loads (16 + 2 for q·k, 16 for V), each byte converted once per use (144 + 128
-    # e4m3x2 conversions), 36 + 32 wgmma, about one byte permute per fragment register that pairs two tokens or two
-    # rows; the output written 16 bytes at a time. No spills, and shared memory for two programs per SM
+    # e4m3x2 conversions), 36 + 32 wgmma, one byte permute per V^T fragment register pair (it pairs two tokens; the
+    # q·k fragments are converted in their load order and need none); the output written 16 bytes at a time. No
+    # spills, and shared memory for two programs per SM
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE, "16", str(G.STAGES), str(int(final))], capture_output=True,
                        text=True, env=env, timeout=600)
@@ -198,7 +199,7 @@ def test_compiles_for_sm90_two_programs_per_sm(final):
     assert ops["F2FP.F16.E4M3.UNPACK"] == 144 + 128 and ops["HGMMA.64x16x16.F32"] == 68, ops
     assert ops["LDGSTS.E.BYPASS.128"] == 18 * G.STAGES and ops["LDS.128"] >= 34, ops
     # 4 rows × 16 columns per thread: fp32 partials in 16 stores, the bf16 output in 8
-    assert ops["STG.E.128"] == (8 if final else 16) and ops["PRMT"] <= 200, ops
+    assert ops["STG.E.128"] == (8 if final else 16) and ops["PRMT"] <= 130, ops
     assert got["spill"] == 0, got
     assert G.shared_bytes(16, G.STAGES) <= got["shared"] <= G.shared_bytes(16, G.STAGES) + 1024, got
     assert G.programs_per_sm(16) == 2 and G.programs_per_sm(32) == 2
@@ -241,6 +242,43 @@ def test_gpu_gluon_decode_matches_the_reference(heads, q_len, page, cfg, seed):
                      backend="torch")
     out, lse = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                           backend="triton", config={"kernel": "gluon", **cfg})
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+def _growing_scores(p, growth: float, q_gain: float):
+    """Scale each sequence's cache row at position t by 1 + growth · t / seqlen and q by q_gain (re-quantized), so
+    that a row's running max grows along the sequence: by more than the kernel's lazy-rescale threshold
+    (RESCALE_LOG2) at some tiles, by less at others."""
+    from pdlab.attention.kv import dequantize_kv_fp8
+
+    kv = dequantize_kv_fp8(p.kv_cache, p.kv_scale)
+    page = kv.shape[1]
+    for b, n in enumerate(p.seqlens.tolist()):
+        pos = torch.arange(p.block_table.shape[1] * page, device=kv.device)
+        pages = p.block_table[b].long().repeat_interleave(page)
+        kv[pages, pos % page] *= (1 + growth * pos / n)[:, None]
+    scale = float(kv.nan_to_num(0).abs().max()) / 448
+    p.kv_cache, p.kv_scale = quantize_kv_fp8(kv, scale), scale
+    p.q *= q_gain
+    return p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len,splits", [(16, 1, 1), (16, 1, 3), (16, 2, 1), (32, 1, 2)])
+def test_gpu_gluon_decode_with_scores_growing_along_the_sequence(heads, q_len, splits, seed):
+    # the running max moves by more than RESCALE_LOG2 at some tiles (o and the row sums rescaled) and by less at
+    # others (the stale max kept, p up to 2^RESCALE_LOG2): both against the reference, with NaN past the lengths
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = _growing_scores(_fp8_problem(_lens(12, 4000, q_len, rng), heads, q_len, 64, seed), growth=6.0, q_gain=4.0)
+    ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                     backend="torch")
+    out, lse = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                          backend="triton", config={"kernel": "gluon", "num_splits": splits})
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))

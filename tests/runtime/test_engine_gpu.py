@@ -78,7 +78,7 @@ def test_served_fp8_decode_calls_match_reference(monkeypatch):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_served_128_head_decode_calls_match_reference(kv, monkeypatch):
-    # DeepSeek-R1's attention as served (the synthetic R1, one layer: 128 heads, ragged prompts, eager decode): on
+    # DeepSeek-R1's attention as served (the synthetic R1, two layers: 128 heads, ragged prompts, eager decode): on
     # sm90 every decode call runs the wide Gluon kernel (64-row programs) and must equal the fp32 reference on its
     # own inputs — the op tests check the kernel, this checks the runtime's pools, tables and lengths reaching it
     import torch
@@ -93,7 +93,7 @@ def test_served_128_head_decode_calls_match_reference(kv, monkeypatch):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (70, 5, 130, 64)]
     kw = dict(kv_dtype="fp8", kv_scale=0.05) if kv == "fp8" else {}
-    llm = LLM(model_path="synthetic:deepseek-r1:1", device="cuda", page_size=64, max_context_len=512,
+    llm = LLM(model_path="synthetic:deepseek-r1:2", device="cuda", page_size=64, max_context_len=512,
               max_running_requests=8, max_total_tokens=4096, disable_cuda_graph=True, **kw)
     with reference_checked("mla_decode", "triton") as calls:
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

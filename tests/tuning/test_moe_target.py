@@ -55,7 +55,7 @@ def test_sm90_searches_only_the_fragment_gemms_knobs():
     frag = {"FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1]}
     assert MOE_EXPERTS.search_space(triton, b, "sm90") == frag
     rows = MOE_EXPERTS.search_space(triton, {**b, "layout": "contiguous"}, "sm90")
-    assert set(rows) == {*frag, "DENSE_MIN_M", "DENSE_CHUNK"}
+    assert set(rows) == {*frag, "DENSE_MIN_M", "DENSE_CHUNK", "DENSE_OVERLAP"}
     assert MOE_EXPERTS.search_space(triton, {**b, "payload": "nvfp4", "layout": "contiguous"}, "sm90") == frag
     ref = registry.get_backend("moe_experts", "torch")
     assert MOE_EXPERTS.search_space(ref, b, "sm90") == ref.config_space
