@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true",
-                    help="also print each version's CUDA kernels and their times at B=128, seqlen 8192 (torch.profiler)")
+                    help="also print each version's CUDA kernels and their times at B=128, seqlen 8192 "
+                         "(torch.profiler)")
     ap.add_argument("versions", nargs="+", metavar="NAME=PATH")
     args = ap.parse_args(argv)
     import pandas as pd
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         ok &= err < 1e-5
         print(json.dumps({"version": name, "check_cos_err": err}), flush=True)
     if args.profile:
-        _profile(versions, run, decode_problem)
+        _profile(versions, run)
     rows = []
     for batch, seqlen in SHAPES:
         probs = {kv: decode_problem([seqlen] * batch, 16, device="cuda", kv_dtype=kv, seed=1, poison=False)
@@ -90,10 +91,12 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def _profile(versions, run, decode_problem) -> None:
+def _profile(versions, run) -> None:
     """Per version: the kernels one fp8 decode call launches at B=128, 8k (main kernel, split combine) and their
     mean CUDA time over 20 calls."""
     from torch.profiler import ProfilerActivity, profile
+
+    from pdlab.attention.workloads import decode_problem
 
     p = decode_problem([8192] * 128, 16, device="cuda", kv_dtype="fp8", seed=1, poison=False)
     for name, launch in versions.items():

@@ -10,9 +10,8 @@ OUT=${OUT:-/tmp/pdlab_attention}
 mkdir -p "$OUT"
 export PDLAB_RESULTS_DIR="$OUT"
 PY=${PY:-python3}
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$OUT/device.txt" 2>&1
-git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
-date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date.txt"
+. "$(dirname "$0")/provenance.sh"
+record_provenance "$OUT"
 BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.argv[1:]))' attention --out "$OUT")
 B=(--batch 128 --page-size 64 --s-q 1)
 

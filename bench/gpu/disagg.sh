@@ -24,10 +24,9 @@ LOAD=(--num-prompts "$NUM_PROMPTS" --random-input-len 2048 --random-output-len 2
 SERVE=(--model-path "$MODEL" --max-running-requests 64 --max-context-len 4096 --max-total-tokens 262144
        --chunked-prefill-size 2048 --max-prefill-tokens 8192 --page-size 64
        --cuda-graph-bs 1 2 4 8 16 24 32 40 48 64)
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$OUT/device.txt" 2>&1
+. "$(dirname "$0")/provenance.sh"
+record_provenance "$OUT"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
-date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date.txt"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/stages.txt"; }
 CLI=($PY -c 'import sys; from pdlab.runtime.cli import main; sys.exit(main(sys.argv[1:]))')
 BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.argv[1:]))' serving)

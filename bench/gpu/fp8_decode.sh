@@ -12,10 +12,8 @@ OUT=${OUT:-/tmp/pdlab_fp8}
 R=/tmp/fp8_results
 mkdir -p "$R"
 PY=${PY:-python3}
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$R/device.txt" 2>&1
-git rev-parse --short HEAD > "$R/commit.txt" 2>/dev/null || true
-git status --short > "$R/tree_status.txt" 2>/dev/null || true
-date -u +%Y-%m-%dT%H:%M:%SZ > "$R/date.txt"
+. "$(dirname "$0")/provenance.sh"
+record_provenance "$R"
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
   timeout ${TEST_TIMEOUT:-260} $PY -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" \
     tests/attention/test_gluon_mla.py tests/attention/test_gluon_mla_wide.py tests/runtime/test_engine_gpu.py \

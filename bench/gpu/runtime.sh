@@ -18,9 +18,8 @@ PY=${PY:-python3}
 STAGES=${STAGES:-"tests perf serve"}
 MODEL=${MODEL:-synthetic:deepseek-r1:4}
 PORT=${PORT:-30777}
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$OUT/device.txt" 2>&1
-git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
-date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date.txt"
+. "$(dirname "$0")/provenance.sh"
+record_provenance "$OUT"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/stages.txt"; }
 
 if [[ " $STAGES " == *" tests "* ]]; then

@@ -26,9 +26,8 @@ MOE_EXPERTS=${MOE_EXPERTS:-256,64}      # local experts: EP1 and EP4 of DeepSeek
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PDLAB_CONFIG_DIR="$OUT/configs" PDLAB_CACHE_DIR="$OUT/cache" PDLAB_RESULTS_DIR="$OUT"
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$OUT/device.txt" 2>&1
-git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
-date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date.txt"
+. "$(dirname "$0")/provenance.sh"
+record_provenance "$OUT"
 
 if [[ $RUN_TESTS == 1 ]]; then
   timeout 120 $PY -m pytest -q tests/tuning -x 2>&1 | tail -5 | tee "$OUT/cpu_tests.txt"

@@ -14,9 +14,8 @@ OUT=${OUT:-/tmp/pdlab_wide}
 R=/tmp/wide_results
 mkdir -p "$R/t/configs"
 PY=${PY:-python3}
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$R/device.txt" 2>&1
-git rev-parse --short HEAD > "$R/commit.txt" 2>/dev/null || true
-date -u +%Y-%m-%dT%H:%M:%SZ > "$R/date.txt"
+. "$(dirname "$0")/provenance.sh"
+record_provenance "$R"
 cp -r tuning/configs/NVIDIA_H200 "$R/t/configs/"
 if [[ ${SKIP_TUNE:-0} != 1 ]]; then
   OUT=$R/t ONLY=att ATT_HEADS=128 ATT_KV=${ATT_KV:-bf16,fp8} ATT_BATCH=1,32,128 ATT_SEQLEN=8192 TOTAL_BUDGET=${TB1:-55} SERVED_CHECK=0 \

@@ -104,16 +104,17 @@ def timing(variants, quick: bool, shape_set: str = "wide") -> list[dict]:
         from pdlab.attention.ops import resolve_config
         from pdlab.kernels import registry
 
-        bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": kv, "q_len": q_len}
-        tuned, src = resolve_config("mla_decode", registry.get_backend("mla_decode", "triton"), bucket,
-                                    torch.device("cuda"), None)
-        cands = [("triton", {"kernel": "triton"}),
-                 (f"triton-tuned ({src.split('/')[-1]})", {**tuned, "kernel": "triton"})]
-        name = "gluon_fp8" if shape_set == "fp8_16" else "wide"
-        if shape_set != "fp8_16" or kv == "fp8":
-            cands += [(f"{name} {json.dumps(v)}", {**v, "kernel": "gluon"}) for v in variants]
-        if shape_set == "fp8_16" and kv == "fp8":
-            cands = cands[2:]  # `_mla_fwd` over fp8 is the slow path this kernel replaced
+        fp8_16 = shape_set == "fp8_16"
+        cands = []
+        if not (fp8_16 and kv == "fp8"):  # `_mla_fwd` over fp8 at 16 heads is the slow path the fp8 kernel replaced
+            bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": kv, "q_len": q_len}
+            tuned, src = resolve_config("mla_decode", registry.get_backend("mla_decode", "triton"), bucket,
+                                        torch.device("cuda"), None)
+            cands += [("triton", {"kernel": "triton"}),
+                      (f"triton-tuned ({src.split('/')[-1]})", {**tuned, "kernel": "triton"})]
+        if not fp8_16 or kv == "fp8":
+            cands += [(f"{'gluon_fp8' if fp8_16 else 'wide'} {json.dumps(v)}", {**v, "kernel": "gluon"})
+                      for v in variants]
         for name, cfg in cands:
             def fn(cfg=cfg):
                 mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
@@ -142,8 +143,8 @@ def main(argv=None) -> int:
                     help="configs of the wide kernel to time (JSON, merged over the default)")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--shape-set", choices=["wide", "fp8_16"], default="wide",
-                    help="wide: the 64-row kernel's shapes; fp8_16: the 16-head fp8 goal's (the variants then configure "
-                         "the fp8 Gluon kernel, timed against the bf16 `_mla_fwd`)")
+                    help="wide: the 64-row kernel's shapes; fp8_16: the 16-head fp8 goal's (the variants then "
+                         "configure the fp8 Gluon kernel, timed against the bf16 `_mla_fwd`)")
     args = ap.parse_args(argv)
     import pandas as pd
 

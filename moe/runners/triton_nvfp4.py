@@ -64,8 +64,8 @@ _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K"
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
-          "DENSE_CHUNK": [8, 16, 32], "DENSE_OVERLAP": [0, 1], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2],
-          "FRAG_XASYNC": [0, 1]}
+          "DENSE_CHUNK": [8, 16, 32], "DENSE_OVERLAP": [0, 1], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64],
+          "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")  # FRAG_XASYNC's -1 is decided in _run_frag
 
 
