@@ -2,10 +2,11 @@
 so that clock and thermal drift fall on every version alike, with the bf16 `_mla_fwd` (tuned) as the yardstick of
 the fp8 goal (fp8 ≥ 1.6× faster than bf16 at 16 heads).
 
-    python3 bench/gpu/ab_gluon_fp8.py --out DIR NAME=PATH [NAME=PATH ...] [--rounds 5]
+    python3 bench/gpu/ab_gluon_fp8.py --out DIR NAME=PATH [NAME=cfg:JSON ...] [--rounds 5]
 
 Each PATH is a copy of gluon_mla.py; its `launch` replaces the package's for that version's calls (selection,
-splits and combine stay the package's). Every version is first checked against the torch reference (1e-5 cosine).
+splits and combine stay the package's). NAME=cfg:JSON runs the package's kernel with those decode config knobs
+(e.g. cfg:{"merge": 0}). Every version is first checked against the torch reference (1e-5 cosine).
 Writes DIR/ab_fp8.csv (one row per shape × version × round) and prints the medians. GPU only (sm90).
 """
 
@@ -43,13 +44,20 @@ def main(argv=None) -> int:
     from pdlab.attention.workloads import decode_cost, decode_problem
     from pdlab.bench.harness import bench, cosine_error
 
-    versions = {v.split("=", 1)[0]: _load(*v.split("=", 1)).launch for v in args.versions}
     real = gluon_mla.launch
+    versions, knobs = {}, {}
+    for v in args.versions:
+        name, src = v.split("=", 1)
+        if src.startswith("cfg:"):
+            versions[name], knobs[name] = real, json.loads(src[4:])
+        else:
+            versions[name] = _load(name, src).launch
 
-    def run(p, kv, launch):
+    def run(p, kv, launch, name=None):
         gluon_mla.launch = launch
         try:
-            cfg = {"kernel": "gluon"} if kv == "fp8" else None  # bf16: the tuned store's config
+            # bf16: the tuned store's config
+            cfg = {"kernel": "gluon", **knobs.get(name, {})} if kv == "fp8" else None
             return mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                               backend="triton", config=cfg)
         finally:
@@ -60,7 +68,7 @@ def main(argv=None) -> int:
     ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                      backend="torch")
     for name, launch in versions.items():
-        o, lse = run(p, "fp8", launch)
+        o, lse = run(p, "fp8", launch, name)
         err = max(cosine_error(o, ref[0]), cosine_error(lse, ref[1]))
         ok &= err < 1e-5
         print(json.dumps({"version": name, "check_cos_err": err}), flush=True)
@@ -74,7 +82,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for name, kv, launch in cands:
                 pr = probs[kv]
-                t = bench(lambda: run(pr, kv, launch), cuda_graph=True, graph_calls=5, repeats=10, warmup=2)
+                t = bench(lambda: run(pr, kv, launch, name), cuda_graph=True, graph_calls=5, repeats=10, warmup=2)
                 flops, nbytes = decode_cost(batch, 1, 16, pr.total_kv, 1 if kv == "fp8" else 2)
                 rows.append({"batch": batch, "seqlen": seqlen, "version": name, "round": r,
                              "ms": round(t.median_ms, 4), "gbps": round(nbytes / t.median_ms / 1e6, 1)})
@@ -101,11 +109,11 @@ def _profile(versions, run) -> None:
     p = decode_problem([8192] * 128, 16, device="cuda", kv_dtype="fp8", seed=1, poison=False)
     for name, launch in versions.items():
         for _ in range(3):
-            run(p, "fp8", launch)
+            run(p, "fp8", launch, name)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                run(p, "fp8", launch)
+                run(p, "fp8", launch, name)
             torch.cuda.synchronize()
         for ev in prof.key_averages():
             if ev.device_type.name == "CUDA" and ev.count:
