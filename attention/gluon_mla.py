@@ -63,6 +63,9 @@ NOPE_OFFSET_BASES = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64], 
 # how far (base 2) a row's max may grow before the running max moves (FA4's lazy rescaling)
 RESCALE_LOG2 = 8.0
 MAX_ROWS = 32  # query rows (heads × S_q) one program holds: its 8 accumulators [64, HM] stay in registers
+# the balanced schedule (`balanced_fits`): no program gets fewer KV tiles than this unless its sequence has fewer
+MIN_SPAN_TILES = 2
+MAX_BALANCED_BATCH = 1024  # sequences whose tile counts one program scans in registers (4 warps × 8)
 
 
 def perm_group(device=None) -> torch.Tensor:
@@ -101,6 +104,7 @@ def unfit(heads: int, q_len: int, fp8: bool) -> str | None:
 
 if HAVE_GLUON:
     _RESCALE_LOG2 = gl.constexpr(RESCALE_LOG2)
+    _MIN_SPAN_TILES = gl.constexpr(MIN_SPAN_TILES)
     _NOPE_SMEM = gl.constexpr(gl.SharedLinearLayout(offset_bases=NOPE_OFFSET_BASES))
     _CVT = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
@@ -225,17 +229,52 @@ if HAVE_GLUON:
         o_prev, a_prev = warpgroup_mma_wait(1, deps=(t_prev, a_prev))
         return o_prev, t, a
 
+    @gluon.jit
+    def _add_i32(a, b):
+        return a + b
+
+    @gluon.jit
+    def _balanced_span(SEQLENS, META, B, slots, Q_PER_SEQ: gl.constexpr, BLOCK_B: gl.constexpr):
+        """Program p of the balanced one-wave grid (slots programs): sequence b of n_b = ⌈L_b / 64⌉ tiles gets
+        s_b = max(1, ⌈n_b / P⌉) programs of ⌈n_b / s_b⌉ tiles each, P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉),
+        so that Σ s_b ≤ Σ (n_b / P + 1) ≤ slots whatever the lengths; programs are numbered by sequence, then by
+        split. Split 0 of b writes META[b] = (its program id, s_b) for the combine. Returns (split, b, its first
+        query token, the tokens before its queries, [lo, hi), whether b has one program, whether p has work)."""
+        p = gl.program_id(0)
+        SL: gl.constexpr = gl.BlockedLayout([BLOCK_B // 128], [32], [4], [0])
+        i = gl.arange(0, BLOCK_B, layout=SL)
+        inb = i < B
+        n = gl.cdiv(gl.load(SEQLENS + i, mask=inb, other=0), 64)
+        per = gl.maximum(gl.cdiv(gl.sum(n, 0), slots - B), _MIN_SPAN_TILES)
+        cnt = gl.where(inb, gl.maximum(gl.cdiv(n, per), 1), 0)
+        end = gl.associative_scan(cnt, 0, _add_i32)  # programs of sequences ≤ i
+        b = gl.sum((end <= p).to(gl.int32), 0)
+        active = b < B
+        b = gl.minimum(b, B - 1)
+        mine = i == b
+        s_b = gl.sum(gl.where(mine, cnt, 0), 0)
+        first = gl.sum(gl.where(mine, end, 0), 0) - s_b
+        split = p - first
+        gl.store(META + 2 * b, first, mask=active & (split == 0))
+        gl.store(META + 2 * b + 1, s_b, mask=active & (split == 0))
+        seqlen = gl.load(SEQLENS + b)
+        span = gl.cdiv(gl.cdiv(seqlen, 64), s_b) * 64
+        lo = gl.where(active, split * span, 0)
+        hi = gl.where(active, gl.minimum(lo + span, seqlen), 0)
+        return split, b, b * Q_PER_SEQ, seqlen - Q_PER_SEQ, lo, hi, s_b == 1, active
+
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _mla_fp8_decode(Q, KV, BT, SEQLENS, O, LSE, O_PART, LSE_PART, kv_scale, KV_SCALE_PTR, qk_scale,
+    def _mla_fp8_decode(Q, KV, BT, SEQLENS, O, LSE, O_PART, LSE_PART, META, kv_scale, KV_SCALE_PTR, qk_scale,
                         stride_q_t, stride_q_h, stride_kv_p, stride_kv_o, stride_bt_b,
                         stride_o_t, stride_o_h, stride_lse_t, stride_lse_j, stride_lse_h,
                         stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
-                        H, num_splits,
+                        H, num_splits, B, slots,
                         Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, HM: gl.constexpr, PAGE: gl.constexpr,
                         STAGES: gl.constexpr, FINAL: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
-                        OUT_LAYOUT: gl.constexpr):
-        """Grid (head blocks, splits, batch). Program rows r < HM: query token j = r // BLOCK_H of the sequence,
-        head hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
+                        OUT_LAYOUT: gl.constexpr, BALANCED: gl.constexpr, BLOCK_B: gl.constexpr):
+        """Grid (head blocks, splits, batch), or with BALANCED (slots,) (`_balanced_span`; partials then indexed by
+        program: row p·S_q + j). Program rows r < HM: query token j = r // BLOCK_H of the sequence, head
+        hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         # thread 32w + 4·rlo + q: QK bytes — tokens 16w + rlo (+8), columns 64g + 16q … + 15 (also what it copies)
@@ -260,7 +299,13 @@ if HAVE_GLUON:
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
 
-        hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
+        if BALANCED:
+            split, b, q_start, prefix, lo, hi, single, active = _balanced_span(SEQLENS, META, B, slots, Q_PER_SEQ,
+                                                                               BLOCK_B)
+            hb = 0
+            part_start = gl.program_id(0) * Q_PER_SEQ
+        else:
+            hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         if SCALE_FROM_PTR:
             kv_scale = gl.load(KV_SCALE_PTR).to(gl.float32)
 
@@ -415,18 +460,34 @@ if HAVE_GLUON:
         o = gl.reshape(gl.permute(o, (6, 0, 1, 3, 4, 5, 9, 8, 7, 2)), [HM, 512])  # d = 128w + 16·rlo + 2i + rsel
         o = gl.convert_layout(o, OUT_LAYOUT, assert_trivial=True)  # the 16 columns as the first registers
         OL: gl.constexpr = OUT_LAYOUT
-        out_rows, oj, oh = _out_rows(gl.arange(0, HM, layout=gl.SliceLayout(1, OL)), hb, q_start, split, O, O_PART,
-                                     stride_o_t, stride_o_h, stride_op_t, stride_op_h, stride_op_s, BLOCK_H, FINAL)
-        dcol = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
+        orow = gl.arange(0, HM, layout=gl.SliceLayout(1, OL))
+        dcol = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, OL)), 0)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, OL)), 1)
-        gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(dcol, 0), o.to(out_rows.dtype.element_ty),
-                 mask=gl.expand_dims((oj < Q_PER_SEQ) & (oh < H), 1))
-        t = (q_start + rj).to(gl.int64)
-        if FINAL:
-            gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse,
-                     mask=row_ok)
+        if BALANCED:  # the result when the sequence has one program, else this program's partial (row p·S_q + j)
+            out_rows, oj, oh = _out_rows(orow, hb, q_start, 0, O, O_PART, stride_o_t, stride_o_h, stride_op_t,
+                                         stride_op_h, 0, BLOCK_H, True)
+            o_ok = gl.expand_dims((oj < Q_PER_SEQ) & (oh < H) & active, 1)
+            if single:
+                gl.store(gl.expand_dims(out_rows, 1) + dcol, o.to(O.dtype.element_ty), mask=o_ok)
+                gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse,
+                         mask=row_ok & active)
+            else:
+                part_rows, oj, oh = _out_rows(orow, hb, part_start, 0, O, O_PART, stride_o_t, stride_o_h,
+                                              stride_op_t, stride_op_h, 0, BLOCK_H, False)
+                gl.store(gl.expand_dims(part_rows, 1) + dcol, o, mask=o_ok)
+                gl.store(LSE_PART + (part_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h, lse,
+                         mask=row_ok & active)
         else:
-            gl.store(LSE_PART + t * stride_lp_t + rh * stride_lp_h + split, lse, mask=row_ok)
+            out_rows, oj, oh = _out_rows(orow, hb, q_start, split, O, O_PART, stride_o_t, stride_o_h, stride_op_t,
+                                         stride_op_h, stride_op_s, BLOCK_H, FINAL)
+            gl.store(gl.expand_dims(out_rows, 1) + dcol, o.to(out_rows.dtype.element_ty),
+                     mask=gl.expand_dims((oj < Q_PER_SEQ) & (oh < H), 1))
+            t = (q_start + rj).to(gl.int64)
+            if FINAL:
+                gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse,
+                         mask=row_ok)
+            else:
+                gl.store(LSE_PART + t * stride_lp_t + rh * stride_lp_h + split, lse, mask=row_ok)
 
 
 STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
@@ -457,6 +518,21 @@ def auto_splits(batch: int, heads: int, q_len: int, capacity: int, sm_count: int
     return best
 
 
+def balanced_fits(batch: int, slots: int) -> bool:
+    """Whether the balanced schedule can take `batch` sequences on `slots` program slots (one wave, every sequence
+    at least one program, the tile counts scanned in registers)."""
+    return 0 < batch < slots and batch <= MAX_BALANCED_BATCH
+
+
+def balanced_schedule(seqlens: list[int], slots: int) -> list[int]:
+    """Programs per sequence of the balanced schedule (what `_balanced_span` computes on the GPU, for tests and
+    docs): sequence b of n_b = ⌈L_b / 64⌉ KV tiles gets max(1, ⌈n_b / P⌉) programs of ⌈n_b / s_b⌉ tiles,
+    P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉), so that the programs fit the slots in one wave."""
+    n = [-(-int(x) // 64) for x in seqlens]
+    per = max(MIN_SPAN_TILES, -(-sum(n) // (slots - len(n))))
+    return [max(1, -(-k // per)) for k in n]
+
+
 def shared_bytes(hm: int, stages: int) -> int:
     """Shared memory of one program: the cp.async ring (36 KB a tile), q (9 groups of 64 columns) and p^T."""
     return stages * 576 * BLOCK_N + 10 * hm * 64 * 2
@@ -481,14 +557,18 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float,
            kv_scale: float, kv_scale_ptr: torch.Tensor | None, *, q_per_seq: int, splits: int,
-           stages: int = STAGES) -> None:
-    """Launch `_mla_fp8_decode` over grid (1, splits, B).
+           stages: int = STAGES, meta: torch.Tensor | None = None, slots: int = 0) -> None:
+    """Launch `_mla_fp8_decode` over grid (1, splits, B), or with `meta` the balanced schedule over grid (slots,).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q ≤ 32); kv_cache: [P, page, 576] uint8 e4m3 bytes; block_table
     [B, max_pages] int32; seqlens [B] int32; out3 [B·S_q, H, 512] (written with splits == 1), lse through
     lse_strides; with splits > 1 the fp32 partials o_part [B·S_q, H, splits, 512] and lse_part [B·S_q, H, splits]
     (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e); kv_scale: the pool's scale,
-    or read from kv_scale_ptr [1] fp32 when given. stages: tiles of the cp.async ring (2: two programs per SM)."""
+    or read from kv_scale_ptr [1] fp32 when given. stages: tiles of the cp.async ring (2: two programs per SM).
+    Balanced (`balanced_schedule`): meta [B, 2] int32 receives (first program, programs) per sequence; a sequence
+    with one program gets its result in out3 and lse, the others partials in o_part [slots·S_q, H, 512] and
+    lse_part [slots·S_q, H] (row p·S_q + j for program p; part_strides then (o_part's two, 0, lse_part's two)),
+    which `_mla_combine_spans` merges."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     hm = program_rows(H, q_per_seq)
@@ -501,10 +581,16 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError(f"mla gluon: {stages} ring stages at {hm} query rows need {smem} bytes of shared memory, "
                          f"more than an sm90 program gets ({SM90.shared_per_program})")
     from_ptr = kv_scale_ptr is not None
-    _mla_fp8_decode[(1, splits, B)](
-        q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, kv_scale,
+    balanced = meta is not None
+    if balanced and not balanced_fits(B, slots):
+        raise ValueError(f"mla gluon: the balanced schedule needs fewer sequences ({B}) than program slots "
+                         f"({slots}) and at most {MAX_BALANCED_BATCH}")
+    grid = (slots,) if balanced else (1, splits, B)
+    _mla_fp8_decode[grid](
+        q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, meta if balanced else seqlens, kv_scale,
         kv_scale_ptr if from_ptr else seqlens, qk_scale,
         q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out3.stride(0), out3.stride(1), *lse_strides, *part_strides, H, splits,
-        Q_PER_SEQ=q_per_seq, BLOCK_H=H, HM=hm, PAGE=kv_cache.shape[1], STAGES=stages, FINAL=splits == 1,
-        SCALE_FROM_PTR=from_ptr, OUT_LAYOUT=out_layout(hm), num_warps=4)
+        out3.stride(0), out3.stride(1), *lse_strides, *part_strides, H, splits, B, slots,
+        Q_PER_SEQ=q_per_seq, BLOCK_H=H, HM=hm, PAGE=kv_cache.shape[1], STAGES=stages,
+        FINAL=not balanced and splits == 1, SCALE_FROM_PTR=from_ptr, OUT_LAYOUT=out_layout(hm), BALANCED=balanced,
+        BLOCK_B=max(128, triton.next_power_of_2(B)), num_warps=4)

@@ -487,6 +487,45 @@ def _mla_combine(O_PART, LSE_PART, O, LSE, stride_op_t, stride_op_h, stride_op_s
 
 
 @triton.jit
+def _mla_combine_spans(O_PART, LSE_PART, META, O, LSE, stride_op_r, stride_op_h, stride_lp_r, stride_lp_h,
+                       stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h,
+                       SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """`_mla_combine` for the balanced schedule: token t = b·SQ + j merges the partial rows (first + k)·SQ + j,
+    k < count, with (first, count) = META[b]; a sequence of one program already has its result."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    b = t // SQ
+    j = t % SQ
+    first = tl.load(META + 2 * b)
+    count = tl.load(META + 2 * b + 1)
+    if count > 1:
+        k = tl.arange(0, BLOCK_S)
+        mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
+        for k0 in range(0, count, BLOCK_S):
+            rows = ((first + k0 + k) * SQ + j).to(tl.int64)
+            mx = tl.maximum(mx, tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=k0 + k < count,
+                                        other=float("-inf")))
+        top = tl.max(mx, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        d = tl.arange(0, D)
+        acc = tl.zeros([D], tl.float32)
+        tot = tl.zeros([BLOCK_S], tl.float32)
+        for k0 in range(0, count, BLOCK_S):
+            ok = k0 + k < count
+            rows = ((first + k0 + k) * SQ + j).to(tl.int64)
+            w = tl.exp(tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=ok, other=float("-inf")) - top)
+            part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :], mask=ok[:, None],
+                           other=0.0)
+            acc += tl.sum(part * w[:, None], 0)
+            tot += w
+        total = tl.sum(tot, 0)
+        out = acc / tl.where(total == 0.0, 1.0, total)
+        tl.store(O + t.to(tl.int64) * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty))
+        lse_out = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total)))
+        tl.store(LSE + b * stride_lse_b + j * stride_lse_s + h * stride_lse_h, lse_out)
+
+
+@triton.jit
 def _store_kv(KV, SLOTS, LAT, scale, SCALE_PTR, stride_kv_p, stride_kv_o, stride_lat_t, n_slots,
               PAGE: tl.constexpr, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
               D_NOPE: tl.constexpr, D_PE: tl.constexpr):
@@ -592,6 +631,14 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         block_h = gluon_mla_wide.ROWS // q_per_seq  # the kernel's query rows per program
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
+    if gluon == "fp8" and config.get("schedule", "balanced") == "balanced":
+        from pdlab.attention import gluon_mla
+
+        slots = gluon_mla.programs_per_sm(gluon_mla.program_rows(H, q_per_seq)) * _sm_count(dev)
+        if gluon_mla.balanced_fits(B, slots):
+            _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, softmax_scale, kv_scale,
+                          q_per_seq, slots)
+            return
     splits = int(config.get("num_splits", 0) or 0)
     waves = float(config.get("waves") or 0)
     if splits <= 0 and gluon == "fp8" and not waves:  # auto: the split count that fills the kernel's slots best
@@ -678,6 +725,29 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                          "num_stages - 1 tiles in flight): lower num_stages, BLOCK_N or BLOCK_H, "
                          "or set page_ahead=0") from None
     _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
+
+
+def _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, softmax_scale, kv_scale,
+                  q_per_seq: int, slots: int) -> None:
+    """The fp8 Gluon decode on the balanced schedule (gluon_mla `_balanced_span`: the KV tiles of the whole batch
+    spread over one wave of `slots` programs, whatever the lengths), then `_mla_combine_spans`."""
+    from pdlab.attention import gluon_mla
+
+    T, H, _ = q3.shape
+    B = seqlens.shape[0]
+    dev = q3.device
+    scale, scale_ptr, from_ptr = _scale_args(kv_scale, dev)
+    meta = torch.empty(B, 2, dtype=torch.int32, device=dev)
+    o_part = torch.empty(slots * q_per_seq, H, 512, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(slots * q_per_seq, H, dtype=torch.float32, device=dev)
+    sp = (o_part.stride(0), o_part.stride(1), 0, lse_part.stride(0), lse_part.stride(1))
+    gluon_mla.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
+                     softmax_scale * LOG2E, scale, scale_ptr if from_ptr else None, q_per_seq=q_per_seq, splits=1,
+                     meta=meta, slots=slots)
+    _mla_combine_spans[(T, H)](o_part, lse_part, meta, out3, lse, o_part.stride(0), o_part.stride(1),
+                               lse_part.stride(0), lse_part.stride(1), out3.stride(0), out3.stride(1),
+                               lse_strides[0] * q_per_seq, lse_strides[1], lse_strides[2], SQ=q_per_seq,
+                               BLOCK_S=16, D=512, num_warps=4)
 
 
 def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, splits: int, final: bool) -> None:

@@ -37,7 +37,10 @@ at B=128, 8k, 16 heads on an H200 — and where 64-row programs hold whole heads
 contiguous pool of page 64/128, bf16/fp16 or fp8, attention/gluon_mla_wide.py: TMA into a two-tile ring, two
 warpgroups, q·k and p·v as wgmma from shared memory — 1.14 → 0.70 ms (256 → 418 TFLOPS) at B=128, 8k, 128 heads bf16;
 of the knobs above both read num_splits and waves (0, auto: the split count that fills the SMs best); "auto", the
-default, runs one wherever one can; "triton" never).
+default, runs one wherever one can; "triton" never), schedule (the fp8 Gluon kernel: "balanced", the default, spreads
+the KV tiles of the whole batch over one wave of programs by the actual lengths — a long sequence gets more
+programs than a short one, gluon_mla.balanced_schedule — and ignores num_splits and waves; "uniform" cuts every
+sequence into the same number of splits).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
@@ -57,7 +60,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0],
                 "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1],
-                "q_prescale": [0, 1], "kernel": ["triton", "gluon"]}
+                "q_prescale": [0, 1], "kernel": ["triton", "gluon"], "schedule": ["balanced", "uniform"]}
 # Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
 # programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
@@ -67,7 +70,8 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
 # 128 heads 1.649 → 1.196 ms); without quarters fp16 compute only pays at <= 32 rows.
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
-                  "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto"}
+                  "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto",
+                  "schedule": "balanced"}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}

@@ -19,7 +19,23 @@ from pathlib import Path
 
 import torch
 
-SHAPES = [(128, 8192), (64, 16384), (128, 16384), (32, 8192)]
+SHAPES = "128x8192,64x16384,128x16384,32x8192"
+# ragged batches (seeded): lengths uniform in a range, or one long sequence among short ones
+RAGGED = {"ragged64": (64, 1024, 16384), "ragged128": (128, 512, 16384), "ragged32": (32, 256, 32768)}
+
+
+def _lengths(shape: str) -> list[int]:
+    """BxL (B sequences of L tokens), a RAGGED name, or longtail (one of 32768 tokens, 127 of 1024)."""
+    import random
+
+    if shape == "longtail":
+        return [32768] + [1024] * 127
+    if shape in RAGGED:
+        b, lo, hi = RAGGED[shape]
+        rng = random.Random(0)
+        return [rng.randint(lo, hi) for _ in range(b)]
+    b, n = shape.split("x")
+    return [int(n)] * int(b)
 
 
 def _load(name: str, path: str):
@@ -33,6 +49,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", default=SHAPES, help=f"comma list of BxL, {', '.join(RAGGED)}, longtail")
     ap.add_argument("--profile", action="store_true",
                     help="also print each version's CUDA kernels and their times at B=128, seqlen 8192 "
                          "(torch.profiler)")
@@ -75,8 +92,10 @@ def main(argv=None) -> int:
     if args.profile:
         _profile(versions, run)
     rows = []
-    for batch, seqlen in SHAPES:
-        probs = {kv: decode_problem([seqlen] * batch, 16, device="cuda", kv_dtype=kv, seed=1, poison=False)
+    for shape in args.shapes.split(","):
+        lens = _lengths(shape)
+        batch = len(lens)
+        probs = {kv: decode_problem(lens, 16, device="cuda", kv_dtype=kv, seed=1, poison=False)
                  for kv in ("bf16", "fp8")}
         cands = [("bf16 _mla_fwd", "bf16", real)] + [(n, "fp8", f) for n, f in versions.items()]
         for r in range(args.rounds):
@@ -84,7 +103,7 @@ def main(argv=None) -> int:
                 pr = probs[kv]
                 t = bench(lambda: run(pr, kv, launch, name), cuda_graph=True, graph_calls=5, repeats=10, warmup=2)
                 flops, nbytes = decode_cost(batch, 1, 16, pr.total_kv, 1 if kv == "fp8" else 2)
-                rows.append({"batch": batch, "seqlen": seqlen, "version": name, "round": r,
+                rows.append({"shape": shape, "batch": batch, "tokens": sum(lens), "version": name, "round": r,
                              "ms": round(t.median_ms, 4), "gbps": round(nbytes / t.median_ms / 1e6, 1)})
         del probs
         torch.cuda.empty_cache()
@@ -92,7 +111,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "ab_fp8.csv", index=False)
-    med = df.groupby(["batch", "seqlen", "version"])["ms"].median().unstack("version")
+    med = df.groupby(["shape", "version"], sort=False)["ms"].median().unstack("version")
     for name in versions:
         med[f"bf16/{name}"] = (med["bf16 _mla_fwd"] / med[name]).round(3)
     print(med.to_string())

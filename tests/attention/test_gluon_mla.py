@@ -111,6 +111,121 @@ def test_auto_splits_fill_the_program_slots_without_needless_partials():
     assert G.auto_splits(8, 16, 1, 1024, 132) == 4
 
 
+def test_balanced_schedule_spreads_the_batch_over_one_wave_by_length():
+    slots = 264  # an H200: 132 SMs × 2 programs
+    # uniform lengths: the split counts the uniform schedule's auto rule picks (B=128 8k: 2; B=64 16k: 4; B=32 8k: 8)
+    assert G.balanced_schedule([8192] * 128, slots) == [2] * 128
+    assert G.balanced_schedule([16384] * 64, slots) == [4] * 64
+    assert G.balanced_schedule([8192] * 32, slots) == [8] * 32
+    assert G.balanced_schedule([8192], slots) == [8192 // 64 // G.MIN_SPAN_TILES]
+    # ragged: programs follow the length, every program of about the same number of tiles, one wave whatever the mix
+    counts = G.balanced_schedule([16384] + [1024] * 63, slots)
+    assert counts[0] >= 10 * counts[1] and sum(counts) <= slots
+    rng = random.Random(0)
+    for _ in range(300):
+        B = rng.randint(1, 263)
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 40000)]) for _ in range(B)]
+        counts = G.balanced_schedule(lens, slots)
+        assert min(counts) >= 1 and sum(counts) <= slots, (B, sum(counts))
+        per = [-(-(-(-n // 64)) // c) for n, c in zip(lens, counts)]  # tiles per program of each sequence
+        assert max(per) <= max(G.MIN_SPAN_TILES, -(-sum(-(-n // 64) for n in lens) // (slots - B)))
+    assert G.balanced_fits(263, 264) and not G.balanced_fits(264, 264) and not G.balanced_fits(0, 264)
+
+
+def _span_partial(q, kv, seqlen, lo, hi, scale):
+    """fp32 attention of the S_q query rows q [S_q, H, 576] of a sequence over its cached rows kv [seqlen, 576]
+    at positions [lo, hi) (causal among the last S_q): (o [S_q, H, 512] normalised, lse [S_q, H] natural log)."""
+    sq, H, _ = q.shape
+    o = torch.zeros(sq, H, 512)
+    lse = torch.full((sq, H), float("-inf"))
+    for j in range(sq):
+        top = min(hi, seqlen - sq + j + 1)
+        if top <= lo:
+            continue
+        s = q[j] @ kv[lo:top].T * scale  # [H, n]
+        m = s.max(-1, keepdim=True).values
+        e = torch.exp(s - m)
+        o[j] = (e @ kv[lo:top, :512]) / e.sum(-1, keepdim=True)
+        lse[j] = (m + e.sum(-1, keepdim=True).log()).squeeze(-1)
+    return o, lse
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
+    # the partials of the balanced schedule's programs (fp32 reference of each span), merged by
+    # `_mla_combine_spans` under the interpreter, equal the reference decode; sequences of one program (their
+    # result written by the kernel itself) are left alone
+    slots, H = 24, 4
+    lens = [700, 70, 2, 65, 300, 128]
+    p = decode_problem(lens, H, q_len, 16, torch.float32, seed=1)
+    ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch")
+    counts = G.balanced_schedule(lens, slots)
+    assert max(counts) > 1 and min(counts) == 1
+    B = len(lens)
+    o_part = torch.full((slots * q_len, H, 512), float("nan"))
+    lse_part = torch.full((slots * q_len, H), float("nan"))
+    meta = torch.zeros(B, 2, dtype=torch.int32)
+    out = torch.full((B * q_len, H, 512), 7.0)
+    lse = torch.full((B, H, q_len), 7.0)
+    first = 0
+    for b, (n, c) in enumerate(zip(lens, counts)):
+        pos = torch.arange(n)
+        kv = p.kv_cache[p.block_table[b].long()[pos // 16], pos % 16].float()
+        span = -(-(-(-n // 64)) // c) * 64
+        meta[b] = torch.tensor([first, c])
+        for k in range(c):
+            o, l = _span_partial(p.q[b], kv, n, k * span, min((k + 1) * span, n), p.softmax_scale)
+            o_part[(first + k) * q_len:(first + k + 1) * q_len] = o
+            lse_part[(first + k) * q_len:(first + k + 1) * q_len] = l
+        first += c
+    tk._mla_combine_spans[(B * q_len, H)](o_part, lse_part, meta, out, lse, o_part.stride(0), o_part.stride(1),
+                                          lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+                                          lse.stride(0), lse.stride(2), lse.stride(1), SQ=q_len, BLOCK_S=4, D=512)
+    out = out.view(B, q_len, H, 512)
+    for b, c in enumerate(counts):
+        if c == 1:
+            assert (out[b] == 7.0).all() and (lse[b] == 7.0).all()
+        else:
+            assert cosine_error(out[b], ref[0][b]) < 1e-6 and cosine_error(lse[b], ref[1][b]) < 1e-6
+
+
+def test_default_fp8_gluon_decode_runs_the_balanced_schedule(monkeypatch):
+    # the default (schedule "balanced"): one launch over the program slots with [B, 2] metadata, then the spans'
+    # combine; "uniform", or more sequences than slots: the split grid with its own combine
+    from pdlab.attention.backends.triton_mla import resolve_decode_config
+
+    launches, combines = [], []
+
+    class _Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: combines.append((self.name, grid))
+
+    monkeypatch.setattr(G, "launch", lambda *a, **k: launches.append(k))
+    monkeypatch.setattr(tk, "_mla_combine", _Rec("splits"))
+    monkeypatch.setattr(tk, "_mla_combine_spans", _Rec("spans"))
+    monkeypatch.setattr(tk, "_gluon_kernel", lambda *a, **k: "fp8")
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    H = 16
+
+    def run(B, **knobs):
+        q = torch.zeros(B, H, 576, dtype=torch.bfloat16)
+        cfg = resolve_decode_config({**DECODE_DEFAULT, "kernel": "gluon", **knobs}, H, 1, True)
+        tk.mla_attention(q, torch.zeros(4, 64, 576, dtype=torch.uint8), torch.zeros(B, 4, dtype=torch.int32),
+                         torch.full((B,), 200, dtype=torch.int32), None, torch.empty(B, H, 512, dtype=torch.bfloat16),
+                         torch.empty(B, H, 1), (H, 1, 1), 576 ** -0.5, 0.05, q_per_seq=1, q_blocks=1, config=cfg)
+        return launches[-1], combines[-1] if combines else None
+
+    k, c = run(3, num_splits=5)  # num_splits is the uniform schedule's: ignored here
+    assert k["slots"] == 264 and k["meta"].shape == (3, 2) and c == ("spans", (3, H))
+    k, c = run(3, num_splits=5, schedule="uniform")
+    assert k.get("meta") is None and k["splits"] == 5 and c == ("splits", (3, H))
+    k, _ = run(300)
+    assert k.get("meta") is None
+
+
 def test_a_tuned_gluon_entry_never_fails_a_problem_it_cannot_take(monkeypatch):
     # the store's nearest bucket (q_len 1) says kernel "gluon"; a decode with S_q 4 at 16 heads (64 rows) must run
     # (the Triton kernel), as the served path does with the shipped configs — an explicit "gluon" still refuses
@@ -158,13 +273,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage, sass_opcodes
 from pdlab.attention import gluon_mla as G
-hm, stages, final = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+hm, stages, final, balanced = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 names = G._mla_fp8_decode.arg_names
 ptrs = {"Q": "*bf16", "KV": "*u8", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32",
-        "O_PART": "*fp32", "LSE_PART": "*fp32", "KV_SCALE_PTR": "*i32"}
+        "O_PART": "*fp32", "LSE_PART": "*fp32", "META": "*i32", "KV_SCALE_PTR": "*i32"}
 sig = {n: ptrs.get(n, "fp32" if n in ("kv_scale", "qk_scale") else "i32") for n in names}
 consts = {"Q_PER_SEQ": 1, "BLOCK_H": hm, "HM": hm, "PAGE": 64, "STAGES": stages, "FINAL": final,
-          "SCALE_FROM_PTR": False, "OUT_LAYOUT": G.out_layout(hm)}
+          "SCALE_FROM_PTR": False, "OUT_LAYOUT": G.out_layout(hm), "BALANCED": balanced, "BLOCK_B": 128}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if sig[n].startswith("*") or n.startswith("stride")}
 sig.update({k: "constexpr" for k in consts})
@@ -183,23 +298,24 @@ print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "op
 
 
 @pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("final", [False, True])
-def test_compiles_for_sm90_two_programs_per_sm(final):
+@pytest.mark.parametrize("final,balanced", [(False, False), (True, False), (False, True)])
+def test_compiles_for_sm90_two_programs_per_sm(final, balanced):
     # compiled for sm90 on any machine (its own process). Per tile and thread: its 16 + 2 pieces copied by cp.async,
     # read back by 16-byte shared loads (16 + 2 for q·k, 16 for V), each byte converted once per use (144 + 128
     # e4m3x2 conversions), 36 + 32 wgmma, one byte permute per V^T fragment register pair (it pairs two tokens; the
     # q·k fragments are converted in their load order and need none); the output written 16 bytes at a time. No
-    # spills, and shared memory for two programs per SM
+    # spills, and shared memory for two programs per SM. The balanced schedule has both epilogues (the result of a
+    # sequence of one program, else the partial)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, "16", str(G.STAGES), str(int(final))], capture_output=True,
-                       text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, "16", str(G.STAGES), str(int(final)), str(int(balanced))],
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
     assert ops["F2FP.F16.E4M3.UNPACK"] == 144 + 128 and ops["HGMMA.64x16x16.F32"] == 68, ops
     assert ops["LDGSTS.E.BYPASS.128"] == 18 * G.STAGES and ops["LDS.128"] >= 34, ops
     # 4 rows × 16 columns per thread: fp32 partials in 16 stores, the bf16 output in 8
-    assert ops["STG.E.128"] == (8 if final else 16) and ops["PRMT"] <= 130, ops
+    assert ops["STG.E.128"] == (24 if balanced else 8 if final else 16) and ops["PRMT"] <= 130, ops
     assert got["spill"] == 0, got
     assert G.shared_bytes(16, G.STAGES) <= got["shared"] <= G.shared_bytes(16, G.STAGES) + 1024, got
     assert G.programs_per_sm(16) == 2 and G.programs_per_sm(32) == 2
@@ -225,12 +341,16 @@ def _lens(B, top, q_len, rng):
     return [max(q_len, n) for n in fixed + [rng.randint(1, top) for _ in range(B - len(fixed))]]
 
 
+_U = {"schedule": "uniform"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,q_len,page,cfg", [
-    (16, 1, 64, {}), (16, 1, 64, {"num_splits": 1}), (16, 1, 64, {"num_splits": 7, "num_stages": 2}),
-    (16, 2, 64, {}), (32, 1, 64, {"num_splits": 3}), (8, 4, 64, {}), (16, 1, 1, {"num_splits": 2}),
-    (16, 1, 16, {}), (16, 1, 128, {"num_splits": 5}), (16, 1, 32, {"num_stages": 2}), (10, 1, 64, {}),
-    (16, 1, 64, {"num_splits": 64}),  # splits past the end of short sequences: empty partials
+    (16, 1, 64, {}), (16, 1, 64, {"num_splits": 1, **_U}), (16, 1, 64, {"num_splits": 7, "num_stages": 2, **_U}),
+    (16, 2, 64, {}), (32, 1, 64, {"num_splits": 3, **_U}), (8, 4, 64, {}), (16, 1, 1, {"num_splits": 2, **_U}),
+    (16, 1, 16, {}), (16, 1, 128, {"num_splits": 5, **_U}), (16, 1, 32, {"num_stages": 2}), (10, 1, 64, {}),
+    (16, 1, 64, {"num_splits": 64, **_U}),  # splits past the end of short sequences: empty partials
+    (16, 1, 1, {}), (16, 2, 128, {}), (32, 1, 64, {}),
 ])
 def test_gpu_gluon_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     why = _gpu_reason()
@@ -268,6 +388,7 @@ def _growing_scores(p, growth: float, q_gain: float):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,q_len,splits", [(16, 1, 1), (16, 1, 3), (16, 2, 1), (32, 1, 2)])
 def test_gpu_gluon_decode_with_scores_growing_along_the_sequence(heads, q_len, splits, seed):
+    # splits 1: the balanced schedule; more: the uniform one
     # the running max moves by more than RESCALE_LOG2 at some tiles (o and the row sums rescaled) and by less at
     # others (the stale max kept, p up to 2^RESCALE_LOG2): both against the reference, with NaN past the lengths
     why = _gpu_reason()
@@ -277,8 +398,9 @@ def test_gpu_gluon_decode_with_scores_growing_along_the_sequence(heads, q_len, s
     p = _growing_scores(_fp8_problem(_lens(12, 4000, q_len, rng), heads, q_len, 64, seed), growth=6.0, q_gain=4.0)
     ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                      backend="torch")
+    cfg = {"kernel": "gluon", "num_splits": splits, **_U} if splits > 1 else {"kernel": "gluon"}
     out, lse = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
-                          backend="triton", config={"kernel": "gluon", "num_splits": splits})
+                          backend="triton", config=cfg)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
@@ -306,6 +428,34 @@ def test_gpu_gluon_decode_scale_tensor_large_q_and_cuda_graph(q_dtype, seed):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         gout, glse = mla_decode(*args, kv_scale=scale_t, backend="triton", config=cfg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout, out) and torch.equal(glse, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,q_len", [
+    ([40000] + [100] * 150 + [3000] * 49, 1),  # one long sequence among many short ones, B near the slots
+    ([30000], 1), ([2, 3, 64, 65], 2), ([9000] * 3 + [1] * 60 + [128] * 60, 1), ([5000, 17, 129] * 30, 2),
+])
+def test_gpu_balanced_schedule_on_ragged_batches(lens, q_len, seed):
+    # the programs follow the lengths (gluon_mla.balanced_schedule): against the reference with NaN past every
+    # length, equal to the uniform schedule's result within rounding, and the same in a CUDA graph
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    p = _fp8_problem([max(n, q_len) for n in lens], 16, q_len, 64, seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    ref = mla_decode(*args, kv_scale=p.kv_scale, backend="torch")
+    out, lse = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon"})
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+    uni = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon", **_U})
+    assert cosine_error(out, uni[0]) < 1e-6
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon"})
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(gout, out) and torch.equal(glse, lse)
