@@ -238,8 +238,9 @@ if HAVE_GLUON:
         """Program p of the balanced one-wave grid (slots programs): sequence b of n_b = ⌈L_b / 64⌉ tiles gets
         s_b = max(1, ⌈n_b / P⌉) programs of ⌈n_b / s_b⌉ tiles each, P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉),
         so that Σ s_b ≤ Σ (n_b / P + 1) ≤ slots whatever the lengths; programs are numbered by sequence, then by
-        split. Split 0 of b writes META[b] = (its program id, s_b) for the combine. Returns (split, b, its first
-        query token, the tokens before its queries, [lo, hi), whether b has one program, whether p has work)."""
+        split. Split 0 of b writes META[b] = (its program id, s_b) for the combine. Returns (s_b, or 0 for a program
+        without work, b, its first query token, the tokens before its queries, [lo, hi)): one integer carries what
+        the epilogue needs through the loop, so the loop has the registers of the uniform grid's."""
         p = gl.program_id(0)
         SL: gl.constexpr = gl.BlockedLayout([BLOCK_B // 128], [32], [4], [0])
         i = gl.arange(0, BLOCK_B, layout=SL)
@@ -261,7 +262,7 @@ if HAVE_GLUON:
         span = gl.cdiv(gl.cdiv(seqlen, 64), s_b) * 64
         lo = gl.where(active, split * span, 0)
         hi = gl.where(active, gl.minimum(lo + span, seqlen), 0)
-        return split, b, b * Q_PER_SEQ, seqlen - Q_PER_SEQ, lo, hi, s_b == 1, active
+        return gl.where(active, s_b, 0), b, b * Q_PER_SEQ, seqlen - Q_PER_SEQ, lo, hi
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _mla_fp8_decode(Q, KV, BT, SEQLENS, O, LSE, O_PART, LSE_PART, META, kv_scale, KV_SCALE_PTR, qk_scale,
@@ -300,10 +301,8 @@ if HAVE_GLUON:
         ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
 
         if BALANCED:
-            split, b, q_start, prefix, lo, hi, single, active = _balanced_span(SEQLENS, META, B, slots, Q_PER_SEQ,
-                                                                               BLOCK_B)
+            programs, b, q_start, prefix, lo, hi = _balanced_span(SEQLENS, META, B, slots, Q_PER_SEQ, BLOCK_B)
             hb = 0
-            part_start = gl.program_id(0) * Q_PER_SEQ
         else:
             hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         if SCALE_FROM_PTR:
@@ -464,10 +463,12 @@ if HAVE_GLUON:
         dcol = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, OL)), 0)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, OL)), 1)
         if BALANCED:  # the result when the sequence has one program, else this program's partial (row p·S_q + j)
+            active = programs > 0
+            part_start = gl.program_id(0) * Q_PER_SEQ
             out_rows, oj, oh = _out_rows(orow, hb, q_start, 0, O, O_PART, stride_o_t, stride_o_h, stride_op_t,
                                          stride_op_h, 0, BLOCK_H, True)
             o_ok = gl.expand_dims((oj < Q_PER_SEQ) & (oh < H) & active, 1)
-            if single:
+            if programs == 1:
                 gl.store(gl.expand_dims(out_rows, 1) + dcol, o.to(O.dtype.element_ty), mask=o_ok)
                 gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse,
                          mask=row_ok & active)

@@ -491,7 +491,8 @@ def _mla_combine_spans(O_PART, LSE_PART, META, O, LSE, stride_op_r, stride_op_h,
                        stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h,
                        SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
     """`_mla_combine` for the balanced schedule: token t = b·SQ + j merges the partial rows (first + k)·SQ + j,
-    k < count, with (first, count) = META[b]; a sequence of one program already has its result."""
+    k < count, with (first, count) = META[b], BLOCK_S at a time (one pass, the running max rescaling what is
+    summed); a sequence of one program already has its result."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = t // SQ
@@ -500,25 +501,24 @@ def _mla_combine_spans(O_PART, LSE_PART, META, O, LSE, stride_op_r, stride_op_h,
     count = tl.load(META + 2 * b + 1)
     if count > 1:
         k = tl.arange(0, BLOCK_S)
-        mx = tl.full([BLOCK_S], float("-inf"), tl.float32)
-        for k0 in range(0, count, BLOCK_S):
-            rows = ((first + k0 + k) * SQ + j).to(tl.int64)
-            mx = tl.maximum(mx, tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=k0 + k < count,
-                                        other=float("-inf")))
-        top = tl.max(mx, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)
         d = tl.arange(0, D)
+        top = float("-inf")
         acc = tl.zeros([D], tl.float32)
-        tot = tl.zeros([BLOCK_S], tl.float32)
+        total = 0.0
         for k0 in range(0, count, BLOCK_S):
             ok = k0 + k < count
             rows = ((first + k0 + k) * SQ + j).to(tl.int64)
-            w = tl.exp(tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=ok, other=float("-inf")) - top)
+            lse = tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=ok, other=float("-inf"))
             part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :], mask=ok[:, None],
                            other=0.0)
-            acc += tl.sum(part * w[:, None], 0)
-            tot += w
-        total = tl.sum(tot, 0)
+            new_top = tl.maximum(top, tl.max(lse, 0))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            w = tl.exp(lse - base)
+            keep = tl.exp(top - base)  # 0 while nothing was seen (top = -inf)
+            acc = acc * keep + tl.sum(part * w[:, None], 0)
+            total = total * keep + tl.sum(w, 0)
+            top = new_top
+        top = tl.where(top == float("-inf"), 0.0, top)
         out = acc / tl.where(total == 0.0, 1.0, total)
         tl.store(O + t.to(tl.int64) * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty))
         lse_out = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total)))
@@ -747,7 +747,7 @@ def _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, so
     _mla_combine_spans[(T, H)](o_part, lse_part, meta, out3, lse, o_part.stride(0), o_part.stride(1),
                                lse_part.stride(0), lse_part.stride(1), out3.stride(0), out3.stride(1),
                                lse_strides[0] * q_per_seq, lse_strides[1], lse_strides[2], SQ=q_per_seq,
-                               BLOCK_S=16, D=512, num_warps=4)
+                               BLOCK_S=2, D=512, num_warps=4)
 
 
 def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, splits: int, final: bool) -> None:
