@@ -65,7 +65,8 @@ RESCALE_LOG2 = 8.0
 MAX_ROWS = 32  # query rows (heads × S_q) one program holds: its 8 accumulators [64, HM] stay in registers
 # the balanced schedule (`balanced_fits`): no program gets fewer KV tiles than this unless its sequence has fewer
 MIN_SPAN_TILES = 2
-MAX_BALANCED_BATCH = 1024  # sequences whose tile counts one program scans in registers (4 warps × 8)
+MAX_BALANCED_BATCH = 1024  # sequences whose tile counts one program sums in registers (4 warps × 8)
+BALANCED_SPLIT_FACTOR = 4  # a sequence's programs: up to this many times slots / batch (`balanced_max_splits`)
 
 
 def perm_group(device=None) -> torch.Tensor:
@@ -234,32 +235,27 @@ if HAVE_GLUON:
         return a + b
 
     @gluon.jit
-    def _balanced_span(SEQLENS, META, B, slots, Q_PER_SEQ: gl.constexpr, BLOCK_B: gl.constexpr):
-        """Program p of the balanced one-wave grid (slots programs): sequence b of n_b = ⌈L_b / 64⌉ tiles gets
-        s_b = max(1, ⌈n_b / P⌉) programs of ⌈n_b / s_b⌉ tiles each, P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉),
-        so that Σ s_b ≤ Σ (n_b / P + 1) ≤ slots whatever the lengths; programs are numbered by sequence, then by
-        split. Split 0 of b writes META[b] = (its program id, s_b) for the combine. Returns (s_b, or 0 for a program
-        without work, b, its first query token, the tokens before its queries, [lo, hi)): one integer carries what
-        the epilogue needs through the loop, so the loop has the registers of the uniform grid's."""
-        p = gl.program_id(0)
+    def _balanced_span(SEQLENS, META, B, slots, max_splits, Q_PER_SEQ: gl.constexpr, BLOCK_B: gl.constexpr):
+        """Program (b, split) of the balanced grid (B, max_splits): sequence b of n_b = ⌈L_b / 64⌉ tiles gets
+        s_b = min(max_splits, max(1, ⌈n_b / P⌉)) programs of ⌈n_b / s_b⌉ tiles each,
+        P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉), so that Σ s_b ≤ Σ (n_b / P + 1) ≤ slots whatever the
+        lengths (one wave); programs past s_b have no work. b stays the program id (uniform registers: a b read
+        from memory cost the tile loop 5 %). Split 0 writes META[b] = (b · max_splits, s_b) for the combine.
+        Returns (s_b, or 0 for a program without work, b, its first query token, the tokens before its queries,
+        [lo, hi))."""
+        b = gl.program_id(0)
+        split = gl.program_id(1)
         SL: gl.constexpr = gl.BlockedLayout([BLOCK_B // 128], [32], [4], [0])
         i = gl.arange(0, BLOCK_B, layout=SL)
-        inb = i < B
-        n = gl.cdiv(gl.load(SEQLENS + i, mask=inb, other=0), 64)
+        n = gl.cdiv(gl.load(SEQLENS + i, mask=i < B, other=0), 64)
         per = gl.maximum(gl.cdiv(gl.sum(n, 0), slots - B), _MIN_SPAN_TILES)
-        cnt = gl.where(inb, gl.maximum(gl.cdiv(n, per), 1), 0)
-        end = gl.associative_scan(cnt, 0, _add_i32)  # programs of sequences ≤ i
-        b = gl.sum((end <= p).to(gl.int32), 0)
-        active = b < B
-        b = gl.minimum(b, B - 1)
-        mine = i == b
-        s_b = gl.sum(gl.where(mine, cnt, 0), 0)
-        first = gl.sum(gl.where(mine, end, 0), 0) - s_b
-        split = p - first
-        gl.store(META + 2 * b, first, mask=active & (split == 0))
-        gl.store(META + 2 * b + 1, s_b, mask=active & (split == 0))
         seqlen = gl.load(SEQLENS + b)
-        span = gl.cdiv(gl.cdiv(seqlen, 64), s_b) * 64
+        n_b = gl.cdiv(seqlen, 64)
+        s_b = gl.minimum(gl.maximum(gl.cdiv(n_b, per), 1), max_splits)
+        active = split < s_b
+        gl.store(META + 2 * b, b * max_splits, mask=split == 0)
+        gl.store(META + 2 * b + 1, s_b, mask=split == 0)
+        span = gl.cdiv(n_b, s_b) * 64
         lo = gl.where(active, split * span, 0)
         hi = gl.where(active, gl.minimum(lo + span, seqlen), 0)
         return gl.where(active, s_b, 0), b, b * Q_PER_SEQ, seqlen - Q_PER_SEQ, lo, hi
@@ -273,8 +269,8 @@ if HAVE_GLUON:
                         Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, HM: gl.constexpr, PAGE: gl.constexpr,
                         STAGES: gl.constexpr, FINAL: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
                         OUT_LAYOUT: gl.constexpr, BALANCED: gl.constexpr, BLOCK_B: gl.constexpr):
-        """Grid (head blocks, splits, batch), or with BALANCED (slots,) (`_balanced_span`; partials then indexed by
-        program: row p·S_q + j). Program rows r < HM: query token j = r // BLOCK_H of the sequence, head
+        """Grid (head blocks, splits, batch), or with BALANCED (batch, num_splits) (`_balanced_span`; partials then
+        in rows (b · num_splits + split) · S_q + j). Program rows r < HM: query token j = r // BLOCK_H of the sequence, head
         hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -301,8 +297,11 @@ if HAVE_GLUON:
         ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
 
         if BALANCED:
-            programs, b, q_start, prefix, lo, hi = _balanced_span(SEQLENS, META, B, slots, Q_PER_SEQ, BLOCK_B)
+            programs, b, q_start, prefix, lo, hi = _balanced_span(SEQLENS, META, B, slots, num_splits, Q_PER_SEQ,
+                                                                  BLOCK_B)
             hb = 0
+            if programs == 0:  # past the sequence's programs: nothing to do
+                return
         else:
             hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         if SCALE_FROM_PTR:
@@ -464,7 +463,7 @@ if HAVE_GLUON:
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, OL)), 1)
         if BALANCED:  # the result when the sequence has one program, else this program's partial (row p·S_q + j)
             active = programs > 0
-            part_start = gl.program_id(0) * Q_PER_SEQ
+            part_start = (b * num_splits + gl.program_id(1)) * Q_PER_SEQ
             out_rows, oj, oh = _out_rows(orow, hb, q_start, 0, O, O_PART, stride_o_t, stride_o_h, stride_op_t,
                                          stride_op_h, 0, BLOCK_H, True)
             o_ok = gl.expand_dims((oj < Q_PER_SEQ) & (oh < H) & active, 1)
@@ -521,17 +520,24 @@ def auto_splits(batch: int, heads: int, q_len: int, capacity: int, sm_count: int
 
 def balanced_fits(batch: int, slots: int) -> bool:
     """Whether the balanced schedule can take `batch` sequences on `slots` program slots (one wave, every sequence
-    at least one program, the tile counts scanned in registers)."""
+    at least one program, the tile counts summed in registers)."""
     return 0 < batch < slots and batch <= MAX_BALANCED_BATCH
 
 
-def balanced_schedule(seqlens: list[int], slots: int) -> list[int]:
+def balanced_max_splits(batch: int, slots: int, capacity: int) -> int:
+    """The balanced grid's programs per sequence (grid (batch, this)): BALANCED_SPLIT_FACTOR × slots / batch, so that
+    a long sequence among short ones can take that many times its even share, at most 64 and the pool's tiles
+    (capacity tokens). Programs past a sequence's count exit at once (the grid's later CTAs)."""
+    return max(1, min(64, -(-capacity // 64), BALANCED_SPLIT_FACTOR * slots // batch))
+
+
+def balanced_schedule(seqlens: list[int], slots: int, max_splits: int = 64) -> list[int]:
     """Programs per sequence of the balanced schedule (what `_balanced_span` computes on the GPU, for tests and
-    docs): sequence b of n_b = ⌈L_b / 64⌉ KV tiles gets max(1, ⌈n_b / P⌉) programs of ⌈n_b / s_b⌉ tiles,
-    P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉), so that the programs fit the slots in one wave."""
+    docs): sequence b of n_b = ⌈L_b / 64⌉ KV tiles gets min(max_splits, max(1, ⌈n_b / P⌉)) programs of ⌈n_b / s_b⌉
+    tiles, P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉), so that the programs fit the slots in one wave."""
     n = [-(-int(x) // 64) for x in seqlens]
     per = max(MIN_SPAN_TILES, -(-sum(n) // (slots - len(n))))
-    return [max(1, -(-k // per)) for k in n]
+    return [min(max_splits, max(1, -(-k // per))) for k in n]
 
 
 def shared_bytes(hm: int, stages: int) -> int:
@@ -566,10 +572,11 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     lse_strides; with splits > 1 the fp32 partials o_part [B·S_q, H, splits, 512] and lse_part [B·S_q, H, splits]
     (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e); kv_scale: the pool's scale,
     or read from kv_scale_ptr [1] fp32 when given. stages: tiles of the cp.async ring (2: two programs per SM).
-    Balanced (`balanced_schedule`): meta [B, 2] int32 receives (first program, programs) per sequence; a sequence
-    with one program gets its result in out3 and lse, the others partials in o_part [slots·S_q, H, 512] and
-    lse_part [slots·S_q, H] (row p·S_q + j for program p; part_strides then (o_part's two, 0, lse_part's two)),
-    which `_mla_combine_spans` merges."""
+    Balanced (`balanced_schedule`, grid (B, splits) with splits = `balanced_max_splits`): meta [B, 2] int32
+    receives (first partial row group, programs) per sequence; a sequence with one program gets its result in out3
+    and lse, the others partials in o_part [B·splits·S_q, H, 512] and lse_part [B·splits·S_q, H] (row
+    (b·splits + split)·S_q + j; part_strides then (o_part's two, 0, lse_part's two)), which `_mla_combine_spans`
+    merges."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     hm = program_rows(H, q_per_seq)
@@ -586,7 +593,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     if balanced and not balanced_fits(B, slots):
         raise ValueError(f"mla gluon: the balanced schedule needs fewer sequences ({B}) than program slots "
                          f"({slots}) and at most {MAX_BALANCED_BATCH}")
-    grid = (slots,) if balanced else (1, splits, B)
+    grid = (B, splits) if balanced else (1, splits, B)
     _mla_fp8_decode[grid](
         q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, meta if balanced else seqlens, kv_scale,
         kv_scale_ptr if from_ptr else seqlens, qk_scale,

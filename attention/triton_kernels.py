@@ -730,20 +730,21 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 def _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, softmax_scale, kv_scale,
                   q_per_seq: int, slots: int) -> None:
     """The fp8 Gluon decode on the balanced schedule (gluon_mla `_balanced_span`: the KV tiles of the whole batch
-    spread over one wave of `slots` programs, whatever the lengths), then `_mla_combine_spans`."""
+    spread over one wave of `slots` programs by the lengths), then `_mla_combine_spans`."""
     from pdlab.attention import gluon_mla
 
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     dev = q3.device
     scale, scale_ptr, from_ptr = _scale_args(kv_scale, dev)
+    splits = gluon_mla.balanced_max_splits(B, slots, block_table.shape[1] * kv_cache.shape[1])
     meta = torch.empty(B, 2, dtype=torch.int32, device=dev)
-    o_part = torch.empty(slots * q_per_seq, H, 512, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(slots * q_per_seq, H, dtype=torch.float32, device=dev)
+    o_part = torch.empty(B * splits * q_per_seq, H, 512, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(B * splits * q_per_seq, H, dtype=torch.float32, device=dev)
     sp = (o_part.stride(0), o_part.stride(1), 0, lse_part.stride(0), lse_part.stride(1))
     gluon_mla.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
-                     softmax_scale * LOG2E, scale, scale_ptr if from_ptr else None, q_per_seq=q_per_seq, splits=1,
-                     meta=meta, slots=slots)
+                     softmax_scale * LOG2E, scale, scale_ptr if from_ptr else None, q_per_seq=q_per_seq,
+                     splits=splits, meta=meta, slots=slots)
     _mla_combine_spans[(T, H)](o_part, lse_part, meta, out3, lse, o_part.stride(0), o_part.stride(1),
                                lse_part.stride(0), lse_part.stride(1), out3.stride(0), out3.stride(1),
                                lse_strides[0] * q_per_seq, lse_strides[1], lse_strides[2], SQ=q_per_seq,

@@ -111,7 +111,9 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     fn, seen = (greal[0], grec.seen) if grec.seen else (wreal[0], wrec.seen) if wrec.seen else (real[0], rec.seen)
     launch = _split_launch(fn, seen)
     if launch["constexprs"].get("BALANCED"):  # the fp8 Gluon kernel's balanced schedule: the programs of a sequence
-        splits = max(gm.balanced_schedule([seqlen] * batch, launch["args"][fn.arg_names.index("slots")]))
+        args, names = launch["args"], fn.arg_names
+        splits = max(gm.balanced_schedule([seqlen] * batch, args[names.index("slots")],
+                                          args[names.index("num_splits")]))
     else:
         splits = launch["args"][fn.arg_names.index("num_splits")]
     launch.update(config=cfg, splits=splits)

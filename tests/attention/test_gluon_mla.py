@@ -125,11 +125,15 @@ def test_balanced_schedule_spreads_the_batch_over_one_wave_by_length():
     for _ in range(300):
         B = rng.randint(1, 263)
         lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 40000)]) for _ in range(B)]
-        counts = G.balanced_schedule(lens, slots)
+        counts = G.balanced_schedule(lens, slots, max_splits=slots)  # uncapped: every program ≤ P tiles
         assert min(counts) >= 1 and sum(counts) <= slots, (B, sum(counts))
         per = [-(-(-(-n // 64)) // c) for n, c in zip(lens, counts)]  # tiles per program of each sequence
         assert max(per) <= max(G.MIN_SPAN_TILES, -(-sum(-(-n // 64) for n in lens) // (slots - B)))
     assert G.balanced_fits(263, 264) and not G.balanced_fits(264, 264) and not G.balanced_fits(0, 264)
+    # the grid's programs per sequence: 4× the even share, at most 64 and the pool's tiles; the schedule keeps to it
+    assert G.balanced_max_splits(128, slots, 8192) == 8 and G.balanced_max_splits(1, slots, 8192) == 64
+    assert G.balanced_max_splits(8, slots, 1024) == 16
+    assert G.balanced_schedule([32768] + [1024] * 127, slots, 8) == [8] + [1] * 127
 
 
 def _span_partial(q, kv, seqlen, lo, hi, scale):
@@ -189,9 +193,9 @@ def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
             assert cosine_error(out[b], ref[0][b]) < 1e-6 and cosine_error(lse[b], ref[1][b]) < 1e-6
 
 
-def test_default_fp8_gluon_decode_runs_the_balanced_schedule(monkeypatch):
-    # the default (schedule "balanced"): one launch over the program slots with [B, 2] metadata, then the spans'
-    # combine; "uniform", or more sequences than slots: the split grid with its own combine
+def test_the_balanced_schedule_runs_when_asked_and_where_it_fits(monkeypatch):
+    # schedule "balanced": one launch over the program slots with [B, 2] metadata, then the spans' combine; the
+    # default ("uniform"), or more sequences than slots: the split grid with its own combine
     from pdlab.attention.backends.triton_mla import resolve_decode_config
 
     launches, combines = [], []
@@ -218,11 +222,11 @@ def test_default_fp8_gluon_decode_runs_the_balanced_schedule(monkeypatch):
                          torch.empty(B, H, 1), (H, 1, 1), 576 ** -0.5, 0.05, q_per_seq=1, q_blocks=1, config=cfg)
         return launches[-1], combines[-1] if combines else None
 
-    k, c = run(3, num_splits=5)  # num_splits is the uniform schedule's: ignored here
+    k, c = run(3, num_splits=5, schedule="balanced")  # num_splits is the uniform schedule's: ignored here
     assert k["slots"] == 264 and k["meta"].shape == (3, 2) and c == ("spans", (3, H))
-    k, c = run(3, num_splits=5, schedule="uniform")
+    k, c = run(3, num_splits=5)
     assert k.get("meta") is None and k["splits"] == 5 and c == ("splits", (3, H))
-    k, _ = run(300)
+    k, _ = run(300, schedule="balanced")
     assert k.get("meta") is None
 
 
@@ -342,6 +346,7 @@ def _lens(B, top, q_len, rng):
 
 
 _U = {"schedule": "uniform"}
+_BAL = {"schedule": "balanced"}
 
 
 @pytest.mark.gpu
@@ -350,7 +355,7 @@ _U = {"schedule": "uniform"}
     (16, 2, 64, {}), (32, 1, 64, {"num_splits": 3, **_U}), (8, 4, 64, {}), (16, 1, 1, {"num_splits": 2, **_U}),
     (16, 1, 16, {}), (16, 1, 128, {"num_splits": 5, **_U}), (16, 1, 32, {"num_stages": 2}), (10, 1, 64, {}),
     (16, 1, 64, {"num_splits": 64, **_U}),  # splits past the end of short sequences: empty partials
-    (16, 1, 1, {}), (16, 2, 128, {}), (32, 1, 64, {}),
+    (16, 1, 64, _BAL), (16, 2, 128, _BAL), (16, 1, 1, _BAL), (32, 1, 64, _BAL), (8, 4, 16, _BAL),
 ])
 def test_gpu_gluon_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     why = _gpu_reason()
@@ -398,7 +403,7 @@ def test_gpu_gluon_decode_with_scores_growing_along_the_sequence(heads, q_len, s
     p = _growing_scores(_fp8_problem(_lens(12, 4000, q_len, rng), heads, q_len, 64, seed), growth=6.0, q_gain=4.0)
     ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                      backend="torch")
-    cfg = {"kernel": "gluon", "num_splits": splits, **_U} if splits > 1 else {"kernel": "gluon"}
+    cfg = {"kernel": "gluon", "num_splits": splits, **_U} if splits > 1 else {"kernel": "gluon", **_BAL}
     out, lse = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                           backend="triton", config=cfg)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
@@ -447,7 +452,7 @@ def test_gpu_balanced_schedule_on_ragged_batches(lens, q_len, seed):
     p = _fp8_problem([max(n, q_len) for n in lens], 16, q_len, 64, seed)
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
     ref = mla_decode(*args, kv_scale=p.kv_scale, backend="torch")
-    out, lse = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon"})
+    out, lse = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon", **_BAL})
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
@@ -455,7 +460,7 @@ def test_gpu_balanced_schedule_on_ragged_batches(lens, q_len, seed):
     assert cosine_error(out, uni[0]) < 1e-6
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        gout, glse = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon"})
+        gout, glse = mla_decode(*args, kv_scale=p.kv_scale, backend="triton", config={"kernel": "gluon", **_BAL})
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(gout, out) and torch.equal(glse, lse)
