@@ -64,9 +64,13 @@ NOPE_OFFSET_BASES = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64], 
 RESCALE_LOG2 = 8.0
 MAX_ROWS = 32  # query rows (heads × S_q) one program holds: its 8 accumulators [64, HM] stay in registers
 # the balanced schedule (`balanced_fits`): no program gets fewer KV tiles than this unless its sequence has fewer
-MIN_SPAN_TILES = 2
+MIN_SPAN_TILES = 4  # 256 tokens, as the uniform rule's (`auto_splits` min_tokens)
 MAX_BALANCED_BATCH = 1024  # sequences whose tile counts one program sums in registers (4 warps × 8)
-BALANCED_SPLIT_FACTOR = 4  # a sequence's programs: up to this many times slots / batch (`balanced_max_splits`)
+BALANCED_SPLIT_FACTOR = 2  # a sequence's programs: up to this many times slots / batch (`balanced_max_splits`)
+# schedule "auto": the balanced schedule from this many sequences (below, the uniform one was as fast or faster on
+# an H200 at uniform lengths, where the balanced grid's idle programs show: bench/results/NVIDIA_H200/attention/
+# 2026-12-01_fp8_balanced)
+BALANCED_MIN_BATCH = 32
 
 
 def perm_group(device=None) -> torch.Tensor:
@@ -527,8 +531,9 @@ def balanced_fits(batch: int, slots: int) -> bool:
 def balanced_max_splits(batch: int, slots: int, capacity: int) -> int:
     """The balanced grid's programs per sequence (grid (batch, this)): BALANCED_SPLIT_FACTOR × slots / batch, so that
     a long sequence among short ones can take that many times its even share, at most 64 and the pool's tiles
-    (capacity tokens). Programs past a sequence's count exit at once (the grid's later CTAs)."""
-    return max(1, min(64, -(-capacity // 64), BALANCED_SPLIT_FACTOR * slots // batch))
+    (capacity tokens) / MIN_SPAN_TILES. Programs past a sequence's count return at once (the grid's later CTAs:
+    about a microsecond each of a program slot)."""
+    return max(1, min(64, -(-capacity // (64 * MIN_SPAN_TILES)), BALANCED_SPLIT_FACTOR * slots // batch))
 
 
 def balanced_schedule(seqlens: list[int], slots: int, max_splits: int = 64) -> list[int]:

@@ -631,11 +631,13 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         block_h = gluon_mla_wide.ROWS // q_per_seq  # the kernel's query rows per program
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
-    if gluon == "fp8" and config.get("schedule", "balanced") == "balanced":
+    schedule = config.get("schedule", "auto")
+    if gluon == "fp8" and schedule != "uniform":
         from pdlab.attention import gluon_mla
 
         slots = gluon_mla.programs_per_sm(gluon_mla.program_rows(H, q_per_seq)) * _sm_count(dev)
-        if gluon_mla.balanced_fits(B, slots):
+        wanted = schedule == "balanced" or B >= gluon_mla.BALANCED_MIN_BATCH
+        if wanted and gluon_mla.balanced_fits(B, slots):
             _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, softmax_scale, kv_scale,
                           q_per_seq, slots)
             return

@@ -37,12 +37,12 @@ at B=128, 8k, 16 heads on an H200 — and where 64-row programs hold whole heads
 contiguous pool of page 64/128, bf16/fp16 or fp8, attention/gluon_mla_wide.py: TMA into a two-tile ring, two
 warpgroups, q·k and p·v as wgmma from shared memory — 1.14 → 0.70 ms (256 → 418 TFLOPS) at B=128, 8k, 128 heads bf16;
 of the knobs above both read num_splits and waves (0, auto: the split count that fills the SMs best); "auto", the
-default, runs one wherever one can; "triton" never), schedule (the fp8 Gluon kernel: "uniform", the default, cuts
-every sequence into the same number of splits; "balanced" spreads the KV tiles of the whole batch over one wave of
-programs by the actual lengths — a long sequence gets more programs than a short one, gluon_mla.balanced_schedule —
-and ignores num_splits and waves: on an H200 at 16 heads one 32k sequence among 127 of 1k 0.502 → 0.065 ms,
-32 sequences of 256–32k tokens 0.179 → 0.128 ms, but uniform batches ~5 % slower, 0.185 → 0.195 ms at B=128 8k:
-bench/results/NVIDIA_H200/attention/2026-12-01_fp8_balanced).
+default, runs one wherever one can; "triton" never), schedule (the fp8 Gluon kernel: "uniform" cuts every sequence
+into the same number of splits; "balanced" spreads the KV tiles of the whole batch over one wave of programs by
+the actual lengths — a long sequence gets more programs than a short one, gluon_mla.balanced_schedule — and
+ignores num_splits and waves; "auto", the default, is balanced from gluon_mla.BALANCED_MIN_BATCH sequences. On an
+H200 at 16 heads: one 32k sequence among 127 of 1k 0.50 → 0.15 ms, 32 sequences of 256–32k tokens 0.177 → 0.120
+ms, uniform lengths from B=32 within ±3 %: bench/results/NVIDIA_H200/attention/2026-12-01_fp8_balanced).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
@@ -62,7 +62,8 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
                 "waves": [0, 1.0, 2.0, 4.0, 8.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3, 4],
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0],
                 "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1],
-                "q_prescale": [0, 1], "kernel": ["triton", "gluon"], "schedule": ["balanced", "uniform"]}
+                "q_prescale": [0, 1], "kernel": ["triton", "gluon"],
+                "schedule": ["auto", "balanced", "uniform"]}
 # Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
 # programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
@@ -73,7 +74,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
                   "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto",
-                  "schedule": "uniform"}
+                  "schedule": "auto"}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}

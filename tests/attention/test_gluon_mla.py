@@ -117,7 +117,7 @@ def test_balanced_schedule_spreads_the_batch_over_one_wave_by_length():
     assert G.balanced_schedule([8192] * 128, slots) == [2] * 128
     assert G.balanced_schedule([16384] * 64, slots) == [4] * 64
     assert G.balanced_schedule([8192] * 32, slots) == [8] * 32
-    assert G.balanced_schedule([8192], slots) == [8192 // 64 // G.MIN_SPAN_TILES]
+    assert G.balanced_schedule([8192], slots) == [8192 // 64 // G.MIN_SPAN_TILES] == [32]
     # ragged: programs follow the length, every program of about the same number of tiles, one wave whatever the mix
     counts = G.balanced_schedule([16384] + [1024] * 63, slots)
     assert counts[0] >= 10 * counts[1] and sum(counts) <= slots
@@ -131,9 +131,9 @@ def test_balanced_schedule_spreads_the_batch_over_one_wave_by_length():
         assert max(per) <= max(G.MIN_SPAN_TILES, -(-sum(-(-n // 64) for n in lens) // (slots - B)))
     assert G.balanced_fits(263, 264) and not G.balanced_fits(264, 264) and not G.balanced_fits(0, 264)
     # the grid's programs per sequence: 4× the even share, at most 64 and the pool's tiles; the schedule keeps to it
-    assert G.balanced_max_splits(128, slots, 8192) == 8 and G.balanced_max_splits(1, slots, 8192) == 64
-    assert G.balanced_max_splits(8, slots, 1024) == 16
-    assert G.balanced_schedule([32768] + [1024] * 127, slots, 8) == [8] + [1] * 127
+    assert G.balanced_max_splits(128, slots, 8192) == 4 and G.balanced_max_splits(1, slots, 8192) == 32
+    assert G.balanced_max_splits(8, slots, 1024) == 4
+    assert G.balanced_schedule([32768] + [1024] * 127, slots, 4) == [4] + [1] * 127
 
 
 def _span_partial(q, kv, seqlen, lo, hi, scale):
@@ -194,8 +194,9 @@ def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
 
 
 def test_the_balanced_schedule_runs_when_asked_and_where_it_fits(monkeypatch):
-    # schedule "balanced": one launch over the program slots with [B, 2] metadata, then the spans' combine; the
-    # default ("uniform"), or more sequences than slots: the split grid with its own combine
+    # schedule "balanced", or the default ("auto") from BALANCED_MIN_BATCH sequences: one launch over the balanced
+    # grid with [B, 2] metadata, then the spans' combine; "uniform", "auto" below that, or more sequences than
+    # slots: the split grid with its own combine
     from pdlab.attention.backends.triton_mla import resolve_decode_config
 
     launches, combines = [], []
@@ -224,8 +225,13 @@ def test_the_balanced_schedule_runs_when_asked_and_where_it_fits(monkeypatch):
 
     k, c = run(3, num_splits=5, schedule="balanced")  # num_splits is the uniform schedule's: ignored here
     assert k["slots"] == 264 and k["meta"].shape == (3, 2) and c == ("spans", (3, H))
+    assert k["splits"] == G.balanced_max_splits(3, 264, 4 * 64)
     k, c = run(3, num_splits=5)
     assert k.get("meta") is None and k["splits"] == 5 and c == ("splits", (3, H))
+    k, c = run(G.BALANCED_MIN_BATCH)
+    assert k["meta"].shape == (G.BALANCED_MIN_BATCH, 2) and c[0] == "spans"
+    k, _ = run(G.BALANCED_MIN_BATCH, schedule="uniform")
+    assert k.get("meta") is None
     k, _ = run(300, schedule="balanced")
     assert k.get("meta") is None
 
