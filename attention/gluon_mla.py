@@ -274,8 +274,8 @@ if HAVE_GLUON:
                         STAGES: gl.constexpr, FINAL: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
                         OUT_LAYOUT: gl.constexpr, BALANCED: gl.constexpr, BLOCK_B: gl.constexpr):
         """Grid (head blocks, splits, batch), or with BALANCED (batch, num_splits) (`_balanced_span`; partials then
-        in rows (b · num_splits + split) · S_q + j). Program rows r < HM: query token j = r // BLOCK_H of the sequence, head
-        hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
+        in rows (b · num_splits + split) · S_q + j). Program rows r < HM: query token j = r // BLOCK_H of the
+        sequence, head hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         # thread 32w + 4·rlo + q: QK bytes — tokens 16w + rlo (+8), columns 64g + 16q … + 15 (also what it copies)
@@ -465,22 +465,21 @@ if HAVE_GLUON:
         orow = gl.arange(0, HM, layout=gl.SliceLayout(1, OL))
         dcol = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, OL)), 0)
         o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, OL)), 1)
-        if BALANCED:  # the result when the sequence has one program, else this program's partial (row p·S_q + j)
-            active = programs > 0
+        if BALANCED:  # the result when the sequence has one program, else the partial of row (b·splits + split)·S_q + j
             part_start = (b * num_splits + gl.program_id(1)) * Q_PER_SEQ
             out_rows, oj, oh = _out_rows(orow, hb, q_start, 0, O, O_PART, stride_o_t, stride_o_h, stride_op_t,
                                          stride_op_h, 0, BLOCK_H, True)
-            o_ok = gl.expand_dims((oj < Q_PER_SEQ) & (oh < H) & active, 1)
+            o_ok = gl.expand_dims((oj < Q_PER_SEQ) & (oh < H), 1)
             if programs == 1:
                 gl.store(gl.expand_dims(out_rows, 1) + dcol, o.to(O.dtype.element_ty), mask=o_ok)
                 gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse,
-                         mask=row_ok & active)
+                         mask=row_ok)
             else:
                 part_rows, oj, oh = _out_rows(orow, hb, part_start, 0, O, O_PART, stride_o_t, stride_o_h,
                                               stride_op_t, stride_op_h, 0, BLOCK_H, False)
                 gl.store(gl.expand_dims(part_rows, 1) + dcol, o, mask=o_ok)
                 gl.store(LSE_PART + (part_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h, lse,
-                         mask=row_ok & active)
+                         mask=row_ok)
         else:
             out_rows, oj, oh = _out_rows(orow, hb, q_start, split, O, O_PART, stride_o_t, stride_o_h, stride_op_t,
                                          stride_op_h, stride_op_s, BLOCK_H, FINAL)
@@ -495,7 +494,7 @@ if HAVE_GLUON:
 
 
 STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
-REGISTERS = 253  # per thread at HM 16 with Triton 3.6 (the compile test pins "two programs per SM")
+REGISTERS = 253  # per thread at HM 16 with Triton 3.6, 255 on the balanced grid (the compile test pins two programs per SM)
 
 
 def programs_per_sm(hm: int, stages: int = STAGES) -> int:
@@ -570,7 +569,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float,
            kv_scale: float, kv_scale_ptr: torch.Tensor | None, *, q_per_seq: int, splits: int,
            stages: int = STAGES, meta: torch.Tensor | None = None, slots: int = 0) -> None:
-    """Launch `_mla_fp8_decode` over grid (1, splits, B), or with `meta` the balanced schedule over grid (slots,).
+    """Launch `_mla_fp8_decode` over grid (1, splits, B), or with `meta` the balanced schedule over grid (B, splits).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q ≤ 32); kv_cache: [P, page, 576] uint8 e4m3 bytes; block_table
     [B, max_pages] int32; seqlens [B] int32; out3 [B·S_q, H, 512] (written with splits == 1), lse through

@@ -6,7 +6,8 @@ the fp8 goal (fp8 ≥ 1.6× faster than bf16 at 16 heads).
 
 Each PATH is a copy of gluon_mla.py; its `launch` replaces the package's for that version's calls (selection,
 splits and combine stay the package's). NAME=cfg:JSON runs the package's kernel with those decode config knobs
-(e.g. cfg:{"num_splits": 4}); NAME=PATH+JSON a copy with knobs. Every version is first checked against the torch reference (1e-5 cosine).
+(e.g. cfg:{"num_splits": 4}); NAME=PATH+JSON a copy with knobs. --shapes picks uniform (BxL) and ragged batches.
+Every version is first checked against the torch reference (1e-5 cosine).
 Writes DIR/ab_fp8.csv (one row per shape × version × round) and prints the medians. GPU only (sm90).
 """
 
