@@ -494,7 +494,7 @@ if HAVE_GLUON:
 
 
 STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
-REGISTERS = 253  # per thread at HM 16 with Triton 3.6, 255 on the balanced grid (the compile test pins two programs per SM)
+REGISTERS = 253  # per thread at HM 16, Triton 3.6; 255 on the balanced grid (the compile test pins 2 programs/SM)
 
 
 def programs_per_sm(hm: int, stages: int = STAGES) -> int:
