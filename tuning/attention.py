@@ -148,8 +148,9 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
     with heads × q_len ≤ 32 attention/gluon_mla.py, over a bf16/fp16/fp8 pool in programs of 64 query rows
     attention/gluon_mla_wide.py. The search is then the kernel (gluon or triton) and the split knobs both Gluon
     kernels read; the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space
-    but `kernel` and `schedule` (only `_mla_fwd` can run there). The fp8 kernel's balanced schedule is not searched:
-    the buckets' uniform lengths cannot show what it is for (ragged batches)."""
+    but `kernel` and `schedule` (only `_mla_fwd` can run there). The fp8 kernel's schedule is not searched (the
+    buckets' uniform lengths cannot show what the balanced one is for, ragged batches): from BALANCED_MIN_BATCH
+    sequences it takes the split counts from the lengths, and only the kernel is searched there."""
     if backend.name != "triton":
         return None
     import torch
@@ -160,6 +161,8 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
     heads, q_len, kv = int(bucket["heads"]), int(bucket.get("q_len", 1)), bucket.get("kv_dtype", "bf16")
     if arch == "sm90" and gluon_mla.HAVE_GLUON:
         if gluon_mla.unfit(heads, q_len, kv == "fp8") is None:
+            if int(bucket["batch"]) >= gluon_mla.BALANCED_MIN_BATCH:  # schedule auto: balanced, the splits its own
+                return {k: full[k] for k in ("kernel",)}
             return {k: full[k] for k in ("kernel", "num_splits", "waves")}
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}.get(kv)
         q_dt = torch.bfloat16 if kv == "fp8" else dt
