@@ -241,9 +241,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _balanced_span(SEQLENS, META, B, slots, max_splits, Q_PER_SEQ: gl.constexpr, BLOCK_B: gl.constexpr):
         """Program (b, split) of the balanced grid (B, max_splits): sequence b of n_b = ⌈L_b / 64⌉ tiles gets
-        s_b = min(max_splits, max(1, ⌈n_b / P⌉)) programs of ⌈n_b / s_b⌉ tiles each,
-        P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉), so that Σ s_b ≤ Σ (n_b / P + 1) ≤ slots whatever the
-        lengths (one wave); programs past s_b have no work. b stays the program id (uniform registers: a b read
+        s_b = min(max_splits, max(1, ⌈n_b / P⌉)) programs of ⌈n_b / s_b⌉ tiles each, P the even share
+        max(MIN_SPAN_TILES, ⌈Σ n_b / slots⌉) where Σ s_b then fits the slots, else max(MIN_SPAN_TILES,
+        ⌈Σ n_b / (slots − B)⌉), for which Σ s_b ≤ Σ (n_b / P + 1) ≤ slots whatever the lengths: one wave;
+        programs past s_b have no work. b stays the program id (uniform registers: a b read
         from memory cost the tile loop 5 %). Split 0 writes META[b] = (b · max_splits, s_b) for the combine.
         Returns (s_b, or 0 for a program without work, b, its first query token, the tokens before its queries,
         [lo, hi))."""
@@ -252,7 +253,12 @@ if HAVE_GLUON:
         SL: gl.constexpr = gl.BlockedLayout([BLOCK_B // 128], [32], [4], [0])
         i = gl.arange(0, BLOCK_B, layout=SL)
         n = gl.cdiv(gl.load(SEQLENS + i, mask=i < B, other=0), 64)
-        per = gl.maximum(gl.cdiv(gl.sum(n, 0), slots - B), _MIN_SPAN_TILES)
+        total = gl.sum(n, 0)
+        # the even share ⌈Σ n / slots⌉ where its rounding still fits the slots (uniform lengths), else the bound
+        # that always fits
+        even = gl.maximum(gl.cdiv(total, slots), _MIN_SPAN_TILES)
+        fits = gl.sum(gl.where(i < B, gl.maximum(gl.cdiv(n, even), 1), 0), 0) <= slots
+        per = gl.where(fits, even, gl.maximum(gl.cdiv(total, slots - B), _MIN_SPAN_TILES))
         seqlen = gl.load(SEQLENS + b)
         n_b = gl.cdiv(seqlen, 64)
         s_b = gl.minimum(gl.maximum(gl.cdiv(n_b, per), 1), max_splits)
@@ -538,9 +544,12 @@ def balanced_max_splits(batch: int, slots: int, capacity: int) -> int:
 def balanced_schedule(seqlens: list[int], slots: int, max_splits: int = 64) -> list[int]:
     """Programs per sequence of the balanced schedule (what `_balanced_span` computes on the GPU, for tests and
     docs): sequence b of n_b = ⌈L_b / 64⌉ KV tiles gets min(max_splits, max(1, ⌈n_b / P⌉)) programs of ⌈n_b / s_b⌉
-    tiles, P = max(MIN_SPAN_TILES, ⌈Σ n_b / (slots − B)⌉), so that the programs fit the slots in one wave."""
+    tiles, P the even share ⌈Σ n_b / slots⌉ where that fits, else ⌈Σ n_b / (slots − B)⌉ (at least MIN_SPAN_TILES),
+    so that the programs fit the slots in one wave."""
     n = [-(-int(x) // 64) for x in seqlens]
-    per = max(MIN_SPAN_TILES, -(-sum(n) // (slots - len(n))))
+    per = max(MIN_SPAN_TILES, -(-sum(n) // slots))
+    if sum(max(1, -(-k // per)) for k in n) > slots:
+        per = max(MIN_SPAN_TILES, -(-sum(n) // (slots - len(n))))
     return [min(max_splits, max(1, -(-k // per))) for k in n]
 
 

@@ -488,29 +488,36 @@ def _mla_combine(O_PART, LSE_PART, O, LSE, stride_op_t, stride_op_h, stride_op_s
 
 @triton.jit
 def _mla_combine_spans(O_PART, LSE_PART, META, O, LSE, stride_op_r, stride_op_h, stride_lp_r, stride_lp_h,
-                       stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h,
+                       stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h, splits,
                        SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """`_mla_combine` for the balanced schedule: token t = b·SQ + j merges the partial rows (first + k)·SQ + j,
-    k < count, with (first, count) = META[b], BLOCK_S at a time (one pass, the running max rescaling what is
-    summed); a sequence of one program already has its result."""
+    """`_mla_combine` for the balanced schedule: token t = b·SQ + j merges the partial rows (b·splits + k)·SQ + j,
+    k < count = META[b, 1], BLOCK_S at a time (one pass, the running max rescaling what is summed); a sequence of
+    one program already has its result. The first BLOCK_S rows are loaded together with the count (rows past it
+    are unwritten memory: discarded by `where`, never multiplied)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = t // SQ
     j = t % SQ
-    first = tl.load(META + 2 * b)
     count = tl.load(META + 2 * b + 1)
+    k = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    rows = ((b * splits + k) * SQ + j).to(tl.int64)
+    lse = tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=k < splits, other=float("-inf"))
+    part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :], mask=(k < splits)[:, None],
+                   other=0.0)
     if count > 1:
-        k = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, D)
         top = float("-inf")
         acc = tl.zeros([D], tl.float32)
         total = 0.0
         for k0 in range(0, count, BLOCK_S):
             ok = k0 + k < count
-            rows = ((first + k0 + k) * SQ + j).to(tl.int64)
-            lse = tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=ok, other=float("-inf"))
-            part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :], mask=ok[:, None],
-                           other=0.0)
+            if k0 > 0:
+                rows = ((b * splits + k0 + k) * SQ + j).to(tl.int64)
+                lse = tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=ok, other=float("-inf"))
+                part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :],
+                               mask=ok[:, None], other=0.0)
+            lse = tl.where(ok, lse, float("-inf"))
+            part = tl.where(ok[:, None], part, 0.0)
             new_top = tl.maximum(top, tl.max(lse, 0))
             base = tl.where(new_top == float("-inf"), 0.0, new_top)
             w = tl.exp(lse - base)
@@ -749,7 +756,7 @@ def _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, so
                      splits=splits, meta=meta, slots=slots)
     _mla_combine_spans[(T, H)](o_part, lse_part, meta, out3, lse, o_part.stride(0), o_part.stride(1),
                                lse_part.stride(0), lse_part.stride(1), out3.stride(0), out3.stride(1),
-                               lse_strides[0] * q_per_seq, lse_strides[1], lse_strides[2], SQ=q_per_seq,
+                               lse_strides[0] * q_per_seq, lse_strides[1], lse_strides[2], splits, SQ=q_per_seq,
                                BLOCK_S=2, D=512, num_warps=4)
 
 

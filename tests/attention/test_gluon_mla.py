@@ -117,6 +117,7 @@ def test_balanced_schedule_spreads_the_batch_over_one_wave_by_length():
     assert G.balanced_schedule([8192] * 128, slots) == [2] * 128
     assert G.balanced_schedule([16384] * 64, slots) == [4] * 64
     assert G.balanced_schedule([8192] * 32, slots) == [8] * 32
+    assert G.balanced_schedule([1024] * 64, slots) == [4] * 64  # the even share: 256 of the 264 slots
     assert G.balanced_schedule([8192], slots) == [8192 // 64 // G.MIN_SPAN_TILES] == [32]
     # ragged: programs follow the length, every program of about the same number of tiles, one wave whatever the mix
     counts = G.balanced_schedule([16384] + [1024] * 63, slots)
@@ -163,28 +164,28 @@ def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
     lens = [700, 70, 2, 65, 300, 128]
     p = decode_problem(lens, H, q_len, 16, torch.float32, seed=1)
     ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch")
-    counts = G.balanced_schedule(lens, slots)
-    assert max(counts) > 1 and min(counts) == 1
+    splits = 4  # the grid's programs per sequence (≥ the schedule's counts)
+    counts = G.balanced_schedule(lens, slots, splits)
+    assert max(counts) > 2 and min(counts) == 1  # more than one chunk of BLOCK_S = 2 partials, and single ones
     B = len(lens)
-    o_part = torch.full((slots * q_len, H, 512), float("nan"))
-    lse_part = torch.full((slots * q_len, H), float("nan"))
+    o_part = torch.full((B * splits * q_len, H, 512), float("nan"))  # rows past a sequence's count: unwritten
+    lse_part = torch.full((B * splits * q_len, H), float("nan"))
     meta = torch.zeros(B, 2, dtype=torch.int32)
     out = torch.full((B * q_len, H, 512), 7.0)
     lse = torch.full((B, H, q_len), 7.0)
-    first = 0
     for b, (n, c) in enumerate(zip(lens, counts)):
         pos = torch.arange(n)
         kv = p.kv_cache[p.block_table[b].long()[pos // 16], pos % 16].float()
         span = -(-(-(-n // 64)) // c) * 64
-        meta[b] = torch.tensor([first, c])
+        meta[b] = torch.tensor([b * splits, c])
         for k in range(c):
             o, l = _span_partial(p.q[b], kv, n, k * span, min((k + 1) * span, n), p.softmax_scale)
-            o_part[(first + k) * q_len:(first + k + 1) * q_len] = o
-            lse_part[(first + k) * q_len:(first + k + 1) * q_len] = l
-        first += c
+            row = (b * splits + k) * q_len
+            o_part[row:row + q_len], lse_part[row:row + q_len] = o, l
     tk._mla_combine_spans[(B * q_len, H)](o_part, lse_part, meta, out, lse, o_part.stride(0), o_part.stride(1),
                                           lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-                                          lse.stride(0), lse.stride(2), lse.stride(1), SQ=q_len, BLOCK_S=4, D=512)
+                                          lse.stride(0), lse.stride(2), lse.stride(1), splits, SQ=q_len, BLOCK_S=2,
+                                          D=512)
     out = out.view(B, q_len, H, 512)
     for b, c in enumerate(counts):
         if c == 1:
