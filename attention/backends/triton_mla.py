@@ -42,7 +42,7 @@ into the same number of splits; "balanced" spreads the KV tiles of the whole bat
 the actual lengths — a long sequence gets more programs than a short one, gluon_mla.balanced_schedule — and
 ignores num_splits and waves; "auto", the default, is balanced from gluon_mla.BALANCED_MIN_BATCH sequences. On an
 H200 at 16 heads: 32 sequences of 256–32k tokens 0.179 → 0.121 ms, one 32k sequence among 127 of 1k 0.504 →
-0.265 ms, uniform lengths within ±1 % from B=64 (B=32 3 % slower): bench/results/NVIDIA_H200/attention/
+0.265 ms, uniform lengths within ±1 % from B=64 (B=32 3–4 % slower): bench/results/NVIDIA_H200/attention/
 2026-12-01_fp8_balanced).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
