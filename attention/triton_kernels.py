@@ -639,6 +639,9 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     head_blocks = triton.cdiv(H, block_h)
     capacity = block_table.shape[1] * kv_cache.shape[1]
     schedule = config.get("schedule", "auto")
+    if schedule not in ("auto", "balanced", "uniform"):
+        raise ValueError(f"mla triton: schedule={schedule!r} is not a schedule: use 'auto' (balanced from "
+                         "32 sequences), 'balanced' or 'uniform' (the fp8 Gluon decode's splits)")
     if gluon == "fp8" and schedule != "uniform":
         from pdlab.attention import gluon_mla
 

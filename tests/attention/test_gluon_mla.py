@@ -235,6 +235,8 @@ def test_the_balanced_schedule_runs_when_asked_and_where_it_fits(monkeypatch):
     assert k.get("meta") is None
     k, _ = run(300, schedule="balanced")
     assert k.get("meta") is None
+    with pytest.raises(ValueError, match="schedule='even' is not a schedule"):
+        run(3, schedule="even")
 
 
 def test_a_tuned_gluon_entry_never_fails_a_problem_it_cannot_take(monkeypatch):
