@@ -503,6 +503,7 @@ STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages lea
 REGISTERS = 253  # per thread at HM 16, Triton 3.6; 255 on the balanced grid (the compile test pins 2 programs/SM)
 
 
+@functools.lru_cache(maxsize=None)  # asked by every decode call that may take the balanced schedule
 def programs_per_sm(hm: int, stages: int = STAGES) -> int:
     """Programs of the kernel one sm90 SM holds: its shared memory and four warps of REGISTERS decide."""
     return SM90.programs_per_sm(registers=REGISTERS, shared=shared_bytes(hm, stages), warps=4)["programs_per_sm"]
@@ -587,9 +588,9 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     or read from kv_scale_ptr [1] fp32 when given. stages: tiles of the cp.async ring (2: two programs per SM).
     Balanced (`balanced_schedule`, grid (B, splits) with splits = `balanced_max_splits`): meta [B, 2] int32
     receives (first partial row group, programs) per sequence; a sequence with one program gets its result in out3
-    and lse, the others partials in o_part [B·splits·S_q, H, 512] and lse_part [B·splits·S_q, H] (row
-    (b·splits + split)·S_q + j; part_strides then (o_part's two, 0, lse_part's two)), which `_mla_combine_spans`
-    merges."""
+    and lse, the others partials in o_part [B, splits, S_q, H, 512] and lse_part [B, splits, S_q, H] (row
+    (b·splits + split)·S_q + j; part_strides then (o_part's two, 0, lse_part's two)), which `_mla_combine` merges
+    over each sequence's count."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     hm = program_rows(H, q_per_seq)

@@ -465,70 +465,38 @@ def _mla_fwd(Q, KV, BT, SEQLENS, QO_INDPTR, O, LSE, O_PART, LSE_PART,
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _mla_combine(O_PART, LSE_PART, O, LSE, stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
-                 stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h, num_splits,
-                 SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+def _mla_combine(O_PART, LSE_PART, COUNTS, O, LSE, stride_op_b, stride_op_j, stride_op_h, stride_op_s,
+                 stride_lp_b, stride_lp_j, stride_lp_h, stride_lp_s, stride_o_t, stride_o_h,
+                 stride_lse_b, stride_lse_s, stride_lse_h, stride_cnt, num_splits,
+                 SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, COUNTED: tl.constexpr):
+    """Token t = b·SQ + j, head h: the lse-weighted merge of its num_splits partials (addressed by sequence b, token
+    j, head and split), or with COUNTED of the first COUNTS[b] of them (the balanced schedule; a sequence of one
+    program already has its result). Every partial is loaded at once; those past the count are unwritten memory,
+    discarded by `where`, never multiplied."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    lse = tl.load(LSE_PART + t * stride_lp_t + h * stride_lp_h + s, mask=s_ok, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp(lse - mx)
-    tot = tl.sum(w, 0)
-    d = tl.arange(0, D)
-    part = tl.load(O_PART + t * stride_op_t + h * stride_op_h + s[:, None] * stride_op_s + d[None, :],
-                   mask=s_ok[:, None], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
-    tl.store(O + t * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty))
-    lse_out = tl.where(tot == 0.0, float("-inf"), mx + tl.log(tl.where(tot == 0.0, 1.0, tot)))
-    tl.store(LSE + (t // SQ) * stride_lse_b + (t % SQ) * stride_lse_s + h * stride_lse_h, lse_out)
-
-
-@triton.jit
-def _mla_combine_spans(O_PART, LSE_PART, META, O, LSE, stride_op_r, stride_op_h, stride_lp_r, stride_lp_h,
-                       stride_o_t, stride_o_h, stride_lse_b, stride_lse_s, stride_lse_h, splits,
-                       SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """`_mla_combine` for the balanced schedule: token t = b·SQ + j merges the partial rows (b·splits + k)·SQ + j,
-    k < count = META[b, 1], BLOCK_S at a time (one pass, the running max rescaling what is summed); a sequence of
-    one program already has its result. The first BLOCK_S rows are loaded together with the count (rows past it
-    are unwritten memory: discarded by `where`, never multiplied)."""
-    t = tl.program_id(0)
     h = tl.program_id(1)
     b = t // SQ
     j = t % SQ
-    count = tl.load(META + 2 * b + 1)
-    k = tl.arange(0, BLOCK_S)
+    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    rows = ((b * splits + k) * SQ + j).to(tl.int64)
-    lse = tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=k < splits, other=float("-inf"))
-    part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :], mask=(k < splits)[:, None],
-                   other=0.0)
+    s_ok = s < num_splits
+    lse = tl.load(LSE_PART + b * stride_lp_b + j * stride_lp_j + h * stride_lp_h + s * stride_lp_s, mask=s_ok,
+                  other=float("-inf"))
+    part = tl.load(O_PART + b * stride_op_b + j * stride_op_j + h * stride_op_h + s[:, None] * stride_op_s
+                   + d[None, :], mask=s_ok[:, None], other=0.0)
+    count = num_splits
+    if COUNTED:
+        count = tl.load(COUNTS + b * stride_cnt)
     if count > 1:
-        top = float("-inf")
-        acc = tl.zeros([D], tl.float32)
-        total = 0.0
-        for k0 in range(0, count, BLOCK_S):
-            ok = k0 + k < count
-            if k0 > 0:
-                rows = ((b * splits + k0 + k) * SQ + j).to(tl.int64)
-                lse = tl.load(LSE_PART + rows * stride_lp_r + h * stride_lp_h, mask=ok, other=float("-inf"))
-                part = tl.load(O_PART + rows[:, None] * stride_op_r + h * stride_op_h + d[None, :],
-                               mask=ok[:, None], other=0.0)
-            lse = tl.where(ok, lse, float("-inf"))
-            part = tl.where(ok[:, None], part, 0.0)
-            new_top = tl.maximum(top, tl.max(lse, 0))
-            base = tl.where(new_top == float("-inf"), 0.0, new_top)
-            w = tl.exp(lse - base)
-            keep = tl.exp(top - base)  # 0 while nothing was seen (top = -inf)
-            acc = acc * keep + tl.sum(part * w[:, None], 0)
-            total = total * keep + tl.sum(w, 0)
-            top = new_top
-        top = tl.where(top == float("-inf"), 0.0, top)
-        out = acc / tl.where(total == 0.0, 1.0, total)
-        tl.store(O + t.to(tl.int64) * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty))
-        lse_out = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total)))
+        lse = tl.where(s < count, lse, float("-inf"))
+        part = tl.where((s < count)[:, None], part, 0.0)
+        mx = tl.max(lse, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp(lse - mx)
+        tot = tl.sum(w, 0)
+        out = tl.sum(part * w[:, None], 0) / tl.where(tot == 0.0, 1.0, tot)
+        tl.store(O + t * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty))
+        lse_out = tl.where(tot == 0.0, float("-inf"), mx + tl.log(tl.where(tot == 0.0, 1.0, tot)))
         tl.store(LSE + b * stride_lse_b + j * stride_lse_s + h * stride_lse_h, lse_out)
 
 
@@ -742,39 +710,52 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 def _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, softmax_scale, kv_scale,
                   q_per_seq: int, slots: int) -> None:
     """The fp8 Gluon decode on the balanced schedule (gluon_mla `_balanced_span`: the KV tiles of the whole batch
-    spread over one wave of `slots` programs by the lengths), then `_mla_combine_spans`."""
+    spread over one wave of `slots` programs by the lengths), then `_mla_combine` over each sequence's count."""
     from pdlab.attention import gluon_mla
 
     T, H, _ = q3.shape
     B = seqlens.shape[0]
-    dev = q3.device
-    scale, scale_ptr, from_ptr = _scale_args(kv_scale, dev)
+    scale, scale_ptr, from_ptr = _scale_args(kv_scale, q3.device)
     splits = gluon_mla.balanced_max_splits(B, slots, block_table.shape[1] * kv_cache.shape[1])
-    meta = torch.empty(B, 2, dtype=torch.int32, device=dev)
-    o_part = torch.empty(B * splits * q_per_seq, H, 512, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(B * splits * q_per_seq, H, dtype=torch.float32, device=dev)
-    sp = (o_part.stride(0), o_part.stride(1), 0, lse_part.stride(0), lse_part.stride(1))
+    meta = torch.empty(B, 2, dtype=torch.int32, device=q3.device)
+    o_part, lse_part = balanced_partials(B, splits, q_per_seq, H, q3.device)
+    # the kernel writes partial row (b·splits + split)·S_q + j: the rows of the [B, splits, S_q] leading dimensions
+    sp = (o_part.stride(2), o_part.stride(3), 0, lse_part.stride(2), lse_part.stride(3))
     gluon_mla.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
                      softmax_scale * LOG2E, scale, scale_ptr if from_ptr else None, q_per_seq=q_per_seq,
                      splits=splits, meta=meta, slots=slots)
-    _mla_combine_spans[(T, H)](o_part, lse_part, meta, out3, lse, o_part.stride(0), o_part.stride(1),
-                               lse_part.stride(0), lse_part.stride(1), out3.stride(0), out3.stride(1),
-                               lse_strides[0] * q_per_seq, lse_strides[1], lse_strides[2], splits, SQ=q_per_seq,
-                               BLOCK_S=2, D=512, num_warps=4)
+    _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, False, counts=meta[:, 1])
 
 
-def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, splits: int, final: bool) -> None:
-    """`_mla_combine` of the splits' partials into out3 and lse (nothing to do with one split)."""
+def balanced_partials(batch: int, splits: int, q_per_seq: int, heads: int, device) -> tuple[torch.Tensor, ...]:
+    """The balanced schedule's fp32 partials: o_part [B, splits, S_q, H, 512] and lse_part [B, splits, S_q, H]
+    (a sequence's programs past its count leave theirs unwritten)."""
+    o_part = torch.empty(batch, splits, q_per_seq, heads, 512, dtype=torch.float32, device=device)
+    lse_part = torch.empty(batch, splits, q_per_seq, heads, dtype=torch.float32, device=device)
+    return o_part, lse_part
+
+
+def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, splits: int, final: bool,
+             counts: torch.Tensor | None = None) -> None:
+    """`_mla_combine` of the splits' partials into out3 and lse (nothing to do with one split). sp: the partials'
+    strides as the kernels take them (o_part's token, head, split; lse_part's token, head); with `counts` [B] int32
+    (programs per sequence) the partials are `balanced_partials`' [B, splits, S_q, H(, 512)] and sp unused."""
     if final:
         return
     T, H = out3.shape[:2]
     sq = max(q_per_seq, 1)
+    if counts is None:  # token t = b·SQ + j at t · (token stride); lse_part's splits adjacent
+        part = (sp[0] * sq, sp[0], sp[1], sp[2], sp[3] * sq, sp[3], sp[4], 1)
+    else:
+        part = (o_part.stride(0), o_part.stride(2), o_part.stride(3), o_part.stride(1),
+                lse_part.stride(0), lse_part.stride(2), lse_part.stride(3), lse_part.stride(1))
     # combine addresses lse by (token // SQ, token % SQ, head)
     lse_b = lse_strides[0] * sq if q_per_seq > 0 else lse_strides[0]
     lse_s = lse_strides[1] if q_per_seq > 0 else 0
-    _mla_combine[(T, H)](o_part, lse_part, out3, lse, *sp, out3.stride(0), out3.stride(1),
-                         lse_b, lse_s, lse_strides[2], splits, SQ=sq,
-                         BLOCK_S=_pow2_at_least(splits), D=512, num_warps=4)
+    _mla_combine[(T, H)](o_part, lse_part, counts if counts is not None else lse_part, out3, lse, *part,
+                         out3.stride(0), out3.stride(1), lse_b, lse_s, lse_strides[2],
+                         counts.stride(0) if counts is not None else 0, splits, SQ=sq,
+                         BLOCK_S=_pow2_at_least(splits), D=512, COUNTED=counts is not None, num_warps=4)
 
 
 def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Tensor,

@@ -89,12 +89,12 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     from pdlab.attention import gluon_mla_wide as gw
 
     rec, grec, wrec = _Recorder(), _Recorder(), _Recorder()
-    real = tk._mla_fwd, tk._mla_combine, tk._mla_combine_spans, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
+    real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
     greal = getattr(gm, "_mla_fp8_decode", None), gm.available
     wreal = getattr(gw, "_mla_wide_decode", None), gw.available
     # the target's facts in place of this machine's: its SM count, the PTX e4m3 conversion from sm89, and the Gluon
     # decode kernels on sm90 (where this Triton has Gluon)
-    tk._mla_fwd, tk._mla_combine, tk._mla_combine_spans, tk._q_prescale = rec, _Skip(), _Skip(), _Skip()
+    tk._mla_fwd, tk._mla_combine, tk._q_prescale = rec, _Skip(), _Skip()
     tk._sm_count, tk._ptx_e4m3 = (lambda device: sm_count), (lambda device: arch >= 89)
     gm._mla_fp8_decode, gw._mla_wide_decode = grec, wrec
     gm.available = lambda device, q_dtype=None: None if arch == 90 and gm.HAVE_GLUON else f"not sm90 (sm{arch})"
@@ -105,7 +105,7 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
         tk.mla_attention(q.reshape(batch * q_len, heads, 576), kv, table, lens, None, out, lse, (heads, 1, q_len),
                          576 ** -0.5, 0.05 if fp8 else None, q_per_seq=q_len, q_blocks=1, config=cfg)
     finally:
-        tk._mla_fwd, tk._mla_combine, tk._mla_combine_spans, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
+        tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
         gm._mla_fp8_decode, gm.available = greal
         gw._mla_wide_decode, gw.available = wreal
     fn, seen = (greal[0], grec.seen) if grec.seen else (wreal[0], wrec.seen) if wrec.seen else (real[0], rec.seen)

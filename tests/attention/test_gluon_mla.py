@@ -157,19 +157,20 @@ def _span_partial(q, kv, seqlen, lo, hi, scale):
 
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
-    # the partials of the balanced schedule's programs (fp32 reference of each span), merged by
-    # `_mla_combine_spans` under the interpreter, equal the reference decode; sequences of one program (their
-    # result written by the kernel itself) are left alone
+    # the partials of the balanced schedule's programs (fp32 reference of each span), merged by `_mla_combine` over
+    # each sequence's count under the interpreter, equal the reference decode; sequences of one program (their
+    # result written by the kernel itself) are left alone, and partials past a count (unwritten: NaN) are ignored
     slots, H = 24, 4
     lens = [700, 70, 2, 65, 300, 128]
     p = decode_problem(lens, H, q_len, 16, torch.float32, seed=1)
     ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch")
     splits = 4  # the grid's programs per sequence (≥ the schedule's counts)
     counts = G.balanced_schedule(lens, slots, splits)
-    assert max(counts) > 2 and min(counts) == 1  # more than one chunk of BLOCK_S = 2 partials, and single ones
+    assert max(counts) > 2 and min(counts) == 1
     B = len(lens)
-    o_part = torch.full((B * splits * q_len, H, 512), float("nan"))  # rows past a sequence's count: unwritten
-    lse_part = torch.full((B * splits * q_len, H), float("nan"))
+    o_part, lse_part = tk.balanced_partials(B, splits, q_len, H, "cpu")
+    o_part.fill_(float("nan"))
+    lse_part.fill_(float("nan"))
     meta = torch.zeros(B, 2, dtype=torch.int32)
     out = torch.full((B * q_len, H, 512), 7.0)
     lse = torch.full((B, H, q_len), 7.0)
@@ -179,13 +180,9 @@ def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
         span = -(-(-(-n // 64)) // c) * 64
         meta[b] = torch.tensor([b * splits, c])
         for k in range(c):
-            o, l = _span_partial(p.q[b], kv, n, k * span, min((k + 1) * span, n), p.softmax_scale)
-            row = (b * splits + k) * q_len
-            o_part[row:row + q_len], lse_part[row:row + q_len] = o, l
-    tk._mla_combine_spans[(B * q_len, H)](o_part, lse_part, meta, out, lse, o_part.stride(0), o_part.stride(1),
-                                          lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-                                          lse.stride(0), lse.stride(2), lse.stride(1), splits, SQ=q_len, BLOCK_S=2,
-                                          D=512)
+            o_part[b, k], lse_part[b, k] = _span_partial(p.q[b], kv, n, k * span, min((k + 1) * span, n),
+                                                         p.softmax_scale)
+    tk._combine(out, lse, o_part, lse_part, None, (H, 1, q_len), q_len, splits, False, counts=meta[:, 1])
     out = out.view(B, q_len, H, 512)
     for b, c in enumerate(counts):
         if c == 1:
@@ -196,22 +193,18 @@ def test_balanced_combine_merges_the_programs_of_each_sequence(q_len):
 
 def test_the_balanced_schedule_runs_when_asked_and_where_it_fits(monkeypatch):
     # schedule "balanced", or the default ("auto") from BALANCED_MIN_BATCH sequences: one launch over the balanced
-    # grid with [B, 2] metadata, then the spans' combine; "uniform", "auto" below that, or more sequences than
-    # slots: the split grid with its own combine
+    # grid with [B, 2] metadata, then the combine over each sequence's count; "uniform", "auto" below that, or more
+    # sequences than slots: the split grid with the plain combine
     from pdlab.attention.backends.triton_mla import resolve_decode_config
 
     launches, combines = [], []
 
-    class _Rec:
-        def __init__(self, name):
-            self.name = name
-
+    class _Rec:  # the combine's grid, and whether it merges over per-sequence counts (the balanced schedule's)
         def __getitem__(self, grid):
-            return lambda *a, **k: combines.append((self.name, grid))
+            return lambda *a, **k: combines.append(("spans" if k["COUNTED"] else "splits", grid))
 
     monkeypatch.setattr(G, "launch", lambda *a, **k: launches.append(k))
-    monkeypatch.setattr(tk, "_mla_combine", _Rec("splits"))
-    monkeypatch.setattr(tk, "_mla_combine_spans", _Rec("spans"))
+    monkeypatch.setattr(tk, "_mla_combine", _Rec())
     monkeypatch.setattr(tk, "_gluon_kernel", lambda *a, **k: "fp8")
     monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
     H = 16
