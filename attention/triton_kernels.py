@@ -471,25 +471,22 @@ def _mla_combine(O_PART, LSE_PART, COUNTS, O, LSE, stride_op_b, stride_op_j, str
                  SQ: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, COUNTED: tl.constexpr):
     """Token t = b·SQ + j, head h: the lse-weighted merge of its num_splits partials (addressed by sequence b, token
     j, head and split), or with COUNTED of the first COUNTS[b] of them (the balanced schedule; a sequence of one
-    program already has its result). Every partial is loaded at once; those past the count are unwritten memory,
-    discarded by `where`, never multiplied."""
+    program already has its result). Only the partials below the count are read (unwritten ones never are)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b = t // SQ
     j = t % SQ
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    s_ok = s < num_splits
-    lse = tl.load(LSE_PART + b * stride_lp_b + j * stride_lp_j + h * stride_lp_h + s * stride_lp_s, mask=s_ok,
-                  other=float("-inf"))
-    part = tl.load(O_PART + b * stride_op_b + j * stride_op_j + h * stride_op_h + s[:, None] * stride_op_s
-                   + d[None, :], mask=s_ok[:, None], other=0.0)
     count = num_splits
     if COUNTED:
-        count = tl.load(COUNTS + b * stride_cnt)
+        count = tl.minimum(tl.load(COUNTS + b * stride_cnt), num_splits)
     if count > 1:
-        lse = tl.where(s < count, lse, float("-inf"))
-        part = tl.where((s < count)[:, None], part, 0.0)
+        s_ok = s < count
+        lse = tl.load(LSE_PART + b * stride_lp_b + j * stride_lp_j + h * stride_lp_h + s * stride_lp_s, mask=s_ok,
+                      other=float("-inf"))
+        part = tl.load(O_PART + b * stride_op_b + j * stride_op_j + h * stride_op_h + s[:, None] * stride_op_s
+                       + d[None, :], mask=s_ok[:, None], other=0.0)
         mx = tl.max(lse, 0)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         w = tl.exp(lse - mx)
