@@ -1,5 +1,5 @@
-"""fp8 MLA decode for Hopper (sm90) in Gluon: the cache bytes stream through a cp.async ring in shared memory and
-each thread converts exactly the bytes of its own wgmma register fragments.
+"""fp8 MLA decode for Hopper (sm90) in Gluon: the cache bytes stream through a cp.async ring in shared memory, q·k
+runs on them as e4m3 × e4m3 wgmma, and each thread converts only the bytes of its own V^T fragments.
 
 Why: the Triton kernels of triton_kernels.py upcast an fp8 tile in registers and hand it to `tl.dot`, which stages
 it through shared memory again; with few heads per program that tile work, not HBM, bounds them (an fp8 pool was
@@ -7,29 +7,29 @@ slower than a bf16 one at 16 heads: bench/results/NVIDIA_H200/attention). Here o
 SM) holds every query row of a sequence (heads × S_q ≤ 32, padded to HM = 16 or 32) and walks one split of its KV
 range in tiles of 64 tokens, token-major ("swap AB"), so the tile's tokens are the wgmma's M side:
 
-- cp.async ring of STAGES = 2 tiles (32 KB of the 512 latent columns + 4 KB of the 64 rope columns each): thread
-  t = 32w + 4·rlo + q copies the 16-byte pieces of its own q·k fragments (tokens 16w + rlo and + 8, columns
-  64g + 16q … + 15). The latent tile's shared layout places token τ at row T(τ) (bits x0…x5 → x3, x1, x0^x2, x0,
-  x4, x5) and XORs each 16-byte piece's index with the row's low three bits, so both read patterns below and the
-  copies are free of bank conflicts. The tile after the current one is in flight while it is computed.
-- s^T [64, HM] = K · q^T: per 64-column group the thread's bytes → fp16 (`cvt.rn.f16x2.e4m3x2`) are its wgmma A
-  fragment, because the MMA's K order inside a group is permuted (MMA column 16c + 8n + 2q + u is model column
-  16q + 4c + 2n + u, `perm_group`); q sits in shared memory in that order. Each group's conversion overlaps the
-  previous group's MMA.
-  The q·k bytes are converted in the order the shared loads bring them (four bytes of one token per register);
-  the V^T fragments pair two tokens, one byte permute per register.
+- cp.async ring of two tiles (32 KB of the 512 latent columns as four [64, 128] blocks in the 128-byte swizzle, and
+  4 KB of the 64 rope columns in the 64-byte one: wgmma's own operand layouts). Thread 32w + 8t + 4l + c copies
+  tokens 16w + t + 4l + 8j (j < 2), pieces c and c + 4 of each block and rope piece c: the latent copies and the
+  V^T reads below are free of bank conflicts (the rope copies, 2 of 18, are 2-way). The next tile is in flight
+  while one is computed.
+- q: each row scaled by a power of two into (128, 256] and split into QPARTS e4m3 parts whose sum is the row exactly
+  (bf16: two, fp16: four; `q_parts_reference`), stored as the B operand [QPARTS·HM, 576].
+- s^T [64, QPARTS·HM] = K · q_parts^T: e4m3 × e4m3 wgmma with both operands in shared memory (no conversion, no
+  register fragments), one accumulator per 128-column block (QK_CHAINS) added in fp32 — fp8 wgmma accumulates in
+  fewer bits than fp32 — and the parts of each row added.
 - Online softmax over the tile (base 2, scores scaled by softmax scale · kv_scale · q's per-row power of two; the
   mask only on tiles that reach the split end or the causal rows), p^T to shared memory as fp16. Lazy rescaling:
   the running max moves, and o and the row sums are rescaled, only when some row's max grew by more than
   RESCALE_LOG2 (p then stays ≤ 2^8); the row sums are kept per (token slot, row) and reduced once at the end.
-- o^T [512, HM] += V^T · p^T as eight [64, HM] accumulators, V^T's A fragments read from the whole tile with the
-  rows of o^T permuted (row r = 16w + 8·rsel + rlo of accumulator i is latent column 128w + 16·rlo + 2i + rsel):
-  a thread's fragments are then 16 consecutive bytes of each of its 16 tokens, one 16-byte shared load each.
+- o^T [512, HM] += V^T · p^T as eight fp16 [64, HM] accumulators, V^T's A fragments read from the tile
+  (`NOPE_VIEW_BASES`) with the rows of o^T permuted (row r = 16w + 8·rsel + rlo of accumulator i is latent column
+  128w + 16·rlo + 2i + rsel): a thread's fragments are 16 consecutive bytes of each of its 16 tokens, one 16-byte
+  shared load each, converted (`cvt.rn.f16x2.e4m3x2`) with one byte permute per register.
 - The result and lse, or per-split fp32 partials that triton_kernels' `_mla_combine` merges (the output contract of
   `_mla_fwd`); the output is relabelled so that each thread writes 16 consecutive columns per row.
 
-q goes to fp16 divided per row by a power of two keeping |q| ≤ 2^14 (exact: fp16 has more mantissa than bf16 and
-cannot overflow). Rows of the tile at positions ≥ the split end are not loaded (the cp.async zero-fills them), so
+Per tile three barriers of the kernel's own (the tile's copies landed; p^T written; the slot read) and the softmax's
+cross-warp max. Rows of the tile at positions ≥ the split end are not loaded (the cp.async zero-fills them), so
 pages past a sequence's length are never read.
 """
 
@@ -50,16 +50,23 @@ try:  # Gluon (Triton ≥ 3.5)
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - reported by `available()`
     HAVE_GLUON = False
 
 BLOCK_N = 64  # tokens per tile: the wgmma M of one warpgroup
-# the latent tile's shared layout [64 tokens, 512 bytes]: the (token, column) of each bit of a byte's offset — bits
-# 0–8 the column (16-byte piece p = bits 4–8), bits 9–14 the row ρ; token τ = T⁻¹(ρ), and the low three bits of p
-# are XORed with ρ's (see the module docstring)
-NOPE_OFFSET_BASES = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128], [0, 256],
-                     [8, 16], [2, 32], [4, 64], [5, 0], [16, 0], [32, 0]]
+# the latent tile [64 tokens, 512 bytes] as wgmma reads it — four [64, 128] column blocks, 8192 bytes apart, each
+# in the 128-byte swizzle (16-byte piece p of row τ at piece p ^ (τ % 8)) — seen as one tile: the (token, column)
+# of each bit of a byte's offset (bits 0–6 the column in its block, 7–12 the token, 13–14 the block)
+NOPE_VIEW_BASES = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64],
+                   [1, 16], [2, 32], [4, 64], [8, 0], [16, 0], [32, 0], [0, 128], [0, 256]]
+QPARTS_OF = {torch.bfloat16: 2, torch.float16: 4}  # e4m3 parts that hold a query element exactly (`_q_parts`)
+# the q·k MMA's accumulators per tile, by its N (query rows × parts): one per column block (5) where registers
+# allow, else two. fp8 wgmma adds into its accumulator in fewer bits than fp32: with one accumulator for all 576
+# columns the cosine error reached 1.9e-5 on the GPU tests' growing scores, with 5 (N 32) 7e-7, with 2 (N 64)
+# 3.4e-6 (bench/results/NVIDIA_H200/attention/2026-12-01_fp8_qk)
+QK_CHAINS = {32: 5, 64: 2, 128: 2}
 # how far (base 2) a row's max may grow before the running max moves (FA4's lazy rescaling)
 RESCALE_LOG2 = 8.0
 MAX_ROWS = 32  # query rows (heads × S_q) one program holds: its 8 accumulators [64, HM] stay in registers
@@ -73,12 +80,23 @@ BALANCED_SPLIT_FACTOR = 2  # a sequence's programs: up to this many times slots 
 BALANCED_MIN_BATCH = 32
 
 
-def perm_group(device=None) -> torch.Tensor:
-    """[64] int64: the model column (within a 64-column group) of each MMA column: 16c + 8n + 2q + u ↦
-    16q + 4c + 2n + u (thread q's 16 consecutive bytes are its A fragment's columns)."""
-    mk = torch.arange(64, device=device)
-    c, n, q, u = mk // 16, (mk // 8) % 2, (mk // 2) % 4, mk % 2
-    return 16 * q + 4 * c + 2 * n + u
+def q_parts_reference(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """The arithmetic of the kernel's `_q_parts` in torch (tests, docs). x: [..] fp32, |x| ≤ 256 (a query row scaled
+    by its power of two). Returns [parts, ..] fp32, each part an e4m3 value: part k is the e4m3 value (to nearest
+    even; 0 below e4m3's normal range 2^-6) of what the parts before leave of x, the last the e4m3 conversion of the
+    rest. Their sum is x exactly when x has at most 4·parts significant bits (bf16 values: 2 parts, fp16: 4) and
+    the last part lies on e4m3's grid (|x| ≥ 2^-2 for bf16, ≥ 2 for fp16), else within 2^-10 of it."""
+    def value(v):  # e4m3's nearest value by integer rounding of the fp32 bits (the kernel's `_e4m3_value`)
+        bits = v.contiguous().view(torch.int32)
+        bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -1048576
+        return torch.where(v.abs() < 2.0 ** -6, torch.zeros_like(v), bits.view(torch.float32))
+
+    out, rest = [], x.float()
+    for _ in range(parts - 1):
+        out.append(value(rest))
+        rest = rest - out[-1]
+    out.append(rest.to(torch.float8_e4m3fn).float())
+    return torch.stack(out)
 
 
 def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -110,7 +128,24 @@ def unfit(heads: int, q_len: int, fp8: bool) -> str | None:
 if HAVE_GLUON:
     _RESCALE_LOG2 = gl.constexpr(RESCALE_LOG2)
     _MIN_SPAN_TILES = gl.constexpr(MIN_SPAN_TILES)
-    _NOPE_SMEM = gl.constexpr(gl.SharedLinearLayout(offset_bases=NOPE_OFFSET_BASES))
+    _NOPE_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=NOPE_VIEW_BASES))
+    _BLK = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _PE_BLK = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
+    # the copies: thread 32w + 8·t + 4·l + c (lane bits c: two, l, t: two) copies tokens 16w + t + 4·l + 8j (j < 2),
+    # pieces c, c + 4 of each 128-column block; rope piece c of the same tokens
+    _CPL = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64], [0, 128], [0, 256], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [4, 0], [1, 0], [2, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[64, 512]))
+    _PCL = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [4, 0], [1, 0], [2, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[64, 64]))
+    # V^T's A fragments: tokens 2q + c + 8·t3 + 16·kk, columns 128w + 16·rlo … + 15 (d permuted, `_pv_tiles`)
+    _PVL = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]],
+        block_bases=[], shape=[64, 512]))
     _CVT = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
@@ -132,20 +167,6 @@ if HAVE_GLUON:
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @gluon.jit
-    def _qk_groups(x):
-        """A thread's QK bytes [64 τ, 512 cols] (col = 64g + 16q + 4c + 2n + u) → the eight groups' [64 τ, 64 MMA
-        columns 16c + 8n + 2q + u] (a relabelling of the thread's registers)."""
-        x = gl.reshape(x, [64, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # τ, g2 g1 g0, q1 q0, c1 c0 n u
-        x = gl.permute(x, (0, 6, 7, 8, 4, 5, 9, 1, 2, 3))
-        return _split8(gl.reshape(x, [64, 64, 2, 2, 2]))
-
-    @gluon.jit
-    def _pe_group(x):
-        """The q_pe group's bytes [64 τ, 64 cols] (col = 16q + 4c + 2n + u) → [64 τ, 64 MMA columns]."""
-        x = gl.permute(gl.reshape(x, [64, 2, 2, 2, 2, 2, 2]), (0, 3, 4, 5, 1, 2, 6))
-        return gl.reshape(x, [64, 64])
-
-    @gluon.jit
     def _pv_tiles(y):
         """A thread's PV bytes [64 τ, 512 d] (d = 128w + 16·rlo + 2i + rsel) → the eight V^T tiles i
         [64 rows 16w + 8·rsel + rlo, 64 τ] (a relabelling of the thread's registers). rsel is the lowest bit of d
@@ -161,12 +182,43 @@ if HAVE_GLUON:
         return _to_f16(gl.convert_layout(x, AL, assert_trivial=True))
 
     @gluon.jit
-    def _qk_operand(x, AL: gl.constexpr):
-        """A q·k group [64 τ, 64 MMA columns] → the fp16 wgmma register A operand, converted in x's own register
-        order: there four consecutive registers are four consecutive bytes of one token (one 32-bit word of the
-        shared load), in the operand's order they are two tokens' (the relabelling would cost a byte permute per
-        word). The fp16 pairs (model columns 2n + u, u = 0, 1) are the operand's pairs either way."""
-        return gl.convert_layout(_to_f16(x), AL, assert_trivial=True)
+    def _e4m3_value(x):
+        """x [..] fp32 rounded (to nearest even) to e4m3's 4 significant bits, as fp32, by integer arithmetic on the
+        bits; 0 below e4m3's normal range (2^-6), whose values the next part takes."""
+        bits = x.to(gl.int32, bitcast=True)
+        bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -1048576
+        return gl.where(gl.abs(x) < 0.015625, 0.0, bits.to(gl.float32, bitcast=True))
+
+    @gluon.jit
+    def _q_parts(x, QPARTS: gl.constexpr):
+        """x [R, W] fp32 (|x| ≤ 256) → [QPARTS·R, W] e4m3, row p·R + r part p of row r: each part the e4m3 value of
+        what the parts before leave of x, so Σ_p parts = x exactly where x has at most 4·QPARTS significant bits
+        (bf16: 2 parts, fp16: 4) and its last part lies above e4m3's subnormal step 2^-9 (else it is rounded there).
+        The parts are formed in fp32 (`_e4m3_value`); only the results are converted."""
+        p0 = _e4m3_value(x)
+        r = x - p0
+        if QPARTS == 2:
+            y = gl.permute(gl.join(p0.to(gl.float8e4nv), r.to(gl.float8e4nv)), (2, 0, 1))
+        else:
+            p1 = _e4m3_value(r)
+            r = r - p1
+            p2 = _e4m3_value(r)
+            r = r - p2
+            y = gl.join(gl.join(p0.to(gl.float8e4nv), p1.to(gl.float8e4nv)),
+                        gl.join(p2.to(gl.float8e4nv), r.to(gl.float8e4nv)))
+            y = gl.permute(y, (3, 2, 0, 1))
+        return gl.reshape(y, [QPARTS * x.shape[0], x.shape[1]])
+
+    @gluon.jit
+    def _sum_parts(s, QPARTS: gl.constexpr, HM: gl.constexpr):
+        """s^T [64, QPARTS·HM] (column p·HM + r: the scores of row r against q's part p) → [64, HM], their sum."""
+        if QPARTS == 2:
+            a, b = gl.split(gl.permute(gl.reshape(s, [64, 2, HM]), (0, 2, 1)))
+            return a + b
+        else:
+            x0, x1 = gl.split(gl.permute(gl.reshape(s, [64, 2, 2, HM]), (0, 3, 1, 2)))  # parts 2b + a: a = 0, 1
+            b0, b1 = gl.split(x0 + x1)
+            return b0 + b1
 
     @gluon.jit
     def _program_span(SEQLENS, num_splits, Q_PER_SEQ: gl.constexpr):
@@ -196,12 +248,41 @@ if HAVE_GLUON:
         return out_rows, oj, oh
 
     @gluon.jit
-    def _issue(nope_ring, pe_ring, slot, KV, row_nope, row_pe, ok_nope, ok_pe, col_nope, col_pe):
-        """cp.async of one tile's bytes into ring slot (rows whose `ok` is false are zero-filled, not read): each
-        thread copies the sixteen 16-byte pieces of its own q·k fragments and two of the rope columns."""
-        _cp_async(nope_ring.index(slot), KV + row_nope + col_nope, mask=ok_nope)
-        _cp_async(pe_ring.index(slot), KV + 512 + row_pe + col_pe, mask=ok_pe)
+    def _bytes(nope, slot):
+        """Ring slot `slot` of latent blocks `nope` [2·4, 64, 128] e4m3 as one [64, 512] byte tile (Triton 3.6 names
+        the view `_reinterpret`, later ones `reinterpret`)."""
+        if _REINTERPRET_PUBLIC:
+            return nope.reinterpret(gl.uint8, [2, 64, 512], _NOPE_VIEW).index(slot)
+        else:
+            return nope._reinterpret(gl.uint8, [2, 64, 512], _NOPE_VIEW).index(slot)
+
+    @gluon.jit
+    def _pe_bytes(pe, slot):
+        """Ring slot `slot` of rope blocks `pe` [2, 64, 64] e4m3 as bytes."""
+        if _REINTERPRET_PUBLIC:
+            return pe.reinterpret(gl.uint8, [2, 64, 64], _PE_BLK).index(slot)
+        else:
+            return pe._reinterpret(gl.uint8, [2, 64, 64], _PE_BLK).index(slot)
+
+    @gluon.jit
+    def _issue(nope, pe, slot, KV, start, hi, page, tau, col_n, col_p, stride_kv_p, stride_kv_o, PAGE: gl.constexpr):
+        """cp.async of the tile at `start` into a ring slot (latent blocks `nope`, rope block `pe`; rows at or past hi
+        are zero-filled, not read), its page ids read a tile earlier: each thread copies 16 of the latent columns'
+        16-byte pieces (tokens 16w + t + 4·l + 8j, j < 2; 8 pieces of each) and one rope piece of each of them."""
+        row, ok = _rows(page, start, hi, tau, stride_kv_p, stride_kv_o, PAGE)
+        _cp_async(_bytes(nope, slot), KV + row + col_n, mask=ok)
+        _cp_async(_pe_bytes(pe, slot),
+                  KV + 512 + gl.convert_layout(row, _PCL) + col_p, mask=gl.convert_layout(ok, _PCL))
         async_copy.commit_group()
+
+    @gluon.jit
+    def _landed(x):
+        """cp.async.wait_group 1 and fence.proxy.async.shared::cta in every thread (x: an int32 tensor of one
+        element per thread): this thread's copies of the tile before the last one issued have landed, and they
+        (generic proxy) are visible to wgmma's reads (async proxy). Inline assembly, so that Triton's barrier analysis
+        adds no barrier of its own between the two: the caller's follows."""
+        return gl.inline_asm_elementwise("cp.async.wait_group 1; fence.proxy.async.shared::cta; mov.b32 $0, $1;",
+                                         "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _pages(bt_row, start, hi, tau, PAGE: gl.constexpr):
@@ -217,13 +298,9 @@ if HAVE_GLUON:
         return gl.expand_dims(addr, 1), gl.expand_dims(n < hi, 1)
 
     @gluon.jit
-    def _qk_async(s, a_prev, x, q_smem, AL: gl.constexpr):
-        """Convert group x and issue its MMA after the previous one's; wait until that previous one is done (its
-        register operand a_prev is free). Returns (the accumulator in flight, x's operand)."""
-        a = _qk_operand(x, AL)
-        s = warpgroup_mma(a, q_smem.permute((1, 0)), s, is_async=True)
-        s, a_prev = warpgroup_mma_wait(1, deps=(s, a_prev))
-        return s, a
+    def _qk_mma(k_smem, q_smem, s, use_acc: gl.constexpr):
+        """Issue s^T (+)= K·q^T for one column block: K [64, W] and q's parts [NQ, W], e4m3 in shared memory."""
+        return warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=use_acc, is_async=True)
 
     @gluon.jit
     def _pv_async(t_prev, a_prev, o, v, p_smem, AL: gl.constexpr):
@@ -277,33 +354,19 @@ if HAVE_GLUON:
                         stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
                         H, num_splits, B, slots,
                         Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, HM: gl.constexpr, PAGE: gl.constexpr,
-                        STAGES: gl.constexpr, FINAL: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
-                        OUT_LAYOUT: gl.constexpr, BALANCED: gl.constexpr, BLOCK_B: gl.constexpr):
+                        FINAL: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
+                        OUT_LAYOUT: gl.constexpr, BALANCED: gl.constexpr, BLOCK_B: gl.constexpr,
+                        QPARTS: gl.constexpr, CHAINS: gl.constexpr):
         """Grid (head blocks, splits, batch), or with BALANCED (batch, num_splits) (`_balanced_span`; partials then
         in rows (b · num_splits + split) · S_q + j). Program rows r < HM: query token j = r // BLOCK_H of the
         sequence, head hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        # thread 32w + 4·rlo + q: QK bytes — tokens 16w + rlo (+8), columns 64g + 16q … + 15 (also what it copies)
-        QKL: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64], [0, 128], [0, 256]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-            shape=[64, 512])
-        QKP: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-            shape=[64, 64])
-        # PV bytes — tokens 2q + c + 8·t3 + 16·kk, columns 128w + 16·rlo … + 15 (V^T's A fragments, d permuted)
-        PVL: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]],
-            block_bases=[], shape=[64, 512])
-        # the nope tile: token τ at row T(τ) (T: bits x0..x5 → x3, x1, x0^x2, x0, x4, x5), 16-byte pieces XOR
-        # the row's low three bits: both reads and the copies are free of bank conflicts
-        NOPE_SMEM: gl.constexpr = _NOPE_SMEM
-        PE_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        NQ: gl.constexpr = QPARTS * HM  # the q·k MMA's N: every part of every row
+        SMMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
         QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HM, 64], gl.float16)
-        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        QW: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # q's [HM, 128] blocks
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # q_pe [HM, 64]
         ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
 
         if BALANCED:
@@ -317,27 +380,45 @@ if HAVE_GLUON:
         if SCALE_FROM_PTR:
             kv_scale = gl.load(KV_SCALE_PTR).to(gl.float32)
 
-        # ---- q: rows → fp16 / per-row power of two, columns in MMA order per group, into shared memory
-        qr = gl.arange(0, HM, layout=gl.SliceLayout(1, QL))
+        # ---- the ring: per slot four [64, 128] latent column blocks and the [64, 64] rope block, in wgmma's
+        # swizzles (the copies and V^T see the latent blocks as one [64, 512] byte tile, NOPE_VIEW_BASES)
+        nope_r = gl.allocate_shared_memory(gl.float8e4nv, [2 * 4, 64, 128], _BLK)
+        pe_r = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], _PE_BLK)
+        tau = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPL))
+        col_n = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, _CPL)), 0)
+        col_p = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _PCL)), 0)
+        bt_row = BT + b.to(gl.int64) * stride_bt_b
+        _issue(nope_r, pe_r, 0, KV, lo, hi, _pages(bt_row, lo, hi, tau, PAGE), tau, col_n, col_p,
+               stride_kv_p, stride_kv_o, PAGE)  # the first tile in flight
+        page = _pages(bt_row, lo + 64, hi, tau, PAGE)
+
+        # ---- q: rows scaled by a power of two into (128, 256], split into QPARTS e4m3 parts (exact), into shared
+        # memory as the q·k MMA's B operand [NQ, 576] in four 128-column blocks and the rope block
+        qr = gl.arange(0, HM, layout=gl.SliceLayout(1, QW))
         qj = qr // BLOCK_H
         qh = hb * BLOCK_H + qr % BLOCK_H
         q_ok = gl.expand_dims((qj < Q_PER_SEQ) & (qh < H), 1)
         q_row = Q + gl.expand_dims((q_start + qj).to(gl.int64) * stride_q_t + qh * stride_q_h, 1)
-        mk = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-        amax = gl.max(gl.abs(gl.load(q_row + 512 + gl.expand_dims(mk, 0), mask=q_ok, other=0.0).to(gl.float32)), 1)
-        for g in gl.static_range(8):
-            qg = gl.load(q_row + g * 64 + gl.expand_dims(mk, 0), mask=q_ok, other=0.0).to(gl.float32)
-            amax = gl.maximum(amax, gl.max(gl.abs(qg), 1))
-        qfac = gl.exp2(gl.ceil(gl.log2(gl.maximum(amax * (1.0 / 16384.0), 1.0))))
+        kw = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, QW)), 0)
+        qpr = gl.arange(0, HM, layout=gl.SliceLayout(1, QL))
+        qpj = qpr // BLOCK_H
+        qph = hb * BLOCK_H + qpr % BLOCK_H
+        qp_ok = gl.expand_dims((qpj < Q_PER_SEQ) & (qph < H), 1)
+        qp_row = Q + gl.expand_dims((q_start + qpj).to(gl.int64) * stride_q_t + qph * stride_q_h, 1) + 512
+        kp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
+        qpe = gl.load(qp_row + kp, mask=qp_ok, other=0.0).to(gl.float32)
+        amax = gl.convert_layout(gl.max(gl.abs(qpe), 1), gl.SliceLayout(1, QW))
+        for c in gl.static_range(4):
+            qc = gl.load(q_row + c * 128 + kw, mask=q_ok, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(qc), 1))
+        qfac = gl.exp2(gl.ceil(gl.log2(gl.maximum(amax, 1e-30) * (1.0 / 256.0))))
         inv_f = gl.expand_dims(1.0 / qfac, 1)
-        # MMA column mk of a group holds model column 16q + 4c + 2n + u (perm_group)
-        pk = gl.expand_dims(16 * ((mk // 2) % 4) + 4 * (mk // 16) + 2 * ((mk // 8) % 2) + mk % 2, 0)
-        qn_smem = gl.allocate_shared_memory(gl.float16, [8, HM, 64], QS)
-        for g in gl.static_range(8):
-            qg = gl.load(q_row + g * 64 + pk, mask=q_ok, other=0.0).to(gl.float32)
-            qn_smem.index(g).store((qg * inv_f).to(gl.float16))
-        qp_smem = gl.allocate_shared_memory(gl.float16, [HM, 64], QS)
-        qp_smem.store((gl.load(q_row + 512 + pk, mask=q_ok, other=0.0).to(gl.float32) * inv_f).to(gl.float16))
+        qn_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, NQ, 128], _BLK)
+        for c in gl.static_range(4):
+            qc = gl.load(q_row + c * 128 + kw, mask=q_ok, other=0.0).to(gl.float32)
+            qn_smem.index(c).store(_q_parts(qc * inv_f, QPARTS))
+        qp_smem = gl.allocate_shared_memory(gl.float8e4nv, [NQ, 64], _PE_BLK)
+        qp_smem.store(_q_parts(qpe * gl.expand_dims(gl.convert_layout(1.0 / qfac, gl.SliceLayout(1, QL)), 1), QPARTS))
 
         r = gl.arange(0, HM, layout=ROWS)
         rj = r // BLOCK_H
@@ -345,25 +426,7 @@ if HAVE_GLUON:
         row_ok = (rj < Q_PER_SEQ) & (rh < H)
         limit = prefix + rj + 1  # row r sees positions < limit
         row_scale = qk_scale * kv_scale * gl.convert_layout(qfac, ROWS)
-
-        # ---- this thread's tokens and columns of every tile
-        tau = gl.arange(0, 64, layout=gl.SliceLayout(1, QKL))
-        col_nope = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, QKL)), 0)
-        col_pe = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QKP)), 0)
-        bt_row = BT + b.to(gl.int64) * stride_bt_b
-
-        nope_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 512], NOPE_SMEM)
-        pe_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 64], PE_SMEM)
         p_smem = gl.allocate_shared_memory(gl.float16, [HM, 64], QS)
-
-        for i in gl.static_range(STAGES - 1):  # the first tiles in flight
-            start = lo + i * 64
-            row, ok = _rows(_pages(bt_row, start, hi, tau, PAGE), start, hi, tau, stride_kv_p, stride_kv_o, PAGE)
-            _issue(nope_ring, pe_ring, i, KV, row, gl.convert_layout(row, QKP), ok, gl.convert_layout(ok, QKP),
-                   col_nope, col_pe)
-        page_ahead = _pages(bt_row, lo + (STAGES - 1) * 64, hi, tau, PAGE)
-        fence_async_shared()
-        _cta_barrier()  # q's shared copies are written
 
         m_i = gl.full([HM], float("-inf"), gl.float32, layout=ROWS)
         # p's row sums: at HM 16 per (token slot, row), reduced once at the end; at HM 32 (no registers to spare)
@@ -382,34 +445,39 @@ if HAVE_GLUON:
         o6 = gl.zeros([64, HM], gl.float32, layout=MMA)
         o7 = gl.zeros([64, HM], gl.float32, layout=MMA)
         tok = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        fence_x = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
         n_tiles = gl.cdiv(hi - lo, 64)
         for i in range(n_tiles):
             start = lo + i * 64
-            # the tile STAGES - 1 ahead goes in flight (its page ids were read an iteration ago)
-            ahead = start + (STAGES - 1) * 64
-            row, ok = _rows(page_ahead, ahead, hi, tau, stride_kv_p, stride_kv_o, PAGE)
-            _issue(nope_ring, pe_ring, (i + STAGES - 1) % STAGES, KV, row, gl.convert_layout(row, QKP), ok,
-                   gl.convert_layout(ok, QKP), col_nope, col_pe)
-            page_ahead = _pages(bt_row, ahead + 64, hi, tau, PAGE)
-            async_copy.wait_group(STAGES - 1)  # this thread's pieces of tile i have landed
-            slot = i % STAGES
+            slot = i % 2
+            # the next tile in flight (its slot's readers passed the barrier ending the tile before; its page ids were
+            # read a tile ago), then this tile's copies landed in every thread
+            _issue(nope_r, pe_r, 1 - slot, KV, start + 64, hi, page, tau, col_n, col_p, stride_kv_p, stride_kv_o, PAGE)
+            page = _pages(bt_row, start + 128, hi, tau, PAGE)
+            _landed(fence_x)
+            _cta_barrier()  # every thread's copies of the tile have landed (and q's stores)
 
-            # s^T = K·q^T from the thread's own pieces
-            x0, x1, x2, x3, x4, x5, x6, x7 = _qk_groups(nope_ring.index(slot).load(QKL))
-            xp = _pe_group(pe_ring.index(slot).load(QKP))
-            # each group's bytes are converted while the previous group's MMA runs
-            a = _qk_operand(x0, AL)
-            s = warpgroup_mma(a, qn_smem.index(0).permute((1, 0)), gl.zeros([64, HM], gl.float32, layout=MMA),
-                              is_async=True)
-            s, a = _qk_async(s, a, x1, qn_smem.index(1), AL)
-            s, a = _qk_async(s, a, x2, qn_smem.index(2), AL)
-            s, a = _qk_async(s, a, x3, qn_smem.index(3), AL)
-            s, a = _qk_async(s, a, x4, qn_smem.index(4), AL)
-            s, a = _qk_async(s, a, x5, qn_smem.index(5), AL)
-            s, a = _qk_async(s, a, x6, qn_smem.index(6), AL)
-            s, a = _qk_async(s, a, x7, qn_smem.index(7), AL)
-            s, a = _qk_async(s, a, xp, qp_smem, AL)
-            s, a = warpgroup_mma_wait(0, deps=(s, a))
+            # s^T = K·q^T: e4m3 × e4m3 from shared memory, every part of q at once
+            z = gl.zeros([64, NQ], gl.float32, layout=SMMA)
+            # fp8 wgmma adds into its accumulator in fewer bits than fp32 (relative 2^-12 of the scores over the
+            # 576 columns in one chain): the blocks go to CHAINS accumulators, added in fp32
+            if CHAINS == 2:  # latent blocks 0-1, and 2-3 with the rope block
+                s0 = _qk_mma(nope_r.index(4 * slot), qn_smem.index(0), z, False)
+                s0 = _qk_mma(nope_r.index(4 * slot + 1), qn_smem.index(1), s0, True)
+                s1 = _qk_mma(nope_r.index(4 * slot + 2), qn_smem.index(2), z, False)
+                s1 = _qk_mma(nope_r.index(4 * slot + 3), qn_smem.index(3), s1, True)
+                s1 = _qk_mma(pe_r.index(slot), qp_smem, s1, True)
+                s0, s1 = warpgroup_mma_wait(0, deps=(s0, s1))
+                s = s0 + s1
+            else:  # one per block
+                s0 = _qk_mma(nope_r.index(4 * slot), qn_smem.index(0), z, False)
+                s1 = _qk_mma(nope_r.index(4 * slot + 1), qn_smem.index(1), z, False)
+                s2 = _qk_mma(nope_r.index(4 * slot + 2), qn_smem.index(2), z, False)
+                s3 = _qk_mma(nope_r.index(4 * slot + 3), qn_smem.index(3), z, False)
+                s4 = _qk_mma(pe_r.index(slot), qp_smem, z, False)
+                s0, s1, s2, s3, s4 = warpgroup_mma_wait(0, deps=(s0, s1, s2, s3, s4))
+                s = ((s0 + s1) + (s2 + s3)) + s4
+            s = gl.convert_layout(_sum_parts(s, QPARTS, HM), MMA, assert_trivial=True)
 
             s = s * gl.expand_dims(row_scale, 0)
             if start + 64 > gl.minimum(hi, prefix + 1):  # the tile reaches the split end or the causal rows
@@ -436,10 +504,10 @@ if HAVE_GLUON:
                 l_acc = l_acc + gl.sum(p, 0)
             p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
-            _cta_barrier()  # p^T written, and every thread's pieces of tile i have landed
+            _cta_barrier()  # p^T written
 
             # o^T += V^T·p^T, V^T's fragments read from the whole tile
-            v0, v1, v2, v3, v4, v5, v6, v7 = _pv_tiles(nope_ring.index(slot).load(PVL))
+            v0, v1, v2, v3, v4, v5, v6, v7 = _pv_tiles(_bytes(nope_r, slot).load(_PVL))
             # each V^T tile is converted while the previous tile's MMA runs
             a = _operand(v0, AL)
             t0 = warpgroup_mma(a, p_smem.permute((1, 0)), o0, is_async=True)
@@ -451,7 +519,7 @@ if HAVE_GLUON:
             o5, t6, a = _pv_async(t5, a, o6, v6, p_smem, AL)
             o6, t7, a = _pv_async(t6, a, o7, v7, p_smem, AL)
             o7, a = warpgroup_mma_wait(0, deps=(t7, a))
-            _cta_barrier()  # the slot and p^T are rewritten by the next tiles
+            _cta_barrier()  # every warp is done with the slot (the next tile's copies rewrite it) and p^T
         async_copy.wait_group(0)
 
         if SUM_AT_END:
@@ -500,13 +568,14 @@ if HAVE_GLUON:
 
 
 STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
-REGISTERS = 253  # per thread at HM 16, Triton 3.6; 255 on the balanced grid (the compile test pins 2 programs/SM)
+REGISTERS = 241  # per thread at HM 16 with bf16 queries, Triton 3.6 (the compile test pins 2 programs/SM)
 
 
 @functools.lru_cache(maxsize=None)  # asked by every decode call that may take the balanced schedule
-def programs_per_sm(hm: int, stages: int = STAGES) -> int:
-    """Programs of the kernel one sm90 SM holds: its shared memory and four warps of REGISTERS decide."""
-    return SM90.programs_per_sm(registers=REGISTERS, shared=shared_bytes(hm, stages), warps=4)["programs_per_sm"]
+def programs_per_sm(hm: int, qparts: int = 2) -> int:
+    """Programs of the kernel one sm90 SM holds at HM rows and q in `qparts` e4m3 parts (QPARTS_OF): its shared
+    memory and four warps of REGISTERS decide."""
+    return SM90.programs_per_sm(registers=REGISTERS, shared=shared_bytes(hm, qparts), warps=4)["programs_per_sm"]
 
 
 # per program, besides its share of the cache: the fp32 partial it writes, q and filling the ring (bytes-equivalent;
@@ -515,11 +584,12 @@ PROGRAM_OVERHEAD_BYTES = 100_000
 
 
 @functools.lru_cache(maxsize=1024)  # asked by every decode call (each layer of an eager step): a search over ≤ 64
-def auto_splits(batch: int, heads: int, q_len: int, capacity: int, sm_count: int, min_tokens: int = 256) -> int:
+def auto_splits(batch: int, heads: int, q_len: int, capacity: int, sm_count: int, min_tokens: int = 256,
+                qparts: int = 2) -> int:
     """KV splits per sequence for a decode of `batch` sequences (pool capacity `capacity` tokens each): the count s
     that minimises ⌈batch·s / slots⌉ · (capacity·576 / s + PROGRAM_OVERHEAD_BYTES) — waves of programs times one
     program's bytes — with slots = programs per SM × SMs; the smallest s among equals; s ≤ 64 and ≤ capacity / 256."""
-    slots = programs_per_sm(program_rows(heads, q_len)) * sm_count
+    slots = programs_per_sm(program_rows(heads, q_len), qparts) * sm_count
     best, best_cost = 1, None
     for s in range(1, max(1, min(64, capacity // min_tokens)) + 1):
         cost = -(-batch * s // slots) * (capacity * 576 / s + PROGRAM_OVERHEAD_BYTES)
@@ -554,9 +624,10 @@ def balanced_schedule(seqlens: list[int], slots: int, max_splits: int = 64) -> l
     return [min(max_splits, max(1, -(-k // per))) for k in n]
 
 
-def shared_bytes(hm: int, stages: int) -> int:
-    """Shared memory of one program: the cp.async ring (36 KB a tile), q (9 groups of 64 columns) and p^T."""
-    return stages * 576 * BLOCK_N + 10 * hm * 64 * 2
+def shared_bytes(hm: int, qparts: int = 2) -> int:
+    """Shared memory of one program: the cp.async ring (STAGES tiles of 36 KB), q's e4m3 parts [qparts·hm, 576] and
+    p^T."""
+    return STAGES * 576 * BLOCK_N + qparts * hm * 576 + hm * 64 * 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -578,14 +649,14 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float,
            kv_scale: float, kv_scale_ptr: torch.Tensor | None, *, q_per_seq: int, splits: int,
-           stages: int = STAGES, meta: torch.Tensor | None = None, slots: int = 0) -> None:
+           meta: torch.Tensor | None = None, slots: int = 0) -> None:
     """Launch `_mla_fp8_decode` over grid (1, splits, B), or with `meta` the balanced schedule over grid (B, splits).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q ≤ 32); kv_cache: [P, page, 576] uint8 e4m3 bytes; block_table
     [B, max_pages] int32; seqlens [B] int32; out3 [B·S_q, H, 512] (written with splits == 1), lse through
     lse_strides; with splits > 1 the fp32 partials o_part [B·S_q, H, splits, 512] and lse_part [B·S_q, H, splits]
     (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e); kv_scale: the pool's scale,
-    or read from kv_scale_ptr [1] fp32 when given. stages: tiles of the cp.async ring (2: two programs per SM).
+    or read from kv_scale_ptr [1] fp32 when given.
     Balanced (`balanced_schedule`, grid (B, splits) with splits = `balanced_max_splits`): meta [B, 2] int32
     receives (first partial row group, programs) per sequence; a sequence with one program gets its result in out3
     and lse, the others partials in o_part [B, splits, S_q, H, 512] and lse_part [B, splits, S_q, H] (row
@@ -598,9 +669,11 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError(f"mla gluon: {H} heads × S_q {q_per_seq} exceed the {MAX_ROWS} rows one program holds")
     if q3.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("mla gluon: q and the cache need contiguous last dimensions")
-    smem = shared_bytes(hm, stages)
+    if q3.dtype not in QPARTS_OF:
+        raise ValueError(f"mla gluon: queries of {q3.dtype} are not taken (bf16 or fp16; fp32 is the oracle's)")
+    smem = shared_bytes(hm, QPARTS_OF[q3.dtype])
     if smem > SM90.shared_per_program:
-        raise ValueError(f"mla gluon: {stages} ring stages at {hm} query rows need {smem} bytes of shared memory, "
+        raise ValueError(f"mla gluon: {hm} query rows need {smem} bytes of shared memory, "
                          f"more than an sm90 program gets ({SM90.shared_per_program})")
     from_ptr = kv_scale_ptr is not None
     balanced = meta is not None
@@ -608,11 +681,12 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError(f"mla gluon: the balanced schedule needs fewer sequences ({B}) than program slots "
                          f"({slots}) and at most {MAX_BALANCED_BATCH}")
     grid = (B, splits) if balanced else (1, splits, B)
+    qparts = QPARTS_OF[q3.dtype]
     _mla_fp8_decode[grid](
         q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, meta if balanced else seqlens, kv_scale,
         kv_scale_ptr if from_ptr else seqlens, qk_scale,
         q3.stride(0), q3.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out3.stride(0), out3.stride(1), *lse_strides, *part_strides, H, splits, B, slots,
-        Q_PER_SEQ=q_per_seq, BLOCK_H=H, HM=hm, PAGE=kv_cache.shape[1], STAGES=stages,
+        Q_PER_SEQ=q_per_seq, BLOCK_H=H, HM=hm, PAGE=kv_cache.shape[1],
         FINAL=not balanced and splits == 1, SCALE_FROM_PTR=from_ptr, OUT_LAYOUT=out_layout(hm), BALANCED=balanced,
-        BLOCK_B=max(128, triton.next_power_of_2(B)), num_warps=4)
+        BLOCK_B=max(128, triton.next_power_of_2(B)), QPARTS=qparts, CHAINS=QK_CHAINS[qparts * hm], num_warps=4)

@@ -610,7 +610,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     if gluon == "fp8" and schedule != "uniform":
         from pdlab.attention import gluon_mla
 
-        slots = gluon_mla.programs_per_sm(gluon_mla.program_rows(H, q_per_seq)) * _sm_count(dev)
+        slots = gluon_mla.programs_per_sm(gluon_mla.program_rows(H, q_per_seq),
+                                          gluon_mla.QPARTS_OF[q3.dtype]) * _sm_count(dev)
         wanted = schedule == "balanced" or B >= gluon_mla.BALANCED_MIN_BATCH
         if wanted and gluon_mla.balanced_fits(B, slots):
             _fp8_balanced(q3, kv_cache, block_table, seqlens, out3, lse, lse_strides, softmax_scale, kv_scale,
@@ -621,7 +622,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     if splits <= 0 and gluon == "fp8" and not waves:  # auto: the split count that fills the kernel's slots best
         from pdlab.attention import gluon_mla
 
-        splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev))
+        splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev),
+                                       qparts=gluon_mla.QPARTS_OF[q3.dtype])
     elif splits <= 0 and gluon == "wide" and not waves:
         from pdlab.attention import gluon_mla_wide
 

@@ -21,37 +21,49 @@ from pdlab.bench.harness import cosine_error
 from pdlab.kernels.arch import SM90
 
 
-def test_fragment_order_gives_each_thread_sixteen_consecutive_bytes():
-    pk = G.perm_group()
-    assert sorted(pk.tolist()) == list(range(64))
-    for q in range(4):  # thread q of a quad: MMA columns 16c + 8n + 2q + u, c < 4, n, u < 2
-        mma_cols = [16 * c + 8 * n + 2 * q + u for c in range(4) for n in range(2) for u in range(2)]
-        assert sorted(pk[mma_cols].tolist()) == list(range(16 * q, 16 * q + 16))
-    # an A fragment register (u = 0, 1) is two adjacent bytes: one e4m3x2 → f16x2 conversion
-    assert all(pk[2 * i + 1] == pk[2 * i] + 1 for i in range(32))
-    # the kernel's q column formula is the same permutation
-    mk = torch.arange(64)
-    assert torch.equal(16 * ((mk // 2) % 4) + 4 * (mk // 16) + 2 * ((mk // 8) % 2) + mk % 2, pk)
+@pytest.mark.parametrize("dtype,parts,exact_from", [(torch.bfloat16, 2, 2.0 ** -2), (torch.float16, 4, 2.0)])
+def test_query_parts_sum_to_the_query_exactly(dtype, parts, exact_from, seed):
+    # a query row scaled into (128, 256] is the sum of its e4m3 parts: exactly down to the smallest elements' last
+    # part reaching e4m3's subnormals, within 2^-10 below; every part an e4m3 value
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(64, 576, generator=g) * torch.logspace(-6, 2, 64)[:, None]).to(dtype).float()
+    x = x * torch.exp2(-torch.ceil(torch.log2(x.abs().amax(1, keepdim=True) / 256)))  # the kernel's row factor
+    x = x.to(dtype).float()  # still the dtype's values (a power of two)
+    assert x.abs().max() <= 256 and (x.abs().amax(1) > 128).all()
+    p = G.q_parts_reference(x, parts)
+    assert torch.equal(p, p.to(torch.float8_e4m3fn).float())
+    err = (p.sum(0) - x).abs()
+    assert err[x.abs() >= exact_from].max() == 0 and err.max() <= 2.0 ** -10
+    # fewer parts than the dtype needs are not exact
+    assert (G.q_parts_reference(x, parts // 2).sum(0) != x).any()
+
+
+def test_e4m3_rounding_by_bits_is_torchs():
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(100000, generator=g) * 40, torch.tensor([2.0 ** -6, 0.5625 + 2.0 ** -5, 240, 256, -448])])
+    x = x[x.abs() >= 2.0 ** -6]
+    assert torch.equal(G.q_parts_reference(x, 2)[0], x.to(torch.float8_e4m3fn).float())
 
 
 def _shared_offsets():
-    """{(token, column): byte offset} of the latent tile's shared layout (XOR of the bases of the offset's bits)."""
+    """{(token, column): byte offset} of the latent tile's view (XOR of the bases of the offset's bits)."""
     where = {}
     for off in range(64 * 512):
         tok = col = 0
-        for bit, (t, c) in enumerate(G.NOPE_OFFSET_BASES):
+        for bit, (t, c) in enumerate(G.NOPE_VIEW_BASES):
             if off >> bit & 1:
                 tok, col = tok ^ t, col ^ c
         where[tok, col] = off
     return where
 
 
-def test_shared_tile_layout_is_a_bijection_free_of_bank_conflicts():
+def test_latent_tile_view_is_wgmmas_layout_and_free_of_bank_conflicts():
     where = _shared_offsets()
     assert len(where) == 64 * 512 and set(where.values()) == set(range(64 * 512))
-    for tok in range(64):  # 16-byte pieces stay whole (16-byte copies and loads)
-        for col in range(0, 512, 16):
-            assert [where[tok, col + b] for b in range(16)] == list(range(where[tok, col], where[tok, col] + 16))
+    for tok in range(64):
+        for col in range(512):  # four [64, 128] blocks 8 KB apart, each in the 128-byte swizzle (wgmma's, TMA's)
+            blk, c = divmod(col, 128)
+            assert where[tok, col] == blk * 8192 + tok * 128 + (((c // 16) ^ (tok % 8)) * 16) + c % 16
 
     def conflict_free(pieces):  # one quarter-warp's 16-byte accesses: eight different 16-byte bank groups
         return len({(where[p] >> 4) % 8 for p in pieces}) == 8
@@ -59,10 +71,12 @@ def test_shared_tile_layout_is_a_bijection_free_of_bank_conflicts():
     for w in range(4):
         for quarter in range(4):
             lanes = range(8 * quarter, 8 * quarter + 8)
-            # q·k fragments (and the copies): lane 4·rlo + q reads token 16w + rlo + 8·rsel, columns 64g + 16q
-            for rsel in range(2):
-                for g in range(8):
-                    assert conflict_free([(16 * w + l // 4 + 8 * rsel, 64 * g + 16 * (l % 4)) for l in lanes])
+            # the copies: lane 8t + 4l + c copies tokens 16w + t + 4l + 8j, pieces c + 4h of block b
+            for j in range(2):
+                for h in range(2):
+                    for b in range(4):
+                        assert conflict_free([(16 * w + l // 8 + 4 * ((l // 4) % 2) + 8 * j, 128 * b + 16 * (l % 4 + 4 * h))
+                                              for l in lanes])
             # V^T fragments: lane 4·rlo + q reads token 2q + c + 8·t3 + 16·kk, columns 128w + 16·rlo
             for c in range(2):
                 for t3 in range(2):
@@ -262,15 +276,16 @@ def test_waves_stay_auto_for_a_decode_that_may_run_the_gluon_kernel():
     assert _warps({**DECODE_DEFAULT, "kernel": "triton"}, 128, fp8=False)["waves"] == 2.0
 
 
-def test_shared_memory_limit_is_refused():
-    assert G.shared_bytes(16, 3) <= SM90.shared_per_program and G.shared_bytes(32, 3) <= SM90.shared_per_program
-    assert G.shared_bytes(16, 6) > SM90.shared_per_program
-    q = _q()
+def test_shared_memory_and_query_dtype():
+    # two programs per SM at 16 and 32 rows with bf16 queries and at 16 with fp16 (four parts); one at 32 with fp16
+    assert [G.programs_per_sm(hm, qp) for hm, qp in ((16, 2), (32, 2), (16, 4), (32, 4))] == [2, 2, 2, 1]
+    assert G.shared_bytes(16) == 2 * 36864 + 2 * 16 * 576 + 16 * 128
+    q = _q().float()
     kv = torch.zeros(4, 64, 576, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="6 ring stages at 16 query rows need 241664 bytes"):
+    with pytest.raises(ValueError, match="queries of torch.float32 are not taken"):
         G.launch(q, kv, torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
                  torch.empty(2, 16, 512), torch.empty(2, 16, 1), q, q, (16, 1, 1), (0,) * 5, 1.0, 1.0, None,
-                 q_per_seq=1, splits=1, stages=6)
+                 q_per_seq=1, splits=1)
 
 
 _COMPILE = r"""
@@ -279,13 +294,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage, sass_opcodes
 from pdlab.attention import gluon_mla as G
-hm, stages, final, balanced = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+hm, qparts, final, balanced = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 names = G._mla_fp8_decode.arg_names
 ptrs = {"Q": "*bf16", "KV": "*u8", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32",
         "O_PART": "*fp32", "LSE_PART": "*fp32", "META": "*i32", "KV_SCALE_PTR": "*i32"}
 sig = {n: ptrs.get(n, "fp32" if n in ("kv_scale", "qk_scale") else "i32") for n in names}
-consts = {"Q_PER_SEQ": 1, "BLOCK_H": hm, "HM": hm, "PAGE": 64, "STAGES": stages, "FINAL": final,
-          "SCALE_FROM_PTR": False, "OUT_LAYOUT": G.out_layout(hm), "BALANCED": balanced, "BLOCK_B": 128}
+consts = {"Q_PER_SEQ": 1, "BLOCK_H": hm, "HM": hm, "PAGE": 64, "FINAL": final, "SCALE_FROM_PTR": False,
+          "OUT_LAYOUT": G.out_layout(hm), "BALANCED": balanced, "BLOCK_B": 128, "QPARTS": qparts,
+          "CHAINS": G.QK_CHAINS[qparts * hm]}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if sig[n].startswith("*") or n.startswith("stride")}
 sig.update({k: "constexpr" for k in consts})
@@ -296,7 +312,7 @@ sass = _disassemble(k.asm["cubin"])
 ops = {}
 for line in sass.splitlines():
     for name in ("F2FP.F16.E4M3.UNPACK", "LDGSTS.E.BYPASS.128", "LDS.128", "HGMMA.64x%dx16.F32" % hm, "STG.E.128",
-                 "PRMT"):
+                 "QGMMA.64x%dx32.F32.E4M3.E4M3" % (qparts * hm), "BAR.SYNC", "PRMT"):
         if name in line:
             ops[name] = ops.get(name, 0) + 1
 print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "ops": ops}))
@@ -306,24 +322,24 @@ print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "op
 @pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("final,balanced", [(False, False), (True, False), (False, True)])
 def test_compiles_for_sm90_two_programs_per_sm(final, balanced):
-    # compiled for sm90 on any machine (its own process). Per tile and thread: its 16 + 2 pieces copied by cp.async,
-    # read back by 16-byte shared loads (16 + 2 for q·k, 16 for V), each byte converted once per use (144 + 128
-    # e4m3x2 conversions), 36 + 32 wgmma, one byte permute per V^T fragment register pair (it pairs two tokens; the
-    # q·k fragments are converted in their load order and need none); the output written 16 bytes at a time. No
-    # spills, and shared memory for two programs per SM. The balanced schedule has both epilogues (the result of a
-    # sequence of one program, else the partial)
+    # compiled for sm90 on any machine (its own process). Per tile and thread: its 16 + 2 pieces copied by cp.async
+    # (the prologue's tile and the loop's: 36 copies in the code); q·k as 18 e4m3 wgmma (four 128-column blocks and
+    # the rope block, K 32 each) straight from shared memory, no conversion; V^T read back by 16 16-byte shared loads
+    # and converted once (128 e4m3x2 conversions), one byte permute per fragment register pair; 32 fp16 wgmma; the
+    # output written 16 bytes at a time. No spills, and shared memory for two programs per SM. The balanced schedule
+    # has both epilogues (the result of a sequence of one program, else the partial)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, "16", str(G.STAGES), str(int(final)), str(int(balanced))],
+    r = subprocess.run([sys.executable, "-c", _COMPILE, "16", "2", str(int(final)), str(int(balanced))],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
-    assert ops["F2FP.F16.E4M3.UNPACK"] == 144 + 128 and ops["HGMMA.64x16x16.F32"] == 68, ops
-    assert ops["LDGSTS.E.BYPASS.128"] == 18 * G.STAGES and ops["LDS.128"] >= 34, ops
+    assert ops["QGMMA.64x32x32.F32.E4M3.E4M3"] == 18 and ops["F2FP.F16.E4M3.UNPACK"] == 128, ops
+    assert ops["HGMMA.64x16x16.F32"] == 32 and ops["LDGSTS.E.BYPASS.128"] == 36 and ops["LDS.128"] >= 16, ops
     # 4 rows × 16 columns per thread: fp32 partials in 16 stores, the bf16 output in 8
-    assert ops["STG.E.128"] == (24 if balanced else 8 if final else 16) and ops["PRMT"] <= 130, ops
+    assert ops["STG.E.128"] == (24 if balanced else 8 if final else 16) and ops["PRMT"] <= 110, ops
     assert got["spill"] == 0, got
-    assert G.shared_bytes(16, G.STAGES) <= got["shared"] <= G.shared_bytes(16, G.STAGES) + 1024, got
+    assert G.shared_bytes(16) <= got["shared"] <= G.shared_bytes(16) + 1024, got
     assert G.programs_per_sm(16) == 2 and G.programs_per_sm(32) == 2
 
 
@@ -393,16 +409,20 @@ def _growing_scores(p, growth: float, q_gain: float):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,q_len,splits", [(16, 1, 1), (16, 1, 3), (16, 2, 1), (32, 1, 2)])
-def test_gpu_gluon_decode_with_scores_growing_along_the_sequence(heads, q_len, splits, seed):
+def test_gpu_gluon_decode_with_scores_growing_along_the_sequence(heads, q_len, splits, q_dtype, seed):
     # splits 1: the balanced schedule; more: the uniform one
     # the running max moves by more than RESCALE_LOG2 at some tiles (o and the row sums rescaled) and by less at
-    # others (the stale max kept, p up to 2^RESCALE_LOG2): both against the reference, with NaN past the lengths
+    # others (the stale max kept, p up to 2^RESCALE_LOG2): both against the reference, with NaN past the lengths.
+    # Large scores: where fp8 wgmma's own accumulation shows (one accumulator for all 576 columns: up to 1.9e-5;
+    # QK_CHAINS: 3e-7 at 16 rows, 3.4e-6 at 32); q in 2 (bf16) or 4 (fp16) e4m3 parts, at 16 and 32 rows
     why = _gpu_reason()
     if why:
         pytest.skip(why)
     rng = random.Random(seed)
-    p = _growing_scores(_fp8_problem(_lens(12, 4000, q_len, rng), heads, q_len, 64, seed), growth=6.0, q_gain=4.0)
+    p = _growing_scores(_fp8_problem(_lens(12, 4000, q_len, rng), heads, q_len, 64, seed, q_dtype), growth=6.0,
+                        q_gain=4.0)
     ref = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                      backend="torch")
     cfg = {"kernel": "gluon", "num_splits": splits, **_U} if splits > 1 else {"kernel": "gluon", **_BAL}

@@ -31,8 +31,8 @@ def test_resources_of_the_fp8_decode_kernel_for_sm90():
     # kernel where this Triton has Gluon: every row of a sequence in one program, 2 splits, two programs per SM
     if gluon_mla.HAVE_GLUON:
         assert default["splits"] == 2 and default["warps"] == 4 and default["programs_per_sm"] == 2
-        assert gluon_mla.shared_bytes(16, gluon_mla.STAGES) <= default["shared_bytes"] <= \
-            gluon_mla.shared_bytes(16, gluon_mla.STAGES) + 1024
+        assert gluon_mla.shared_bytes(16) <= default["shared_bytes"] <= \
+            gluon_mla.shared_bytes(16) + 1024
     else:
         assert default == {**triton, "config": "default"}
     # the Triton kernel: 16-head programs, ~8 splits, 3 stages
