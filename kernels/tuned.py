@@ -59,6 +59,14 @@ _FILES: dict[tuple[str, float], dict | None] = {}
 _FACTS: dict[str, tuple[str, str, str]] = {}
 _WARNED: set = set()
 _OBSERVERS: list[list] = []
+_ADAPTERS: dict[tuple[str, str], Any] = {}
+
+
+def register_adapter(op: str, backend: str, fn) -> None:
+    """Carry configs of `op`[`backend`] tuned at one bucket over to another: fn(config, tuned_bucket, call_bucket)
+    returns the config for the call (e.g. a split count that sets how many programs fill the GPU, tuned at batch
+    128, means twice as many splits at batch 64). Applied whenever the nearest tuned bucket is not the call's."""
+    _ADAPTERS[(op, backend)] = fn
 
 
 def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], device=None,
@@ -97,6 +105,9 @@ def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], devic
         if entry is None:
             continue
         cfg = entry["backends"][backend]["config"]
+        adapt = _ADAPTERS.get((op, backend))
+        if adapt is not None and bucket_distance(bucket, entry.get("bucket", {})) > 0:
+            cfg = adapt(dict(cfg), dict(entry["bucket"]), dict(bucket))
         try:
             result = (_with_defaults(op, backend, cfg, strict=True), f"tuned:{_label(root, path)}")
         except ValueError as exc:  # stale file: a knob the backend no longer has

@@ -146,3 +146,22 @@ def test_stale_or_broken_files_fall_back(toy, isolated, caplog):
     tuned.clear_cache()
     assert resolve("toy_matmul", "blocked", bucket)[1] == "default"
     assert any("format 99" in r.getMessage() for r in caplog.records)
+
+
+def test_decode_split_count_carried_to_the_calls_batch(isolated):
+    # mla_decode[triton]'s adapter: an explicit num_splits tuned at batch 128 keeps the program count at other
+    # batches (64 → 4 splits, 32 → 8, 256 → 1), automatic splits (0) stay automatic; the tuned bucket itself as stored
+    import pdlab.attention  # noqa: F401  (registers the backend and its adapter)
+
+    root = isolated / "configs"
+    key = {"heads": 16, "kv_dtype": "bf16", "q_len": 1, "seqlen": 8192}
+    _write(root, [({"batch": 128, **key}, {"num_splits": 2}), ({"batch": 8, **key, "seqlen": 1024}, {"num_splits": 0})],
+           op="mla_decode", backend="triton")
+
+    def splits(batch, seqlen=8192):
+        cfg, src = resolve("mla_decode", "triton", {"batch": batch, **key, "seqlen": seqlen})
+        assert src.startswith("tuned:")
+        return cfg["num_splits"]
+
+    assert [splits(b) for b in (128, 64, 32, 256, 512, 96)] == [2, 4, 8, 1, 1, 2]
+    assert splits(4, 1024) == 0 and splits(128, 16384) == 2
