@@ -40,7 +40,8 @@ def test_query_parts_sum_to_the_query_exactly(dtype, parts, exact_from, seed):
 
 def test_e4m3_rounding_by_bits_is_torchs():
     g = torch.Generator().manual_seed(1)
-    x = torch.cat([torch.randn(100000, generator=g) * 40, torch.tensor([2.0 ** -6, 0.5625 + 2.0 ** -5, 240, 256, -448])])
+    edges = torch.tensor([2.0 ** -6, 0.5625 + 2.0 ** -5, 240, 256, -448])
+    x = torch.cat([torch.randn(100000, generator=g) * 40, edges])
     x = x[x.abs() >= 2.0 ** -6]
     assert torch.equal(G.q_parts_reference(x, 2)[0], x.to(torch.float8_e4m3fn).float())
 
@@ -75,8 +76,8 @@ def test_latent_tile_view_is_wgmmas_layout_and_free_of_bank_conflicts():
             for j in range(2):
                 for h in range(2):
                     for b in range(4):
-                        assert conflict_free([(16 * w + l // 8 + 4 * ((l // 4) % 2) + 8 * j, 128 * b + 16 * (l % 4 + 4 * h))
-                                              for l in lanes])
+                        tok = [16 * w + l // 8 + 4 * ((l // 4) % 2) + 8 * j for l in lanes]
+                        assert conflict_free([(t, 128 * b + 16 * (l % 4 + 4 * h)) for t, l in zip(tok, lanes)])
             # V^T fragments: lane 4·rlo + q reads token 2q + c + 8·t3 + 16·kk, columns 128w + 16·rlo
             for c in range(2):
                 for t3 in range(2):
