@@ -277,11 +277,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _landed(x):
-        """cp.async.wait_group 1 and fence.proxy.async.shared::cta in every thread (x: an int32 tensor of one
-        element per thread): this thread's copies of the tile before the last one issued have landed, and they
-        (generic proxy) are visible to wgmma's reads (async proxy). Inline assembly, so that Triton's barrier analysis
-        adds no barrier of its own between the two: the caller's follows."""
-        return gl.inline_asm_elementwise("cp.async.wait_group 1; fence.proxy.async.shared::cta; mov.b32 $0, $1;",
+        """cp.async.wait_group 0 and fence.proxy.async.shared::cta in every thread (x: an int32 tensor of one
+        element per thread): this thread's copies have landed, and they (generic proxy) are visible to wgmma's reads
+        (async proxy). Inline assembly, so that Triton's barrier analysis adds no barrier of its own between the two:
+        the caller's follows."""
+        return gl.inline_asm_elementwise("cp.async.wait_group 0; fence.proxy.async.shared::cta; mov.b32 $0, $1;",
                                          "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -450,11 +450,12 @@ if HAVE_GLUON:
         for i in range(n_tiles):
             start = lo + i * 64
             slot = i % 2
-            # the next tile in flight (its slot's readers passed the barrier ending the tile before; its page ids were
-            # read a tile ago), then this tile's copies landed in every thread
+            # this tile's copies landed in this thread (and are fenced for wgmma) before the next tile goes in flight
+            # (its slot's readers passed the barrier ending the tile before; its page ids were read a tile ago): the
+            # fence's memory barrier then has no copy of the next tile to wait for
+            _landed(fence_x)
             _issue(nope_r, pe_r, 1 - slot, KV, start + 64, hi, page, tau, col_n, col_p, stride_kv_p, stride_kv_o, PAGE)
             page = _pages(bt_row, start + 128, hi, tau, PAGE)
-            _landed(fence_x)
             _cta_barrier()  # every thread's copies of the tile have landed (and q's stores)
 
             # s^T = K·q^T: e4m3 × e4m3 from shared memory, every part of q at once
