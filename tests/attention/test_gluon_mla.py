@@ -1,6 +1,7 @@
 """The Gluon fp8 MLA decode kernel (attention/gluon_mla.py): q's exact e4m3 parts, the shared tile view (wgmma's
-swizzle, no bank conflicts), its selection rule and its compiled shape on any machine; against the torch reference on a Hopper GPU (page sizes, S_q, splits, ragged lengths with
-NaN-poisoned pages past them, scale as a float or a tensor). Bar: 1e-5 cosine error against the reference on the
+swizzle, no bank conflicts), its selection rule and its compiled shape on any machine; against the torch reference
+on a Hopper GPU (page sizes, S_q, splits, ragged lengths with NaN-poisoned pages past them, scale as a float or a
+tensor). Bar: 1e-5 cosine error against the reference on the
 same e4m3 bytes (tests/attention/test_gpu.py says why the fp8 bar is the bf16 one)."""
 
 import json
