@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - reported by `available()`
     HAVE_GLUON = False
 
 BLOCK_N = 64  # tokens per tile: the wgmma M of one warpgroup
+STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
 # the latent tile [64 tokens, 512 bytes] as wgmma reads it — four [64, 128] column blocks, 8192 bytes apart, each
 # in the 128-byte swizzle (16-byte piece p of row τ at piece p ^ (τ % 8)) — seen as one tile: the (token, column)
 # of each bit of a byte's offset (bits 0–6 the column in its block, 7–12 the token, 13–14 the block)
@@ -127,6 +128,7 @@ def unfit(heads: int, q_len: int, fp8: bool) -> str | None:
 
 if HAVE_GLUON:
     _RESCALE_LOG2 = gl.constexpr(RESCALE_LOG2)
+    _STAGES = gl.constexpr(STAGES)
     _MIN_SPAN_TILES = gl.constexpr(MIN_SPAN_TILES)
     _NOPE_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=NOPE_VIEW_BASES))
     _BLK = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
@@ -249,20 +251,20 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _bytes(nope, slot):
-        """Ring slot `slot` of latent blocks `nope` [2·4, 64, 128] e4m3 as one [64, 512] byte tile (Triton 3.6 names
-        the view `_reinterpret`, later ones `reinterpret`)."""
+        """Ring slot `slot` of latent blocks `nope` [STAGES·4, 64, 128] e4m3 as one [64, 512] byte tile (Triton 3.6
+        names the view `_reinterpret`, later ones `reinterpret`)."""
         if _REINTERPRET_PUBLIC:
-            return nope.reinterpret(gl.uint8, [2, 64, 512], _NOPE_VIEW).index(slot)
+            return nope.reinterpret(gl.uint8, [_STAGES, 64, 512], _NOPE_VIEW).index(slot)
         else:
-            return nope._reinterpret(gl.uint8, [2, 64, 512], _NOPE_VIEW).index(slot)
+            return nope._reinterpret(gl.uint8, [_STAGES, 64, 512], _NOPE_VIEW).index(slot)
 
     @gluon.jit
     def _pe_bytes(pe, slot):
-        """Ring slot `slot` of rope blocks `pe` [2, 64, 64] e4m3 as bytes."""
+        """Ring slot `slot` of rope blocks `pe` [STAGES, 64, 64] e4m3 as bytes."""
         if _REINTERPRET_PUBLIC:
-            return pe.reinterpret(gl.uint8, [2, 64, 64], _PE_BLK).index(slot)
+            return pe.reinterpret(gl.uint8, [_STAGES, 64, 64], _PE_BLK).index(slot)
         else:
-            return pe._reinterpret(gl.uint8, [2, 64, 64], _PE_BLK).index(slot)
+            return pe._reinterpret(gl.uint8, [_STAGES, 64, 64], _PE_BLK).index(slot)
 
     @gluon.jit
     def _issue(nope, pe, slot, KV, start, hi, page, tau, col_n, col_p, stride_kv_p, stride_kv_o, PAGE: gl.constexpr):
@@ -382,8 +384,8 @@ if HAVE_GLUON:
 
         # ---- the ring: per slot four [64, 128] latent column blocks and the [64, 64] rope block, in wgmma's
         # swizzles (the copies and V^T see the latent blocks as one [64, 512] byte tile, NOPE_VIEW_BASES)
-        nope_r = gl.allocate_shared_memory(gl.float8e4nv, [2 * 4, 64, 128], _BLK)
-        pe_r = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], _PE_BLK)
+        nope_r = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES * 4, 64, 128], _BLK)
+        pe_r = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES, 64, 64], _PE_BLK)
         tau = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPL))
         col_n = gl.expand_dims(gl.arange(0, 512, layout=gl.SliceLayout(0, _CPL)), 0)
         col_p = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _PCL)), 0)
@@ -449,12 +451,13 @@ if HAVE_GLUON:
         n_tiles = gl.cdiv(hi - lo, 64)
         for i in range(n_tiles):
             start = lo + i * 64
-            slot = i % 2
+            slot = i % _STAGES
             # this tile's copies landed in this thread (and are fenced for wgmma) before the next tile goes in flight
             # (its slot's readers passed the barrier ending the tile before; its page ids were read a tile ago): the
             # fence's memory barrier then has no copy of the next tile to wait for
             _landed(fence_x)
-            _issue(nope_r, pe_r, 1 - slot, KV, start + 64, hi, page, tau, col_n, col_p, stride_kv_p, stride_kv_o, PAGE)
+            _issue(nope_r, pe_r, (i + 1) % _STAGES, KV, start + 64, hi, page, tau, col_n, col_p, stride_kv_p,
+                   stride_kv_o, PAGE)
             page = _pages(bt_row, start + 128, hi, tau, PAGE)
             _cta_barrier()  # every thread's copies of the tile have landed (and q's stores)
 
@@ -568,7 +571,6 @@ if HAVE_GLUON:
                 gl.store(LSE_PART + t * stride_lp_t + rh * stride_lp_h + split, lse, mask=row_ok)
 
 
-STAGES = 2  # tiles in the cp.async ring: two programs per SM (3 or 4 stages leave one and were slower)
 REGISTERS = 241  # per thread at HM 16 with bf16 queries, Triton 3.6 (the compile test pins 2 programs/SM)
 
 
