@@ -144,10 +144,14 @@ def column_order(K: int, device=None) -> torch.Tensor:
 
 @triton.jit
 def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
-            KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr = False):
+            KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr = False,
+            PERMUTE: tl.constexpr = True):
     """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e]
     (every row with ALL_ROWS); grid (E·M, K/BLOCK). KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns;
-    2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS."""
+    2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS.
+    PERMUTE: the values are read in model order (contiguous) and reordered in registers (a tile's model column
+    32q + 4c + 2n + u is element (q, c, n, u) of a [4, 8, 2, 2] block, its MMA column that of (c, n, q, u));
+    else each MMA column gathers its model column from memory."""
     em = tl.program_id(0)
     e = em // M
     m = em % M
@@ -157,8 +161,11 @@ def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
         count = tl.load(CNT + e)
     if m < count:
         mk = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        t = mk % 128
-        src = (mk - t) + 32 * ((t // 2) % 4) + 4 * (t // 16) + 2 * ((t // 8) % 2) + t % 2
+        if PERMUTE:
+            src = mk
+        else:
+            t = mk % 128
+            src = (mk - t) + 32 * ((t // 2) % 4) + 4 * (t // 16) + 2 * ((t // 8) % 2) + t % 2
         row = X + e.to(tl.int64) * stride_xe + m * stride_xm
         srow = SF + e.to(tl.int64) * stride_se + m * stride_sm
         if KIND == 0:
@@ -172,7 +179,10 @@ def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
             sf = tl.load(srow + src // 16).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             gs = tl.load(GS + e) if GS_PER_EXPERT else tl.load(GS)
             x = tl.where((nib & 8) != 0, -mag, mag) * sf / gs
-        tl.store(Y + em.to(tl.int64) * K + mk, (x * 0.00390625).to(tl.float16))
+        y = (x * 0.00390625).to(tl.float16)
+        if PERMUTE:
+            y = tl.reshape(tl.permute(tl.reshape(y, [BLOCK // 128, 4, 8, 2, 2]), (0, 2, 3, 1, 4)), [BLOCK])
+        tl.store(Y + em.to(tl.int64) * K + mk, y)
 
 
 def available(device: torch.device) -> str | None:
@@ -214,6 +224,23 @@ if HAVE_GLUON:
         sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
         s = gl.load(sp + (st[:, None] * 8 + sj[None, :]))
         return p, s
+
+    @gluon.jit
+    def _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES: gl.constexpr,
+                    FUSE_SILU: gl.constexpr, PL: gl.constexpr, SL: gl.constexpr):
+        """cp.async of K tile j's packed bytes and scales (gate into wr / sr, up into wur / sur with FUSE_SILU) into
+        ring slot j % W_STAGES, one commit group (empty copies past the last tile keep the group count). Each thread
+        copies exactly the bytes it later reads back (its own fragments). Four buffers, not one: Triton's barrier
+        analysis puts a CTA barrier between two copies into the same buffer."""
+        slot = j % W_STAGES
+        wok = gl.full([4, 128, 16], j, gl.int32, PL) < KT
+        sok = gl.full([128, 8], j, gl.int32, SL) < KT
+        _cp_async(wr.index(slot), w_base + j * 8192 + woff, mask=wok)
+        _cp_async(sr.index(slot), s_base + j * 1024 + soff, mask=sok)
+        if FUSE_SILU:
+            _cp_async(wur.index(slot), wu_base + j * 8192 + woff, mask=wok)
+            _cp_async(sur.index(slot), su_base + j * 1024 + soff, mask=sok)
+        async_copy.commit_group()
 
     @gluon.jit
     def _operand(p, s, LB: gl.constexpr, AL: gl.constexpr):
@@ -274,11 +301,13 @@ if HAVE_GLUON:
                    stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
-                   X_ASYNC: gl.constexpr = False):
+                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
-        (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit."""
+        (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit.
+        W_STAGES ≥ 2: the weight tiles go through a W_STAGES-slot shared ring filled by cp.async W_STAGES - 1 tiles
+        ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
@@ -328,33 +357,69 @@ if HAVE_GLUON:
                 xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
             acc = gl.zeros([128, BM], gl.float32, layout=mma)
             acc_u = gl.zeros([128, BM], gl.float32, layout=mma)
-            for kt0 in range(0, KT, UNROLL):
-                # UNROLL tiles' bytes requested together (more bytes in flight), then computed one by one
-                p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, PL, SL)
+            if W_STAGES > 0:
+                WSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+                SSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+                wr = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 4, 128, 16], WSL)
+                sr = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 128, 8], SSL)
                 if FUSE_SILU:
-                    pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, PL, SL)
-                else:  # (not read by the step)
-                    pu, su = p, s
-                if not X_ASYNC:
-                    x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
-                if UNROLL == 2:
-                    p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
+                    wur = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 4, 128, 16], WSL)
+                    sur = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 128, 8], SSL)
+                else:  # (not written)
+                    wur, sur = wr, sr
+                i16 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
+                tid = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
+                b = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))
+                woff = (i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :]
+                st = gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
+                sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
+                soff = st[:, None] * 8 + sj[None, :]
+                for j in gl.static_range(W_STAGES - 1):
+                    _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES,
+                                FUSE_SILU, PL, SL)
+                for kt in range(KT):
+                    _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
+                                soff, W_STAGES, FUSE_SILU, PL, SL)
+                    x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
+                    async_copy.wait_group(W_STAGES - 1)  # tile kt's copies (this thread's) have landed
+                    slot = kt % W_STAGES
+                    p = wr.index(slot).load(PL)
+                    s = sr.index(slot).load(SL)
                     if FUSE_SILU:
-                        pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, PL, SL)
-                    else:
-                        pu2, su2 = p2, s2
-                    if not X_ASYNC:
-                        x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
-                if X_ASYNC:
-                    acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LB, AL,
-                                                 FUSE_SILU)
-                    if UNROLL == 2:
-                        acc, acc_u = _mma_step_async(p2, s2, pu2, su2, xr, kt0 + 1, KT, x_rows, x_ok, acc, acc_u,
-                                                     LB, AL, FUSE_SILU)
-                else:
+                        pu = wur.index(slot).load(PL)
+                        su = sur.index(slot).load(SL)
+                    else:  # (not read by the step)
+                        pu, su = p, s
                     acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
+            else:
+                for kt0 in range(0, KT, UNROLL):
+                    # UNROLL tiles' bytes requested together (more bytes in flight), then computed one by one
+                    p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, PL, SL)
+                    if FUSE_SILU:
+                        pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, PL, SL)
+                    else:  # (not read by the step)
+                        pu, su = p, s
+                    if not X_ASYNC:
+                        x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
                     if UNROLL == 2:
-                        acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                        p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
+                        if FUSE_SILU:
+                            pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, PL, SL)
+                        else:
+                            pu2, su2 = p2, s2
+                        if not X_ASYNC:
+                            x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
+                    if X_ASYNC:
+                        acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LB, AL,
+                                                     FUSE_SILU)
+                        if UNROLL == 2:
+                            acc, acc_u = _mma_step_async(p2, s2, pu2, su2, xr, kt0 + 1, KT, x_rows, x_ok, acc, acc_u,
+                                                         LB, AL, FUSE_SILU)
+                    else:
+                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                        if UNROLL == 2:
+                            acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
             alpha = gl.load(s2_ptr + e) * 16384.0  # weight_scale_2 · ALPHA (2^6 · 2^8, exact)
             res = acc * alpha
             if FUSE_SILU:
@@ -377,7 +442,7 @@ ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, un
 def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
               offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
-              x_async: bool = False) -> torch.Tensor:
+              x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -389,7 +454,12 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     scale_2: [E] fp32, weight_scale_2 (the kernel multiplies it by ALPHA). out: fp16 when fuse_silu (it feeds the down
     GEMM), else the caller's dtype. counts: [E] int32. block_m: tokens per program (16, 32 or 64; the wgmma N).
     unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is odd). x_async: the activation tiles go
-    to shared memory by cp.async one tile ahead (instead of through registers). Graph-safe (no host sync)."""
+    to shared memory by cp.async one tile ahead (instead of through registers). w_stages (0, or ≥ 2): the weight
+    tiles through a shared ring of that many slots filled by cp.async w_stages - 1 tiles ahead, instead of loaded into
+    registers at each step (unroll and x_async then unused). maxnreg: the register cap per thread given to ptxas
+    (128 fits four programs per SM). Graph-safe (no host sync)."""
+    if w_stages == 1 or w_stages < 0:
+        raise ValueError(f"frag_gemm: w_stages={w_stages}; use 0 (weights through registers) or a ring of ≥ 2 slots")
     K = x.shape[-1]
     if fuse_silu and out.dtype != torch.float16:
         raise ValueError("frag_gemm: the gate_up output feeds the down GEMM and must be fp16 (MMA K order, ·2^-8)")
@@ -406,10 +476,12 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
             block_starts = block_schedule(counts, block_m)
         grid = (n_out // TILE, max_blocks(M, E, block_m))
         strides = (0, x.stride(0), 0, out.stride(0))
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
-                     E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async, num_warps=4)
+                     E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
+                     W_STAGES=w_stages, num_warps=4, **extra)
     return out
 
 
@@ -430,12 +502,15 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
-             unroll_down: int = 2, x_async_down: bool = False) -> torch.Tensor:
+             unroll_down: int = 2, x_async_down: bool = False, ring: int = 0, ring_down: int = 0,
+             maxnreg: int | None = None) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
     unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async_down: the down GEMM's activation tiles by
-    cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count)."""
+    cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count); ring / ring_down:
+    the gate_up / down GEMM's weight ring slots (`frag_gemm`'s w_stages; 0: registers); maxnreg: both GEMMs' register
+    cap per thread (None: ptxas's choice)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -444,22 +519,23 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts)
+              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
-                     x_async=x_async_down)
+                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",
                         scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
-                        offsets: torch.Tensor | None = None) -> torch.Tensor:
+                        offsets: torch.Tensor | None = None, permute_in_registers: bool = True) -> torch.Tensor:
     """Activations → fp16 ·2^-8 with columns in MMA K order. Masked slab (offsets None): x [E, M, ·] → [E, M, K],
     rows m < counts[e] (others unwritten). Contiguous rows (offsets [E + 1] int32): x [N, ·] → [N, K], every row.
     x: float ("bf16"); float8_e4m3fn + scales fp32 [.., K/128] ("fp8"); uint8 [.., K/2] + scales e4m3 [.., K/16]
-    + global_scale [1] or [E] ("nvfp4"). Graph-safe."""
+    + global_scale [1] or [E] ("nvfp4"). permute_in_registers: read the rows contiguously and reorder in registers
+    (`_prep_x`'s PERMUTE; False: gather each column from memory). Graph-safe."""
     kind = {"bf16": 0, "fp8": 1, "nvfp4": 2}[payload]
     rows = offsets is not None
     if rows:  # each row its own (E = N, M = 1) slab, all rows converted
@@ -486,7 +562,7 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
         _prep_x[(E * M, K // block)](x, scales, gs, y, counts, M, K, x.stride(0), x.stride(1),
                                      scales.stride(0) if kind else 0, scales.stride(1) if kind else 0, KIND=kind,
                                      GS_PER_EXPERT=kind == 2 and gs.numel() > 1, BLOCK=block, ALL_ROWS=rows,
-                                     num_warps=4)
+                                     PERMUTE=permute_in_registers, num_warps=4)
     return y.squeeze(1) if rows else y
 
 

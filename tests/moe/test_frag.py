@@ -170,7 +170,7 @@ sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr"
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
        "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
 consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
-          "X_ASYNC": sys.argv[2] == "1"}
+          "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3])}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
@@ -180,21 +180,26 @@ print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(_disassemble(
 """
 
 
-@pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("x_async", [0, 1])
-@pytest.mark.parametrize("layout", ["masked", "contiguous"])
-def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout, x_async):
-    # compiled for sm90 on any machine (its own process: compiled, not interpreted): the only shared memory is
-    # the activation tile (BM × 128 fp16) and, for contiguous rows, the block search's reduction scratch; the
-    # weight path has no byte permutes beyond the scales'
+def _compile_sm90(layout: str, x_async: int, w_stages: int) -> dict:
+    """The down GEMM (BM 16) compiled for sm90 in its own process (compiled, not interpreted): shared bytes and the
+    SASS opcode counts."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async)], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async), str(w_stages)], capture_output=True,
+                       text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("x_async", [0, 1])
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout, x_async):
+    # weights through registers: the only shared memory is the activation tile (BM × 128 fp16) and, for contiguous
+    # rows, the block search's reduction scratch; the weight path has no byte permutes beyond the scales'
+    got = _compile_sm90(layout, x_async, 0)
     ops = got["ops"]
     assert got["shared"] <= (2 if x_async else 1) * 16 * 128 * 2 + 1024  # x_async: a two-tile ring
     # the expert search's cross-warp sum; cp.async adds never-executed `@!PT LDS RZ, [RZ]` padding
@@ -204,13 +209,39 @@ def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout, x_async
     assert ops.get("PRMT", 0) <= 16, ops
 
 
+@pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("w_stages", [2, 4])
+def test_compiles_for_sm90_with_the_weight_ring(w_stages):
+    # the weight tiles through a cp.async ring: w_stages slots of one tile's bytes (8 KB) and scales (1 KB) beside
+    # the activation tile; each tile is four 16-byte and one 8-byte copies per thread (w_stages - 1 tiles before
+    # the loop, one in it) and as many shared loads back; still no byte permutes beyond the scales'
+    got = _compile_sm90("masked", 0, w_stages)
+    ops = got["ops"]
+    assert got["shared"] == w_stages * (8192 + 1024) + 16 * 128 * 2, got
+    assert ops["HGMMA"] == 16 and ops.get("LDSM", 0) == 0, ops
+    assert ops.get("LDGSTS", 0) == 5 * w_stages, ops
+    assert ops.get("PRMT", 0) <= 16, ops
+
+
+@pytest.mark.parametrize("permute", [True, False])
 @pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
-def test_activation_pre_kernel_matches_the_dequantised_rows(payload):
+def test_activation_pre_kernel_matches_the_dequantised_rows(payload, permute):
     # the small kernel before the gate_up GEMM: each valid row's values (dequantised for fp8 / nvfp4) ·2^-8 in
-    # fp16, MMA column mk holding model column perm_k(mk); rows past masked_m are not written
+    # fp16, MMA column mk holding model column perm_k(mk); rows past masked_m are not written. Both orderings:
+    # rows read contiguously and reordered in registers (the default), or each column gathered from memory
+    _check_pre_kernel(payload, permute, "cuda" if CUDA else "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("permute", [True, False])
+@pytest.mark.parametrize("payload", ["bf16", "fp8", "nvfp4"])
+def test_gpu_activation_pre_kernel_matches_the_dequantised_rows(payload, permute):
+    _check_pre_kernel(payload, permute, "cuda")
+
+
+def _check_pre_kernel(payload: str, permute: bool, dev: str) -> None:
     from pdlab.moe.layouts import Masked, dequantize_hidden, quantize_payload
 
-    dev = "cuda" if CUDA else "cpu"
     E, M, K = 3, 4, 256
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(E * M, K, generator=g) * 3).to(dev)
@@ -218,7 +249,8 @@ def test_activation_pre_kernel_matches_the_dequantised_rows(payload):
     hidden, scales, gsc = quantize_payload(x.to(torch.bfloat16), payload, gs)
     layout = Masked(hidden.view(E, M, -1), torch.tensor([4, 1, 0], dtype=torch.int32, device=dev), payload,
                     None if scales is None else scales.view(E, M, -1), gsc)
-    y = F.prepare_activations(layout.hidden, layout.masked_m, payload, layout.scales, layout.global_scale)
+    y = F.prepare_activations(layout.hidden, layout.masked_m, payload, layout.scales, layout.global_scale,
+                              permute_in_registers=permute)
     want = (dequantize_hidden(layout) * 2.0 ** -8).to(torch.float16)[..., F.column_order(K, dev)]
     for e, n in enumerate([4, 1, 0]):
         assert torch.equal(y[e, :n], want[e, :n]), (payload, e)
@@ -257,8 +289,7 @@ def test_run_frag_launches_on_cpu(monkeypatch):
     assert h.dtype == torch.float16 and h.shape == (E, M, I) and a2[2] is h
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
     assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
-                  "X_ASYNC": False,
-                  "num_warps": 4}
+                  "X_ASYNC": False, "W_STAGES": 0, "num_warps": 4}
     assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
     assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
@@ -537,6 +568,39 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
     assert torch.equal(h[0], h[1]) and h[0].abs().sum() > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize("bm", [16, 64])
+@pytest.mark.parametrize("w_stages,maxnreg", [(2, None), (3, None), (4, None), (2, 128)])
+def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
+    # the weight tiles through the cp.async ring instead of registers: the MMAs see the same operands, so both GEMMs'
+    # outputs are bit-equal to the register path's (K/128: gate_up 6 tiles, down 3, fewer than some rings' slots)
+    from pdlab.moe.layouts import Contiguous, Masked
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+
+    E, H, I = 3, 768, 384
+    w = _gpu_experts(E, H, I).frag_()
+    counts = torch.tensor([20, 0, 7], dtype=torch.int32, device="cuda")
+    if layout == "masked":
+        x = Masked(torch.randn(E, 20, H, device="cuda", dtype=torch.bfloat16), counts)
+    else:
+        x = Contiguous(torch.randn(27, H, device="cuda", dtype=torch.bfloat16), counts,
+                       torch.tensor([0, 20, 20, 27], dtype=torch.int32, device="cuda"))
+    packs = _repack_frag(w)
+    off = None if layout == "masked" else x.offsets
+    xp = F.prepare_activations(x.hidden, counts, offsets=off)
+    h = [torch.zeros(xp.shape[:-1] + (I,), dtype=torch.float16, device="cuda") for _ in range(2)]
+    y = [torch.zeros(xp.shape[:-1] + (H,), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    for hh, yy, ws in zip(h, y, (0, w_stages)):
+        reg = maxnreg if ws else None
+        F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True,
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg)
+        F.frag_gemm(h[0], packs["w2"], packs["w2_sf"], packs["w2_s2"], yy, counts, n_out=H, fuse_silu=False,
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg)
+    assert h[0].abs().sum() > 0 and torch.equal(h[0], h[1])
+    assert torch.isfinite(y[0]).all() and torch.equal(y[0], y[1])
+
+
 @pytest.mark.parametrize("m,cfg,want", [(64, {}, (64, 1, True)), (16, {}, (16, 2, False)),
                                         (64, {"FRAG_XASYNC": 0}, (64, 2, False)),
                                         (16, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1}, (16, 1, True))])
@@ -548,7 +612,7 @@ def test_fragment_knobs_resolve_as_documented(monkeypatch, m, cfg, want):
     from pdlab.moe.weights import ExpertWeights
 
     got = []
-    monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down: got.append(
+    monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down, **kw: got.append(
         (bm, unroll, x_async_down)))
     w = ExpertWeights.from_bf16(torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1, quantize=True)
     layout = Masked(torch.randn(2, m, 128), torch.tensor([m, 1], dtype=torch.int32))
