@@ -72,8 +72,9 @@ def _moe(args) -> list[dict]:
 def _frag(args) -> list[dict]:
     """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
     pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0, "w_stages_gate": 0,
-    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0} keys (missing: the runner's
-    defaults; `frag_gemm`'s w_stages / maxnreg, `prepare_activations`' permute_in_registers = not prep_gather)."""
+    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "x_convert": 0} keys (missing:
+    the runner's defaults; `frag_gemm`'s w_stages / maxnreg / x_model_order, `prepare_activations`'
+    permute_in_registers = not prep_gather). Rows: prep, gate_up, down and the three in sequence ("layer")."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
     from pdlab.moe.triton import nvfp4_frag as F
@@ -94,10 +95,13 @@ def _frag(args) -> list[dict]:
             bm = int(raw.get("block_m", 16 if m <= 16 else 32 if m <= 32 else 64))
             xa = bool(raw.get("x_async", 0))
 
-            def gate_up(bm=bm, xa=xa, raw=raw):
-                F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=I, fuse_silu=True,
-                            block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa,
-                            w_stages=int(raw.get("w_stages_gate", 0)), maxnreg=raw.get("maxnreg_gate"))
+            xc = bool(raw.get("x_convert", 0))
+
+            def gate_up(bm=bm, xa=xa, raw=raw, xc=xc):
+                F.frag_gemm(layout.hidden if xc else xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts,
+                            n_out=I, fuse_silu=True, block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa,
+                            w_stages=int(raw.get("w_stages_gate", 0)), maxnreg=raw.get("maxnreg_gate"),
+                            x_model_order=xc)
 
             def down(bm=bm, xa=xa, raw=raw):
                 F.frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
@@ -107,8 +111,14 @@ def _frag(args) -> list[dict]:
             def prep(raw=raw):
                 F.prepare_activations(layout.hidden, counts, permute_in_registers=not raw.get("prep_gather", 0))
 
-            stages = {"prep": (prep, 0),
-                      "gate_up": (gate_up, 2 * I * H), "down": (down, H * I)}
+            def layer(xc=xc):
+                if not xc:
+                    prep()
+                gate_up()
+                down()
+
+            stages = {"prep": (prep, 0), "gate_up": (gate_up, 2 * I * H), "down": (down, H * I),
+                      "layer": (layer, 3 * I * H)}  # the three in sequence (prep not with x_convert)
             for name, (fn, params) in stages.items():
                 us = _time_us(fn, args)
                 if us is None:
