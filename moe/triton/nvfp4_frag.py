@@ -266,12 +266,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _x_tile(x_rows, kt, x_ok, x_scale, X_CONVERT: gl.constexpr):
-        """The activation tile of K tile kt in registers, fp16 ·2^-8 in MMA K order: loaded as it is, or (X_CONVERT)
-        gathered from float rows in model order and converted as `_prep_x` does (the same bits; x_scale = 2^-8 at
-        run time, as there)."""
+        """The activation tile of K tile kt in registers, fp16 ·2^-8 in MMA K order [BM, 128]: loaded as it is, or
+        (X_CONVERT) read from float rows in model order (x_rows then addresses model columns), converted as
+        `_prep_x` does (the same bits; x_scale = 2^-8 at run time, as there) and reordered in registers: model
+        column 32q + 4c + 2n + u is element (q, c, n, u) of a [4, 8, 2, 2] block, its MMA column that of
+        (c, n, q, u)."""
         x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
         if X_CONVERT:
             x = (x.to(gl.float32) * x_scale).to(gl.float16)
+            BM: gl.constexpr = x.shape[0]
+            x = gl.reshape(gl.permute(gl.reshape(x, [BM, 4, 8, 2, 2]), (0, 2, 3, 1, 4)), [BM, 128])
         return x
 
     @gluon.jit
@@ -357,12 +361,8 @@ if HAVE_GLUON:
             su_base = sp + (e64 * tiles + pid_n + up_tiles) * KT * 1024
             xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             xk = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
-            if X_CONVERT:  # MMA column xk reads model column perm_k(xk)
-                xk_src = 32 * ((xk // 2) % 4) + 4 * (xk // 16) + 2 * ((xk // 8) % 2) + xk % 2
-            else:
-                xk_src = xk
             x_rows = (x_ptr + e64 * stride_xe + gl.expand_dims((row0 + m0 + xm).to(gl.int64) * stride_xm, 1)
-                      + gl.expand_dims(xk_src, 0))
+                      + gl.expand_dims(xk, 0))
             x_ok = gl.expand_dims(m0 + xm < count, 1)
             if X_ASYNC:  # activation tiles through a two-tile ring filled by cp.async one tile ahead
                 x_ok = x_ok & gl.expand_dims(xk < 128, 0)

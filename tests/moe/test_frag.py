@@ -579,22 +579,24 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
 def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
     # the weight tiles through the cp.async ring instead of registers, and the activations converted by the gate_up
     # GEMM itself instead of the pre-kernel: the MMAs see the same operands, so both GEMMs' outputs are bit-equal
-    # to the register path's (K/128: gate_up 6 tiles, down 3, fewer than some rings' slots). Some activations are
-    # past fp16's range (±1e5): their ·2^-8 fits, so every output is finite
+    # to the register path's (K/128: gate_up 6 tiles, down 3, fewer than some rings' slots)
     from pdlab.moe.layouts import Contiguous, Masked
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
 
     E, H, I = 3, 768, 384
     w = _gpu_experts(E, H, I).frag_()
-    counts = torch.tensor([20, 0, 7], dtype=torch.int32, device="cuda")
-    hidden = torch.randn(E * 20 if layout == "masked" else 27, H, device="cuda")
-    hidden[::5, 3::97] = 1e5
-    hidden = hidden.to(torch.bfloat16)
-    if layout == "masked":
-        x = Masked(hidden.view(E, 20, H), counts)
-    else:
-        x = Contiguous(hidden, counts, torch.tensor([0, 20, 20, 27], dtype=torch.int32, device="cuda"))
     packs = _repack_frag(w)
+    counts = torch.tensor([20, 0, 7], dtype=torch.int32, device="cuda")
+    rows = E * 20 if layout == "masked" else 27
+    valid = (torch.arange(20, device="cuda")[None, :] < counts[:, None]).reshape(-1) if layout == "masked" \
+        else slice(None)
+
+    def as_layout(hidden):
+        if layout == "masked":
+            return Masked(hidden.view(E, 20, H), counts)
+        return Contiguous(hidden, counts, torch.tensor([0, 20, 20, 27], dtype=torch.int32, device="cuda"))
+
+    x = as_layout(torch.randn(rows, H, device="cuda").to(torch.bfloat16))
     off = None if layout == "masked" else x.offsets
     xp = F.prepare_activations(x.hidden, counts, offsets=off)
     runs = [(xp, 0, None, False), (xp, w_stages, maxnreg, False), (x.hidden, w_stages, maxnreg, True),
@@ -606,11 +608,22 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
                     block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, x_model_order=conv)
         F.frag_gemm(h[0], packs["w2"], packs["w2_sf"], packs["w2_s2"], yy, counts, n_out=H, fuse_silu=False,
                     block_m=bm, offsets=off, w_stages=ws, maxnreg=reg)
-    valid = torch.arange(20, device="cuda")[None, :] < counts[:, None] if layout == "masked" else slice(None)
-    assert h[0][valid].abs().sum() > 0 and torch.isfinite(h[0][valid]).all()
-    assert torch.isfinite(y[0][valid]).all()
+    flat = [t.reshape(rows, -1)[valid] for t in h + y]
+    assert flat[0].float().abs().sum() > 0 and all(torch.isfinite(t).all() for t in flat)
     for i in range(1, len(runs)):
-        assert torch.equal(h[0][valid], h[i][valid]) and torch.equal(y[0][valid], y[i][valid]), runs[i][1:]
+        assert torch.equal(flat[0], flat[i]) and torch.equal(flat[len(runs)], flat[len(runs) + i]), runs[i][1:]
+    # activations past fp16's range (±7e4; ·2^-8 fits): the plain GEMM x · W13ᵀ (bf16 out, no fp16 intermediate)
+    # is finite and the same whether the pre-kernel or the GEMM converts them
+    big = torch.randn(rows, H, device="cuda")
+    big[::5, 3::97] = 7e4
+    xb = as_layout(big.to(torch.bfloat16))
+    z = [torch.zeros(xp.shape[:-1] + (2 * I,), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    F.frag_gemm(F.prepare_activations(xb.hidden, counts, offsets=off), packs["w13"], packs["w13_sf"], packs["w13_s2"],
+                z[0], counts, n_out=2 * I, fuse_silu=False, block_m=bm, offsets=off)
+    F.frag_gemm(xb.hidden, packs["w13"], packs["w13_sf"], packs["w13_s2"], z[1], counts, n_out=2 * I, fuse_silu=False,
+                block_m=bm, offsets=off, w_stages=w_stages, maxnreg=maxnreg, x_model_order=True)
+    z = [t.reshape(rows, -1)[valid] for t in z]
+    assert z[0].abs().max() > 1e3 and torch.isfinite(z[0]).all() and torch.equal(z[0], z[1])
 
 
 @pytest.mark.parametrize("m,cfg,want", [(64, {}, (64, 1, True)), (16, {}, (16, 2, False)),
