@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -72,9 +73,10 @@ def _moe(args) -> list[dict]:
 def _frag(args) -> list[dict]:
     """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
     pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0, "w_stages_gate": 0,
-    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "x_convert": 0} keys (missing:
-    the runner's defaults; `frag_gemm`'s w_stages / maxnreg / x_model_order, `prepare_activations`'
-    permute_in_registers = not prep_gather). Rows: prep, gate_up, down and the three in sequence ("layer")."""
+    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0} keys (missing: the runner's
+    defaults; `frag_gemm`'s w_stages / maxnreg, `prepare_activations`' permute_in_registers = not prep_gather).
+    Rows: prep, gate_up, down and the three in sequence ("layer"); with --events also each kernel's time within
+    the sequence (CUDA events, eager)."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
     from pdlab.moe.triton import nvfp4_frag as F
@@ -95,13 +97,10 @@ def _frag(args) -> list[dict]:
             bm = int(raw.get("block_m", 16 if m <= 16 else 32 if m <= 32 else 64))
             xa = bool(raw.get("x_async", 0))
 
-            xc = bool(raw.get("x_convert", 0))
-
-            def gate_up(bm=bm, xa=xa, raw=raw, xc=xc):
-                F.frag_gemm(layout.hidden if xc else xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts,
-                            n_out=I, fuse_silu=True, block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa,
-                            w_stages=int(raw.get("w_stages_gate", 0)), maxnreg=raw.get("maxnreg_gate"),
-                            x_model_order=xc)
+            def gate_up(bm=bm, xa=xa, raw=raw):
+                F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=I, fuse_silu=True,
+                            block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa,
+                            w_stages=int(raw.get("w_stages_gate", 0)), maxnreg=raw.get("maxnreg_gate"))
 
             def down(bm=bm, xa=xa, raw=raw):
                 F.frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
@@ -111,14 +110,13 @@ def _frag(args) -> list[dict]:
             def prep(raw=raw):
                 F.prepare_activations(layout.hidden, counts, permute_in_registers=not raw.get("prep_gather", 0))
 
-            def layer(xc=xc):
-                if not xc:
-                    prep()
+            def layer():
+                prep()
                 gate_up()
                 down()
 
             stages = {"prep": (prep, 0), "gate_up": (gate_up, 2 * I * H), "down": (down, H * I),
-                      "layer": (layer, 3 * I * H)}  # the three in sequence (prep not with x_convert)
+                      "layer": (layer, 3 * I * H)}  # the three in sequence
             for name, (fn, params) in stages.items():
                 us = _time_us(fn, args)
                 if us is None:
@@ -127,7 +125,29 @@ def _frag(args) -> list[dict]:
                              "median_us": round(us, 1),
                              "weight_gbps": round(E * params * NVFP4_BYTES_PER_PARAM / us / 1e3, 1)})
                 print(rows[-1], flush=True)
+            if args.events:
+                for name, us in _sequence_events([("prep", prep), ("gate_up", gate_up), ("down", down)]).items():
+                    rows.append({"what": "frag", "stage": f"in_sequence:{name}", "tokens_per_expert": m,
+                                 "config": json.dumps(raw), "median_us": round(us, 1)})
+                    print(rows[-1], flush=True)
     return rows
+
+
+def _sequence_events(steps, iters: int = 40) -> dict:
+    """Median µs of each step while the steps run back to back (eager, a CUDA event between steps): where a
+    sequence spends more than its steps timed alone."""
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)] for _ in range(iters)]
+    for _ in range(3):
+        for _, fn in steps:
+            fn()
+    for ev in events:
+        ev[0].record()
+        for i, (_, fn) in enumerate(steps):
+            fn()
+            ev[i + 1].record()
+    torch.cuda.synchronize()
+    return {name: statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 for ev in events)
+            for i, (name, _) in enumerate(steps)}
 
 
 def _mla(args) -> list[dict]:
@@ -198,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--events", action="store_true",
+                    help="frag: also time each kernel within the prep → gate_up → down sequence (CUDA events)")
     ap.add_argument("--once", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

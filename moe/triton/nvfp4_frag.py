@@ -265,20 +265,6 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(w, [128, 128]), AL, assert_trivial=True)
 
     @gluon.jit
-    def _x_tile(x_rows, kt, x_ok, x_scale, X_CONVERT: gl.constexpr):
-        """The activation tile of K tile kt in registers, fp16 ·2^-8 in MMA K order [BM, 128]: loaded as it is, or
-        (X_CONVERT) read from float rows in model order (x_rows then addresses model columns), converted as
-        `_prep_x` does (the same bits; x_scale = 2^-8 at run time, as there) and reordered in registers: model
-        column 32q + 4c + 2n + u is element (q, c, n, u) of a [4, 8, 2, 2] block, its MMA column that of
-        (c, n, q, u)."""
-        x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
-        if X_CONVERT:
-            x = (x.to(gl.float32) * x_scale).to(gl.float16)
-            BM: gl.constexpr = x.shape[0]
-            x = gl.reshape(gl.permute(gl.reshape(x, [BM, 4, 8, 2, 2]), (0, 2, 3, 1, 4)), [BM, 128])
-        return x
-
-    @gluon.jit
     def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, FUSE_SILU: gl.constexpr):
         """One K tile: unpack (gate, and up with FUSE_SILU) into wgmma register operands, the activation tile x
         [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
@@ -313,17 +299,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, s2_ptr, K, N_OUT, M_MAX, up_tiles,
-                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E, x_scale,
+                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
-                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, X_CONVERT: gl.constexpr = False):
+                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
         (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit.
         W_STAGES ≥ 2: the weight tiles go through a W_STAGES-slot shared ring filled by cp.async W_STAGES - 1 tiles
-        ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step. X_CONVERT: x holds
-        float rows in model column order (unscaled), converted per tile in registers (not with X_ASYNC)."""
+        ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
@@ -396,7 +381,7 @@ if HAVE_GLUON:
                 for kt in range(KT):
                     _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
                                 soff, W_STAGES, FUSE_SILU, PL, SL)
-                    x = _x_tile(x_rows, kt, x_ok, x_scale, X_CONVERT)
+                    x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
                     async_copy.wait_group(W_STAGES - 1)  # tile kt's copies (this thread's) have landed
                     slot = kt % W_STAGES
                     p = wr.index(slot).load(PL)
@@ -417,7 +402,7 @@ if HAVE_GLUON:
                     else:  # (not read by the step)
                         pu, su = p, s
                     if not X_ASYNC:
-                        x = _x_tile(x_rows, kt0, x_ok, x_scale, X_CONVERT)
+                        x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
                     if UNROLL == 2:
                         p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
                         if FUSE_SILU:
@@ -425,7 +410,7 @@ if HAVE_GLUON:
                         else:
                             pu2, su2 = p2, s2
                         if not X_ASYNC:
-                            x2 = _x_tile(x_rows, kt0 + 1, x_ok, x_scale, X_CONVERT)
+                            x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
                     if X_ASYNC:
                         acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LB, AL,
                                                      FUSE_SILU)
@@ -453,14 +438,13 @@ if HAVE_GLUON:
 
 
 ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
-X_SCALE = 2.0 ** -8  # the activations' scale, passed to the kernels at run time (`_prep_x`)
+X_SCALE = 2.0 ** -8  # the activations' scale, passed to `_prep_x` at run time (see there)
 
 
 def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
               offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
-              x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None,
-              x_model_order: bool = False) -> torch.Tensor:
+              x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -475,11 +459,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     to shared memory by cp.async one tile ahead (instead of through registers). w_stages (0, or ≥ 2): the weight
     tiles through a shared ring of that many slots filled by cp.async w_stages - 1 tiles ahead, instead of loaded into
     registers at each step (unroll and x_async then unused). maxnreg: the register cap per thread given to ptxas
-    (128 fits four programs per SM). x_model_order: x holds float rows (bf16 / fp16 / fp32) in model column order
-    instead, which the kernel converts per tile as `prepare_activations` would (bit-equal; not with x_async).
-    Graph-safe (no host sync)."""
-    if x_model_order and (x_async or x.stride(-1) != 1 or not x.dtype.is_floating_point):
-        raise ValueError("frag_gemm: x_model_order needs float rows with unit column stride and x_async False")
+    (128 fits four programs per SM). Graph-safe (no host sync)."""
     if w_stages == 1 or w_stages < 0:
         raise ValueError(f"frag_gemm: w_stages={w_stages}; use 0 (weights through registers) or a ring of ≥ 2 slots")
     K = x.shape[-1]
@@ -499,11 +479,11 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
         grid = (n_out // TILE, max_blocks(M, E, block_m))
         strides = (0, x.stride(0), 0, out.stride(0))
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E, X_SCALE,
+    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
-                     W_STAGES=w_stages, X_CONVERT=x_model_order, num_warps=4, **extra)
+                     W_STAGES=w_stages, num_warps=4, **extra)
     return out
 
 
@@ -525,29 +505,23 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
              unroll_down: int = 2, x_async_down: bool = False, ring: int = 0, ring_down: int = 0,
-             maxnreg: int | None = None, convert_in_gemm: bool = False) -> torch.Tensor:
+             maxnreg: int | None = None) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
     unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async_down: the down GEMM's activation tiles by
     cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count); ring / ring_down:
     the gate_up / down GEMM's weight ring slots (`frag_gemm`'s w_stages; 0: registers); maxnreg: both GEMMs' register
-    cap per thread (None: ptxas's choice); convert_in_gemm: float activations ("bf16" payload) are converted by
-    the gate_up GEMM itself, tile by tile (no pre-kernel)."""
+    cap per thread (None: ptxas's choice)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
     starts = None if masked else block_schedule(counts, block_m)
-    convert = convert_in_gemm and layout.payload == "bf16"
-    if convert:
-        x = layout.hidden if layout.hidden.stride(-1) == 1 else layout.hidden.contiguous()
-    else:
-        x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets)
+    x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets)
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg,
-              x_model_order=convert)
+              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
