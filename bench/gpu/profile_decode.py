@@ -73,8 +73,8 @@ def _moe(args) -> list[dict]:
 def _frag(args) -> list[dict]:
     """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
     pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0, "w_stages_gate": 0,
-    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0} keys (missing: the runner's
-    defaults; `frag_gemm`'s w_stages / maxnreg, `prepare_activations`' permute_in_registers = not prep_gather).
+    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "pair_down": 0} keys (missing: the runner's
+    defaults; `frag_gemm`'s w_stages / maxnreg / pair_n, `prepare_activations`' permute_in_registers = not prep_gather).
     Rows: prep, gate_up, down and the three in sequence ("layer"); with --events also each kernel's time within
     the sequence (CUDA events, eager)."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
@@ -105,7 +105,8 @@ def _frag(args) -> list[dict]:
             def down(bm=bm, xa=xa, raw=raw):
                 F.frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                             block_m=bm, unroll=int(raw.get("unroll_down", 2)), x_async=xa,
-                            w_stages=int(raw.get("w_stages_down", 0)), maxnreg=raw.get("maxnreg_down"))
+                            w_stages=int(raw.get("w_stages_down", 0)), maxnreg=raw.get("maxnreg_down"),
+                            pair_n=bool(raw.get("pair_down", 0)))
 
             def prep(raw=raw):
                 F.prepare_activations(layout.hidden, counts, permute_in_registers=not raw.get("prep_gather", 0))

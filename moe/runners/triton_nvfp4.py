@@ -59,14 +59,14 @@ from pdlab.moe.weights import tile_nvfp4
 _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps": 0, "num_stages": 0, "SPLIT_K": 1,
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
             "DENSE_CHUNK": 16, "DENSE_OVERLAP": 1, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0,
-            "FRAG_XASYNC": -1, "FRAG_RING": -1, "FRAG_RING_DOWN": -1, "FRAG_MAXNREG": 0}
+            "FRAG_XASYNC": -1, "FRAG_RING": -1, "FRAG_RING_DOWN": -1, "FRAG_MAXNREG": 0, "FRAG_PAIR_DOWN": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
           "UNPACK16": [0, 1], "DEQ_ASM": [0, 1, 2], "PERM_K": [0, 1], "DENSE_MIN_M": [0, 256, 512, 1024],
           "DENSE_CHUNK": [8, 16, 32], "DENSE_OVERLAP": [0, 1], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64],
           "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1], "FRAG_RING": [0, 2, 3, 4], "FRAG_RING_DOWN": [0, 3, 4, 6],
-          "FRAG_MAXNREG": [0, 128]}
+          "FRAG_MAXNREG": [0, 128], "FRAG_PAIR_DOWN": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")  # FRAG_XASYNC's and FRAG_RING*'s -1 in _run_frag
 
 
@@ -286,13 +286,16 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     x_async = int(cfg.get("FRAG_XASYNC", -1))
     x_async = bm == 64 if x_async == -1 else bool(x_async)
     unroll = int(cfg.get("FRAG_UNROLL") or (1 if x_async and bm == 64 else 2))
-    ring, ring_down = (int(cfg.get(k, -1)) for k in ("FRAG_RING", "FRAG_RING_DOWN"))
+    ring, ring_down, pair = (int(cfg.get(k, -1)) for k in ("FRAG_RING", "FRAG_RING_DOWN", "FRAG_PAIR_DOWN"))
     ring = 2 if ring == -1 else ring
     ring_down = 0 if ring_down == -1 else ring_down
+    pair = False if pair == -1 else bool(pair)
+    if pair and weights.hidden_size % 256:
+        pair = False  # (two 128-row tiles per program need H % 256 == 0)
     maxnreg = int(cfg.get("FRAG_MAXNREG", 0)) or None
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,
-                               ring=ring, ring_down=ring_down, maxnreg=maxnreg)
+                               ring=ring, ring_down=ring_down, maxnreg=maxnreg, pair_down=pair)
 
 
 def _repack_frag(w) -> dict:

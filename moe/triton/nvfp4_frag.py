@@ -228,8 +228,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES: gl.constexpr,
-                    FUSE_SILU: gl.constexpr, PL: gl.constexpr, SL: gl.constexpr):
-        """cp.async of K tile j's packed bytes and scales (gate into wr / sr, up into wur / sur with FUSE_SILU) into
+                    TWO: gl.constexpr, PL: gl.constexpr, SL: gl.constexpr):
+        """cp.async of K tile j's packed bytes and scales (the first tile into wr / sr, with TWO the second into wur / sur) into
         ring slot j % W_STAGES, one commit group (empty copies past the last tile keep the group count). Each thread
         copies exactly the bytes it later reads back (its own fragments). Four buffers, not one: Triton's barrier
         analysis puts a CTA barrier between two copies into the same buffer."""
@@ -238,7 +238,7 @@ if HAVE_GLUON:
         sok = gl.full([128, 8], j, gl.int32, SL) < KT
         _cp_async(wr.index(slot), w_base + j * 8192 + woff, mask=wok)
         _cp_async(sr.index(slot), s_base + j * 1024 + soff, mask=sok)
-        if FUSE_SILU:
+        if TWO:
             _cp_async(wur.index(slot), wu_base + j * 8192 + woff, mask=wok)
             _cp_async(sur.index(slot), su_base + j * 1024 + soff, mask=sok)
         async_copy.commit_group()
@@ -265,22 +265,22 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(w, [128, 128]), AL, assert_trivial=True)
 
     @gluon.jit
-    def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, FUSE_SILU: gl.constexpr):
-        """One K tile: unpack (gate, and up with FUSE_SILU) into wgmma register operands, the activation tile x
+    def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr):
+        """One K tile: unpack (the first tile, and with TWO the second: gate and up, or two N tiles) into wgmma register operands, the activation tile x
         [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
         a = _operand(p, s, LB, AL)
         xs.store(x)
         fence_async_shared()
         _cta_barrier()
         acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
-        if FUSE_SILU:
+        if TWO:
             acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
         _cta_barrier()
         return acc, acc_u
 
     @gluon.jit
     def _mma_step_async(p, s, pu, su, xr, kt, KT, x_rows, x_ok, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr,
-                        FUSE_SILU: gl.constexpr):
+                        TWO: gl.constexpr):
         """One K tile with the activation tiles copied into a two-tile shared ring by cp.async, one tile ahead:
         tile kt + 1's copy is issued, tile kt's awaited (issued by the previous step, or before the loop)."""
         nxt = kt + 1
@@ -292,7 +292,7 @@ if HAVE_GLUON:
         _cta_barrier()
         xs = xr.index(kt % 2)
         acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
-        if FUSE_SILU:
+        if TWO:
             acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
         _cta_barrier()  # the ring slot read here is refilled by the next step
         return acc, acc_u
@@ -302,13 +302,15 @@ if HAVE_GLUON:
                    stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
-                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0):
+                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, PAIR_N: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
         (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit.
         W_STAGES ≥ 2: the weight tiles go through a W_STAGES-slot shared ring filled by cp.async W_STAGES - 1 tiles
-        ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step."""
+        ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step.
+        PAIR_N (not with FUSE_SILU): program pid_n computes the two N tiles 2·pid_n and 2·pid_n + 1 from one pass over
+        the activations (half the activation reads and programs)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
@@ -320,6 +322,7 @@ if HAVE_GLUON:
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.float16)
 
+        TWO: gl.constexpr = FUSE_SILU or PAIR_N  # two weight tiles per K step, one activation tile
         pid_n = gl.program_id(0)
         if CONTIG:
             blk = gl.program_id(1)
@@ -340,10 +343,16 @@ if HAVE_GLUON:
             KT = K // 128
             e64 = e.to(gl.int64)
             tiles = (N_OUT // 128) + up_tiles  # tiles per expert in the packed tensors
-            w_base = wp + (e64 * tiles + pid_n) * KT * 8192
-            s_base = sp + (e64 * tiles + pid_n) * KT * 1024
-            wu_base = wp + (e64 * tiles + pid_n + up_tiles) * KT * 8192
-            su_base = sp + (e64 * tiles + pid_n + up_tiles) * KT * 1024
+            if PAIR_N:
+                t0 = 2 * pid_n
+                t1 = t0 + 1
+            else:
+                t0 = pid_n
+                t1 = pid_n + up_tiles
+            w_base = wp + (e64 * tiles + t0) * KT * 8192
+            s_base = sp + (e64 * tiles + t0) * KT * 1024
+            wu_base = wp + (e64 * tiles + t1) * KT * 8192
+            su_base = sp + (e64 * tiles + t1) * KT * 1024
             xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             xk = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
             x_rows = (x_ptr + e64 * stride_xe + gl.expand_dims((row0 + m0 + xm).to(gl.int64) * stride_xm, 1)
@@ -363,7 +372,7 @@ if HAVE_GLUON:
                 SSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
                 wr = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 4, 128, 16], WSL)
                 sr = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 128, 8], SSL)
-                if FUSE_SILU:
+                if TWO:
                     wur = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 4, 128, 16], WSL)
                     sur = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 128, 8], SSL)
                 else:  # (not written)
@@ -377,27 +386,27 @@ if HAVE_GLUON:
                 soff = st[:, None] * 8 + sj[None, :]
                 for j in gl.static_range(W_STAGES - 1):
                     _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES,
-                                FUSE_SILU, PL, SL)
+                                TWO, PL, SL)
                 for kt in range(KT):
                     _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
-                                soff, W_STAGES, FUSE_SILU, PL, SL)
+                                soff, W_STAGES, TWO, PL, SL)
                     x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
                     async_copy.wait_group(W_STAGES - 1)  # tile kt's copies (this thread's) have landed
                     slot = kt % W_STAGES
                     p = wr.index(slot).load(PL)
                     s = sr.index(slot).load(SL)
-                    if FUSE_SILU:
+                    if TWO:
                         pu = wur.index(slot).load(PL)
                         su = sur.index(slot).load(SL)
                     else:  # (not read by the step)
                         pu, su = p, s
-                    acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                    acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
                 async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
             else:
                 for kt0 in range(0, KT, UNROLL):
                     # UNROLL tiles' bytes requested together (more bytes in flight), then computed one by one
                     p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, PL, SL)
-                    if FUSE_SILU:
+                    if TWO:
                         pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, PL, SL)
                     else:  # (not read by the step)
                         pu, su = p, s
@@ -405,7 +414,7 @@ if HAVE_GLUON:
                         x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
                     if UNROLL == 2:
                         p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
-                        if FUSE_SILU:
+                        if TWO:
                             pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, PL, SL)
                         else:
                             pu2, su2 = p2, s2
@@ -413,14 +422,14 @@ if HAVE_GLUON:
                             x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
                     if X_ASYNC:
                         acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LB, AL,
-                                                     FUSE_SILU)
+                                                     TWO)
                         if UNROLL == 2:
                             acc, acc_u = _mma_step_async(p2, s2, pu2, su2, xr, kt0 + 1, KT, x_rows, x_ok, acc, acc_u,
-                                                         LB, AL, FUSE_SILU)
+                                                         LB, AL, TWO)
                     else:
-                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
                         if UNROLL == 2:
-                            acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, FUSE_SILU)
+                            acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, TWO)
             alpha = gl.load(s2_ptr + e) * 16384.0  # weight_scale_2 · ALPHA (2^6 · 2^8, exact)
             res = acc * alpha
             if FUSE_SILU:
@@ -432,9 +441,13 @@ if HAVE_GLUON:
                 col = (on // 128) * 128 + 16 * ((kk // 4) % 8) + 8 * ((kk // 2) % 2) + 2 * (kk // 32) + kk % 2
             else:
                 col = on
+            if PAIR_N:
+                col = col + pid_n * 128  # tile 2·pid_n; the second tile's rows follow
             o = (out_ptr + e64 * stride_oe + gl.expand_dims((row0 + om).to(gl.int64) * stride_om, 0)
                  + gl.expand_dims(col, 1))
             gl.store(o, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
+            if PAIR_N:
+                gl.store(o + 128, (acc_u * alpha).to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
 
 
 ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
@@ -444,7 +457,8 @@ X_SCALE = 2.0 ** -8  # the activations' scale, passed to `_prep_x` at run time (
 def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
               offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
-              x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None) -> torch.Tensor:
+              x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None,
+              pair_n: bool = False) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -459,7 +473,10 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     to shared memory by cp.async one tile ahead (instead of through registers). w_stages (0, or ≥ 2): the weight
     tiles through a shared ring of that many slots filled by cp.async w_stages - 1 tiles ahead, instead of loaded into
     registers at each step (unroll and x_async then unused). maxnreg: the register cap per thread given to ptxas
-    (128 fits four programs per SM). Graph-safe (no host sync)."""
+    (128 fits four programs per SM). pair_n: each program computes two adjacent 128-row N tiles from one pass over
+    its activations (not with fuse_silu; n_out a multiple of 256). Graph-safe (no host sync)."""
+    if pair_n and (fuse_silu or n_out % (2 * TILE)):
+        raise ValueError(f"frag_gemm: pair_n needs fuse_silu False and n_out % 256 == 0 (n_out={n_out})")
     if w_stages == 1 or w_stages < 0:
         raise ValueError(f"frag_gemm: w_stages={w_stages}; use 0 (weights through registers) or a ring of ≥ 2 slots")
     K = x.shape[-1]
@@ -469,21 +486,21 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     E = counts.numel()
     if offsets is None:
         M = x.shape[1]
-        grid = (n_out // TILE, E, -(-M // block_m))
+        grid = (n_out // (2 * TILE if pair_n else TILE), E, -(-M // block_m))
         strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
         offsets = block_starts = counts  # (not read)
     else:
         M = x.shape[0]
         if block_starts is None:
             block_starts = block_schedule(counts, block_m)
-        grid = (n_out // TILE, max_blocks(M, E, block_m))
+        grid = (n_out // (2 * TILE if pair_n else TILE), max_blocks(M, E, block_m))
         strides = (0, x.stride(0), 0, out.stride(0))
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
-                     W_STAGES=w_stages, num_warps=4, **extra)
+                     W_STAGES=w_stages, PAIR_N=pair_n, num_warps=4, **extra)
     return out
 
 
@@ -505,14 +522,15 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
              unroll_down: int = 2, x_async_down: bool = False, ring: int = 0, ring_down: int = 0,
-             maxnreg: int | None = None) -> torch.Tensor:
+             maxnreg: int | None = None, pair_down: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
     unroll_down: the down GEMM's K tiles loaded together (1, 2); x_async_down: the down GEMM's activation tiles by
     cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count); ring / ring_down:
     the gate_up / down GEMM's weight ring slots (`frag_gemm`'s w_stages; 0: registers); maxnreg: both GEMMs' register
-    cap per thread (None: ptxas's choice)."""
+    cap per thread (None: ptxas's choice); pair_down: the down GEMM's programs take two N tiles each
+    (`frag_gemm`'s pair_n)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -527,7 +545,7 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
-                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg)
+                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

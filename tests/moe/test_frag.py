@@ -597,17 +597,19 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
     x = as_layout(torch.randn(rows, H, device="cuda").to(torch.bfloat16))
     off = None if layout == "masked" else x.offsets
     xp = F.prepare_activations(x.hidden, counts, offsets=off)
-    runs = [(0, None), (w_stages, maxnreg)]
+    # (weight ring slots, register cap, down GEMM's programs on two N tiles)
+    runs = [(0, None, False), (w_stages, maxnreg, False), (w_stages, maxnreg, True), (0, None, True)]
     h = [torch.zeros(xp.shape[:-1] + (I,), dtype=torch.float16, device="cuda") for _ in runs]
     y = [torch.zeros(xp.shape[:-1] + (H,), dtype=torch.bfloat16, device="cuda") for _ in runs]
-    for hh, yy, (ws, reg) in zip(h, y, runs):
+    for hh, yy, (ws, reg, pair) in zip(h, y, runs):
         F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True,
                     block_m=bm, offsets=off, w_stages=ws, maxnreg=reg)
         F.frag_gemm(h[0], packs["w2"], packs["w2_sf"], packs["w2_s2"], yy, counts, n_out=H, fuse_silu=False,
-                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg)
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, pair_n=pair)
     flat = [t.reshape(rows, -1)[valid] for t in h + y]
     assert flat[0].float().abs().sum() > 0 and all(torch.isfinite(t).all() for t in flat)
-    assert torch.equal(flat[0], flat[1]) and torch.equal(flat[2], flat[3])
+    for i in range(1, len(runs)):
+        assert torch.equal(flat[0], flat[i]) and torch.equal(flat[len(runs)], flat[len(runs) + i]), runs[i]
     # activations past fp16's range (±7e4; ·2^-8 fits): the plain GEMM x · W13ᵀ (bf16 out, no fp16 intermediate)
     # is finite and equals the fp32 reference on the dequantised weights
     big = torch.randn(rows, H, device="cuda")
