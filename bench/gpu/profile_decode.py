@@ -73,7 +73,7 @@ def _moe(args) -> list[dict]:
 def _frag(args) -> list[dict]:
     """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
     pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0, "w_stages_gate": 0,
-    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "pair_down": 0} keys (missing: the runner's
+    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "prep_block": null, "pair_down": 0} keys (missing: the runner's
     defaults; `frag_gemm`'s w_stages / maxnreg / pair_n, `prepare_activations`' permute_in_registers = not prep_gather).
     Rows: prep, gate_up, down and the three in sequence ("layer"); with --events also each kernel's time within
     the sequence (CUDA events, eager)."""
@@ -109,7 +109,8 @@ def _frag(args) -> list[dict]:
                             pair_n=bool(raw.get("pair_down", 0)))
 
             def prep(raw=raw):
-                F.prepare_activations(layout.hidden, counts, permute_in_registers=not raw.get("prep_gather", 0))
+                F.prepare_activations(layout.hidden, counts, permute_in_registers=not raw.get("prep_gather", 0),
+                                      block=raw.get("prep_block"))
 
             def layer():
                 prep()

@@ -30,7 +30,7 @@ dequantises the next half-size chunk on a side stream while the current one's GE
 TILED=1 runs the in-loop kernel over the tiled weight layout (`pdlab.moe.weights.tile_nvfp4`: each
 16-row × 128-element tile contiguous); it needs H and I multiples of 128 and BLOCK_K a multiple of 128, and
 is ignored otherwise. FRAG (-1 auto, 0, 1): the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py (sm90,
-Triton with Gluon; each thread loads its own wgmma fragments' weight bytes, no shared memory, no permutes), for
+Triton with Gluon; each thread reads its own wgmma fragments' weight bytes, no permutes), for
 either layout and any payload; FRAG_BM (0 = 16 / 32 / 64 by the expected tokens per expert) tokens per program,
 FRAG_XASYNC=1 has the down GEMM copy its activation tiles to shared memory with cp.async one tile ahead
 instead of through registers (-1: with 64-token programs), FRAG_UNROLL K tiles the down GEMM loads together (0: 1
@@ -41,6 +41,13 @@ fragment order (`ExpertWeights.frag_()`, what the runtime does on sm90) always r
 whatever FRAG says.
 Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
 weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
+FRAG_RING (-1 = 2): the gate_up GEMM's weight tiles through a shared ring of that many slots filled by cp.async
+(0: loaded into registers at each step); FRAG_PAIR_DOWN (-1: on for 16-token programs where H % 256 == 0) has each
+down-GEMM program compute two adjacent N tiles from one pass over its activations; FRAG_RING_DOWN (-1: 2 with
+FRAG_PAIR_DOWN, else 0) the down GEMM's ring (with a ring, FRAG_UNROLL and FRAG_XASYNC do not apply to that GEMM);
+FRAG_MAXNREG (0 = none) a register cap per thread for both GEMMs. EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
+gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
+(bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -288,10 +295,10 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     unroll = int(cfg.get("FRAG_UNROLL") or (1 if x_async and bm == 64 else 2))
     ring, ring_down, pair = (int(cfg.get(k, -1)) for k in ("FRAG_RING", "FRAG_RING_DOWN", "FRAG_PAIR_DOWN"))
     ring = 2 if ring == -1 else ring
-    ring_down = 0 if ring_down == -1 else ring_down
-    pair = False if pair == -1 else bool(pair)
+    pair = bm == 16 if pair == -1 else bool(pair)
     if pair and weights.hidden_size % 256:
         pair = False  # (two 128-row tiles per program need H % 256 == 0)
+    ring_down = (2 if pair else 0) if ring_down == -1 else ring_down
     maxnreg = int(cfg.get("FRAG_MAXNREG", 0)) or None
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,

@@ -4,8 +4,11 @@ Why: the Triton kernel of nvfp4_moe.py stages the weight bytes through shared me
 unpacked nibbles into one register with byte permutes before the MMA: ~3.7 instructions per weight element at
 EP4 decode, where the GEMM is bound by its instruction stream, not by HBM
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_stalls). Here each thread loads exactly the bytes of its own
-wgmma A fragments from global memory (four 16-byte loads per 128×128 tile), unpacks them in registers with the
-DEQ_ASM sequence and hands them to wgmma as the register A operand: no shared memory, no permutes.
+wgmma A fragments (four 16-byte loads per 128×128 tile), unpacks them in registers with the DEQ_ASM sequence and
+hands them to wgmma as the register A operand: no permutes. The bytes come straight from global memory, or (W_STAGES;
+the runner's default for gate_up, and for the down GEMM when it pairs N tiles) through a cp.async ring in shared
+memory in which each thread copies and reads back only its own fragments, so that several tiles are in flight per
+program without holding registers.
 
 Layouts (one program = 128 weight rows × all of K, one warpgroup; tile = 128 rows × 128 K):
 
@@ -550,12 +553,14 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",
                         scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
-                        offsets: torch.Tensor | None = None, permute_in_registers: bool = True) -> torch.Tensor:
+                        offsets: torch.Tensor | None = None, permute_in_registers: bool = True,
+                        block: int | None = None) -> torch.Tensor:
     """Activations → fp16 ·2^-8 with columns in MMA K order. Masked slab (offsets None): x [E, M, ·] → [E, M, K],
     rows m < counts[e] (others unwritten). Contiguous rows (offsets [E + 1] int32): x [N, ·] → [N, K], every row.
     x: float ("bf16"); float8_e4m3fn + scales fp32 [.., K/128] ("fp8"); uint8 [.., K/2] + scales e4m3 [.., K/16]
     + global_scale [1] or [E] ("nvfp4"). permute_in_registers: read the rows contiguously and reorder in registers
-    (`_prep_x`'s PERMUTE; False: gather each column from memory). Graph-safe."""
+    (`_prep_x`'s PERMUTE; False: gather each column from memory). block: columns per program (a multiple of 128
+    dividing K; None: the largest of 1024, 512, 128 that does). Graph-safe."""
     kind = {"bf16": 0, "fp8": 1, "nvfp4": 2}[payload]
     rows = offsets is not None
     if rows:  # each row its own (E = N, M = 1) slab, all rows converted
@@ -578,7 +583,9 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
         scales = gs = x
     y = torch.empty(E, M, K, dtype=torch.float16, device=x.device)
     if E * M:
-        block = 512 if K % 512 == 0 else 128
+        block = block or next((b for b in (1024, 512) if K % b == 0), 128)
+        if block % 128 or K % block:
+            raise ValueError(f"prepare_activations: block={block} must be a multiple of 128 dividing K={K}")
         _prep_x[(E * M, K // block)](x, scales, gs, y, counts, M, K, x.stride(0), x.stride(1),
                                      scales.stride(0) if kind else 0, scales.stride(1) if kind else 0, X_SCALE, KIND=kind,
                                      GS_PER_EXPERT=kind == 2 and gs.numel() > 1, BLOCK=block, ALL_ROWS=rows,

@@ -628,20 +628,25 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
     assert cosine_error(z, want[valid]) < 1e-5
 
 
-@pytest.mark.parametrize("m,cfg,want", [(64, {}, (64, 1, True)), (16, {}, (16, 2, False)),
-                                        (64, {"FRAG_XASYNC": 0}, (64, 2, False)),
-                                        (16, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1}, (16, 1, True))])
-def test_fragment_knobs_resolve_as_documented(monkeypatch, m, cfg, want):
-    # defaults through the runner's config resolution: 64-token programs take the down GEMM's activations by
-    # cp.async with one tile in flight (measured faster), smaller programs keep registers and two tiles
+@pytest.mark.parametrize("m,H,cfg,want", [
+    (64, 256, {}, (64, 1, True, 2, 0, False)), (16, 256, {}, (16, 2, False, 2, 2, True)),
+    (16, 128, {}, (16, 2, False, 2, 0, False)),  # H % 256: no N-tile pairs
+    (64, 256, {"FRAG_XASYNC": 0}, (64, 2, False, 2, 0, False)),
+    (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0},
+     (16, 1, True, 0, 0, False)),
+    (16, 256, {"FRAG_RING_DOWN": 3}, (16, 2, False, 2, 3, True))])
+def test_fragment_knobs_resolve_as_documented(monkeypatch, m, H, cfg, want):
+    # defaults through the runner's config resolution: gate_up takes its weights through a two-slot cp.async ring;
+    # 16-token programs pair the down GEMM's N tiles (with its own two-slot ring) where H % 256 == 0; 64-token
+    # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster)
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners import triton_nvfp4 as R
     from pdlab.moe.weights import ExpertWeights
 
     got = []
     monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down, **kw: got.append(
-        (bm, unroll, x_async_down)))
-    w = ExpertWeights.from_bf16(torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1, quantize=True)
-    layout = Masked(torch.randn(2, m, 128), torch.tensor([m, 1], dtype=torch.int32))
+        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"])))
+    w = ExpertWeights.from_bf16(torch.randn(2, 256, H) * 0.1, torch.randn(2, H, 128) * 0.1, quantize=True)
+    layout = Masked(torch.randn(2, m, H), torch.tensor([m, 1], dtype=torch.int32))
     R._run_frag(layout, w, R.resolve_config({**R._DEFAULT, **cfg}, m), m)
     assert got == [want]
