@@ -81,11 +81,12 @@ def test_dry_run_real_ops_without_gpu(capsys):
     from pdlab.moe.triton.nvfp4_frag import HAVE_GLUON
 
     if HAVE_GLUON:  # on sm90 the experts' triton runner is searched over its fragment GEMMs' knobs only
-        assert "12–288 configs by bucket" in out and "the knobs that matter on this arch" in out
-        assert "triton (17 buckets): FRAG_BM: [16, 32, 64]; FRAG_UNROLL: [1, 2]; FRAG_XASYNC: [0, 1] (" in out
+        assert "216–5184 configs by bucket" in out and "the knobs that matter on this arch" in out
+        assert ("triton (17 buckets): FRAG_BM: [16, 32, 64]; FRAG_UNROLL: [1, 2]; FRAG_XASYNC: [0, 1]; "
+                "FRAG_RING: [0, 2, 3]; FRAG_RING_DOWN: [0, 2, 3]; FRAG_PAIR_DOWN: [0, 1] (") in out
     assert main(["moe", "--arch", "sm100", "--dry-run", "--only", "experts=64"]) == 0
     out = capsys.readouterr().out
-    assert "339738624 configs" in out and "the knobs that matter" not in out  # elsewhere: the whole space
+    assert "12230590464 configs" in out and "the knobs that matter" not in out  # elsewhere: the whole space
     assert main(["dispatch", "--arch", "sm90", "--dry-run"]) == 0
     assert "tokens_per_rank" in capsys.readouterr().out
 
