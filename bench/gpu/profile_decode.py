@@ -73,10 +73,10 @@ def _moe(args) -> list[dict]:
 def _frag(args) -> list[dict]:
     """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
     pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0, "w_stages_gate": 0,
-    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "prep_block": null, "pair_down": 0} keys (missing: the runner's
-    defaults; `frag_gemm`'s w_stages / maxnreg / pair_n, `prepare_activations`' permute_in_registers = not prep_gather).
-    Rows: prep, gate_up, down and the three in sequence ("layer"); with --events also each kernel's time within
-    the sequence (CUDA events, eager)."""
+    "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "prep_block": null,
+    "pair_down": 0} keys (missing: the runner's defaults; `frag_gemm`'s w_stages / maxnreg / pair_n,
+    `prepare_activations`' permute_in_registers = not prep_gather and block). Rows: prep, gate_up, down and the
+    three in sequence ("layer"); with --events also each kernel's time within the sequence (CUDA events, eager)."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
     from pdlab.moe.triton import nvfp4_frag as F

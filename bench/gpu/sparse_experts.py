@@ -44,7 +44,9 @@ def main() -> None:
         for raw in args.config or ["{}"]:
             cfg = json.loads(raw)
             for name, layout in (("contiguous", contiguous), ("masked", masked)):
-                fn = lambda: run_experts(layout, w, runner="triton", config=cfg or None, expected_m=expected)  # noqa: E731
+                def fn(layout=layout, cfg=cfg):
+                    return run_experts(layout, w, runner="triton", config=cfg or None, expected_m=expected)
+
                 graph = bench(fn, cuda_graph=True, graph_calls=10, repeats=20, warmup=2).median_ms * 1e3
                 ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(30)]
                 host = []

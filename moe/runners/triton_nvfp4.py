@@ -74,7 +74,7 @@ _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K"
           "DENSE_CHUNK": [8, 16, 32], "DENSE_OVERLAP": [0, 1], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64],
           "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1], "FRAG_RING": [0, 2, 3], "FRAG_RING_DOWN": [0, 2, 3],
           "FRAG_MAXNREG": [0, 128], "FRAG_PAIR_DOWN": [0, 1]}
-_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")  # FRAG_XASYNC's and FRAG_RING*'s -1 in _run_frag
+_AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")  # the FRAG_* knobs' -1 is decided in _run_frag
 
 
 def _probe() -> str | None:

@@ -232,10 +232,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES: gl.constexpr,
                     TWO: gl.constexpr, PL: gl.constexpr, SL: gl.constexpr):
-        """cp.async of K tile j's packed bytes and scales (the first tile into wr / sr, with TWO the second into wur / sur) into
-        ring slot j % W_STAGES, one commit group (empty copies past the last tile keep the group count). Each thread
-        copies exactly the bytes it later reads back (its own fragments). Four buffers, not one: Triton's barrier
-        analysis puts a CTA barrier between two copies into the same buffer."""
+        """cp.async of K tile j's packed bytes and scales (the first tile into wr / sr, with TWO the second into
+        wur / sur) into ring slot j % W_STAGES, one commit group (empty copies past the last tile keep the group
+        count). Each thread copies exactly the bytes it later reads back (its own fragments). Four buffers, not one:
+        Triton's barrier analysis puts a CTA barrier between two copies into the same buffer."""
         slot = j % W_STAGES
         wok = gl.full([4, 128, 16], j, gl.int32, PL) < KT
         sok = gl.full([128, 8], j, gl.int32, SL) < KT
@@ -269,8 +269,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr):
-        """One K tile: unpack (the first tile, and with TWO the second: gate and up, or two N tiles) into wgmma register operands, the activation tile x
-        [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
+        """One K tile: unpack the first tile (and with TWO the second: gate and up, or two N tiles) into wgmma
+        register operands, the activation tile x [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
         a = _operand(p, s, LB, AL)
         xs.store(x)
         fence_async_shared()
@@ -544,8 +544,8 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
               block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
-    # two tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16 (EP4, H200);
-    # bit-equal. gate_up would need 231 registers for it (2 programs per SM instead of 4)
+    # without a ring, two K tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16
+    # (EP4, H200; bit-equal)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
                      x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down)
@@ -587,7 +587,8 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
         if block % 128 or K % block:
             raise ValueError(f"prepare_activations: block={block} must be a multiple of 128 dividing K={K}")
         _prep_x[(E * M, K // block)](x, scales, gs, y, counts, M, K, x.stride(0), x.stride(1),
-                                     scales.stride(0) if kind else 0, scales.stride(1) if kind else 0, X_SCALE, KIND=kind,
+                                     scales.stride(0) if kind else 0, scales.stride(1) if kind else 0, X_SCALE,
+                                     KIND=kind,
                                      GS_PER_EXPERT=kind == 2 and gs.numel() > 1, BLOCK=block, ALL_ROWS=rows,
                                      PERMUTE=permute_in_registers, num_warps=4)
     return y.squeeze(1) if rows else y
