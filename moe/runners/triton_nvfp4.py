@@ -284,8 +284,8 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     """Masked slabs or Contiguous rows (float, fp8 or nvfp4 activations, converted to fp16 by a small kernel first)
     through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows past an expert's
     count are not written. Programs are FRAG_BM tokens (0: 16 / 32 / 64 by the expected tokens per expert; a slab
-    is sized for the worst case, programs past an expert's rows exit at once); FRAG_XASYNC and FRAG_UNROLL as in
-    the module docstring."""
+    is sized for the worst case, programs past an expert's rows exit at once); FRAG_XASYNC, FRAG_UNROLL, FRAG_RING,
+    FRAG_RING_DOWN, FRAG_PAIR_DOWN and FRAG_MAXNREG as in the module docstring."""
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
