@@ -218,16 +218,21 @@ if HAVE_GLUON:
     """)
 
     @gluon.jit
-    def _load_tile(wp, sp, PL: gl.constexpr, SL: gl.constexpr):
-        """One tile's packed bytes [4, 128, 16] and scales [128, 8] of this program (thread t's own bytes)."""
+    def _tile_offsets(PL: gl.constexpr, SL: gl.constexpr):
+        """Byte offsets within a tile of thread t's own packed bytes [4, 128, 16] (layout PL) and scales [128, 8]
+        (layout SL): what it loads into registers, or copies into the ring and reads back."""
         i16 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
         tid = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
         b = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))
-        p = gl.load(wp + ((i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :]))
         st = gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
         sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
-        s = gl.load(sp + (st[:, None] * 8 + sj[None, :]))
-        return p, s
+        return (i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :], st[:, None] * 8 + sj[None, :]
+
+    @gluon.jit
+    def _load_tile(wp, sp, woff, soff):
+        """One tile's packed bytes [4, 128, 16] and scales [128, 8] of this program into registers (`_tile_offsets`:
+        thread t's own bytes)."""
+        return gl.load(wp + woff), gl.load(sp + soff)
 
     @gluon.jit
     def _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES: gl.constexpr,
@@ -370,6 +375,7 @@ if HAVE_GLUON:
                 xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
             acc = gl.zeros([128, BM], gl.float32, layout=mma)
             acc_u = gl.zeros([128, BM], gl.float32, layout=mma)
+            woff, soff = _tile_offsets(PL, SL)
             if W_STAGES > 0:
                 WSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
                 SSL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -380,13 +386,6 @@ if HAVE_GLUON:
                     sur = gl.allocate_shared_memory(gl.uint8, [W_STAGES, 128, 8], SSL)
                 else:  # (not written)
                     wur, sur = wr, sr
-                i16 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL)))
-                tid = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL)))
-                b = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL)))
-                woff = (i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :]
-                st = gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
-                sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
-                soff = st[:, None] * 8 + sj[None, :]
                 for j in gl.static_range(W_STAGES - 1):
                     _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES,
                                 TWO, PL, SL)
@@ -408,17 +407,17 @@ if HAVE_GLUON:
             else:
                 for kt0 in range(0, KT, UNROLL):
                     # UNROLL tiles' bytes requested together (more bytes in flight), then computed one by one
-                    p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, PL, SL)
+                    p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, woff, soff)
                     if TWO:
-                        pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, PL, SL)
+                        pu, su = _load_tile(wu_base + kt0 * 8192, su_base + kt0 * 1024, woff, soff)
                     else:  # (not read by the step)
                         pu, su = p, s
                     if not X_ASYNC:
                         x = gl.load(x_rows + kt0 * 128, mask=x_ok, other=0.0)
                     if UNROLL == 2:
-                        p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, PL, SL)
+                        p2, s2 = _load_tile(w_base + (kt0 + 1) * 8192, s_base + (kt0 + 1) * 1024, woff, soff)
                         if TWO:
-                            pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, PL, SL)
+                            pu2, su2 = _load_tile(wu_base + (kt0 + 1) * 8192, su_base + (kt0 + 1) * 1024, woff, soff)
                         else:
                             pu2, su2 = p2, s2
                         if not X_ASYNC:
