@@ -250,21 +250,23 @@ if HAVE_GLUON:
         return out_rows, oj, oh
 
     @gluon.jit
-    def _bytes(nope, slot):
-        """Ring slot `slot` of latent blocks `nope` [STAGES·4, 64, 128] e4m3 as one [64, 512] byte tile (Triton 3.6
-        names the view `_reinterpret`, later ones `reinterpret`)."""
+    def _viewed(ring, slot, shape: gl.constexpr, layout: gl.constexpr):
+        """Ring slot `slot` of `ring` seen as uint8 of `shape` [STAGES, ...] in `layout` (Triton 3.6 names the view
+        `_reinterpret`, later ones `reinterpret`)."""
         if _REINTERPRET_PUBLIC:
-            return nope.reinterpret(gl.uint8, [_STAGES, 64, 512], _NOPE_VIEW).index(slot)
+            return ring.reinterpret(gl.uint8, shape, layout).index(slot)
         else:
-            return nope._reinterpret(gl.uint8, [_STAGES, 64, 512], _NOPE_VIEW).index(slot)
+            return ring._reinterpret(gl.uint8, shape, layout).index(slot)
+
+    @gluon.jit
+    def _bytes(nope, slot):
+        """Ring slot `slot` of latent blocks `nope` [STAGES·4, 64, 128] e4m3 as one [64, 512] byte tile."""
+        return _viewed(nope, slot, [_STAGES, 64, 512], _NOPE_VIEW)
 
     @gluon.jit
     def _pe_bytes(pe, slot):
         """Ring slot `slot` of rope blocks `pe` [STAGES, 64, 64] e4m3 as bytes."""
-        if _REINTERPRET_PUBLIC:
-            return pe.reinterpret(gl.uint8, [_STAGES, 64, 64], _PE_BLK).index(slot)
-        else:
-            return pe._reinterpret(gl.uint8, [_STAGES, 64, 64], _PE_BLK).index(slot)
+        return _viewed(pe, slot, [_STAGES, 64, 64], _PE_BLK)
 
     @gluon.jit
     def _issue(nope, pe, slot, KV, start, hi, page, tau, col_n, col_p, stride_kv_p, stride_kv_o, PAGE: gl.constexpr):
@@ -674,7 +676,8 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError("mla gluon: q and the cache need contiguous last dimensions")
     if q3.dtype not in QPARTS_OF:
         raise ValueError(f"mla gluon: queries of {q3.dtype} are not taken (bf16 or fp16; fp32 is the oracle's)")
-    smem = shared_bytes(hm, QPARTS_OF[q3.dtype])
+    qparts = QPARTS_OF[q3.dtype]
+    smem = shared_bytes(hm, qparts)
     if smem > SM90.shared_per_program:
         raise ValueError(f"mla gluon: {hm} query rows need {smem} bytes of shared memory, "
                          f"more than an sm90 program gets ({SM90.shared_per_program})")
@@ -684,7 +687,6 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError(f"mla gluon: the balanced schedule needs fewer sequences ({B}) than program slots "
                          f"({slots}) and at most {MAX_BALANCED_BATCH}")
     grid = (B, splits) if balanced else (1, splits, B)
-    qparts = QPARTS_OF[q3.dtype]
     _mla_fp8_decode[grid](
         q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, meta if balanced else seqlens, kv_scale,
         kv_scale_ptr if from_ptr else seqlens, qk_scale,
