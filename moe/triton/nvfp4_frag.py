@@ -148,14 +148,19 @@ def column_order(K: int, device=None) -> torch.Tensor:
 @triton.jit
 def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm, x_scale,
             KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr = False,
-            PERMUTE: tl.constexpr = True):
+            PERMUTE: tl.constexpr = True, PDL: tl.constexpr = False):
     """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e]
     (every row with ALL_ROWS); grid (E·M, K/BLOCK). KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns;
     2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS.
     PERMUTE: the values are read in model order (contiguous) and reordered in registers (a tile's model column
     32q + 4c + 2n + u is element (q, c, n, u) of a [4, 8, 2, 2] block, its MMA column that of (c, n, q, u));
     else each MMA column gathers its model column from memory. x_scale: 2^-8, a run-time value on purpose: with the
-    constant, LLVM rewrites fp16(fp32(x) · 2^-8) as fp16(x) · 2^-8, which overflows from |x| = 65520."""
+    constant, LLVM rewrites fp16(fp32(x) · 2^-8) as fp16(x) · 2^-8, which overflows from |x| = 65520.
+    PDL: let the next kernel (the gate_up GEMM, launched with programmatic dependent launch) start at once; it
+    waits for this grid's completion before it reads Y."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     em = tl.program_id(0)
     e = em // M
     m = em % M
@@ -227,6 +232,22 @@ if HAVE_GLUON:
         st = gl.arange(0, 128, layout=gl.SliceLayout(1, SL))
         sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
         return (i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :], st[:, None] * 8 + sj[None, :]
+
+    @gluon.jit
+    def _grid_wait():
+        """griddepcontrol.wait in every thread (programmatic dependent launch): until the previous grid on the stream
+        has completed and its writes are visible. A no-op in a grid launched without PDL."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r",
+                                         [gl.full([128], 0, gl.int32, one)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _launch_dependents():
+        """griddepcontrol.launch_dependents in every thread: the next grid (launched with PDL) may start once every
+        program of this one has said so or exited. A no-op when there is no such grid."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r",
+                                         [gl.full([128], 0, gl.int32, one)], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _load_tile(wp, sp, woff, soff):
@@ -310,7 +331,8 @@ if HAVE_GLUON:
                    stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
-                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, PAIR_N: gl.constexpr = False):
+                   X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, PAIR_N: gl.constexpr = False,
+                   PDL: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
@@ -318,7 +340,11 @@ if HAVE_GLUON:
         W_STAGES ≥ 2: the weight tiles go through a W_STAGES-slot shared ring filled by cp.async W_STAGES - 1 tiles
         ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step.
         PAIR_N (not with FUSE_SILU): program pid_n computes the two N tiles 2·pid_n and 2·pid_n + 1 from one pass over
-        the activations (half the activation reads and programs)."""
+        the activations (half the activation reads and programs).
+        PDL (launched with programmatic dependent launch): the program lets the next grid start at once, reads only
+        the counts (complete before the previous grid started) and issues its first weight copies before it waits
+        for the previous grid (which wrote x); it writes nothing before. Every program waits, those without rows
+        too, so that this grid's completion implies the previous grid's."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
@@ -331,6 +357,8 @@ if HAVE_GLUON:
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.float16)
 
         TWO: gl.constexpr = FUSE_SILU or PAIR_N  # two weight tiles per K step, one activation tile
+        if PDL:
+            _launch_dependents()
         pid_n = gl.program_id(0)
         if CONTIG:
             blk = gl.program_id(1)
@@ -367,6 +395,8 @@ if HAVE_GLUON:
                       + gl.expand_dims(xk, 0))
             x_ok = gl.expand_dims(m0 + xm < count, 1)
             if X_ASYNC:  # activation tiles through a two-tile ring filled by cp.async one tile ahead
+                if PDL:
+                    _grid_wait()
                 x_ok = x_ok & gl.expand_dims(xk < 128, 0)
                 xr = gl.allocate_shared_memory(gl.float16, [2, BM, 128], XS)
                 _cp_async(xr.index(0), x_rows, mask=x_ok)
@@ -389,6 +419,8 @@ if HAVE_GLUON:
                 for j in gl.static_range(W_STAGES - 1):
                     _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES,
                                 TWO, PL, SL)
+                if PDL:
+                    _grid_wait()
                 for kt in range(KT):
                     _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
                                 soff, W_STAGES, TWO, PL, SL)
@@ -405,6 +437,8 @@ if HAVE_GLUON:
                     acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
                 async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
             else:
+                if PDL and not X_ASYNC:
+                    _grid_wait()
                 for kt0 in range(0, KT, UNROLL):
                     # UNROLL tiles' bytes requested together (more bytes in flight), then computed one by one
                     p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, woff, soff)
@@ -450,6 +484,9 @@ if HAVE_GLUON:
             gl.store(o, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
             if PAIR_N:
                 gl.store(o + 128, (acc_u * alpha).to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
+        else:
+            if PDL:
+                _grid_wait()
 
 
 ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
@@ -460,7 +497,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
               offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
               x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None,
-              pair_n: bool = False) -> torch.Tensor:
+              pair_n: bool = False, pdl: bool = False) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -476,7 +513,10 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     tiles through a shared ring of that many slots filled by cp.async w_stages - 1 tiles ahead, instead of loaded into
     registers at each step (unroll and x_async then unused). maxnreg: the register cap per thread given to ptxas
     (128 fits four programs per SM). pair_n: each program computes two adjacent 128-row N tiles from one pass over
-    its activations (not with fuse_silu; n_out a multiple of 256). Graph-safe (no host sync)."""
+    its activations (not with fuse_silu; n_out a multiple of 256). pdl: launched with programmatic dependent launch
+    (sm90+): the programs start while the previous kernel on the stream (`prepare_activations(pdl=True)` or the gate_up
+    GEMM) finishes, and issue their first weight copies before they wait for it; that kernel must write nothing
+    this one reads except x. Graph-safe (no host sync)."""
     if pair_n and (fuse_silu or n_out % (2 * TILE)):
         raise ValueError(f"frag_gemm: pair_n needs fuse_silu False and n_out % 256 == 0 (n_out={n_out})")
     if w_stages == 1 or w_stages < 0:
@@ -502,7 +542,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
-                     W_STAGES=w_stages, PAIR_N=pair_n, num_warps=4, **extra)
+                     W_STAGES=w_stages, PAIR_N=pair_n, PDL=pdl, num_warps=4, launch_pdl=pdl, **extra)
     return out
 
 
@@ -524,7 +564,7 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
              unroll_down: int = 2, x_async_down: bool = False, ring: int = 0, ring_down: int = 0,
-             maxnreg: int | None = None, pair_down: bool = False) -> torch.Tensor:
+             maxnreg: int | None = None, pair_down: bool = False, pdl: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
@@ -532,34 +572,37 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     cp.async (`frag_gemm`'s x_async; gate_up is slower with it at every measured token count); ring / ring_down:
     the gate_up / down GEMM's weight ring slots (`frag_gemm`'s w_stages; 0: registers); maxnreg: both GEMMs' register
     cap per thread (None: ptxas's choice); pair_down: the down GEMM's programs take two N tiles each
-    (`frag_gemm`'s pair_n)."""
+    (`frag_gemm`'s pair_n); pdl: the two GEMMs launched with programmatic dependent launch, each starting (and
+    copying its first weight tiles) while the kernel before it finishes (`frag_gemm`'s pdl)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
     starts = None if masked else block_schedule(counts, block_m)
-    x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets)
+    x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets,
+                            pdl=pdl)
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg)
+              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg, pdl=pdl)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # without a ring, two K tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16
     # (EP4, H200; bit-equal)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
-                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down)
+                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down, pdl=pdl)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",
                         scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
                         offsets: torch.Tensor | None = None, permute_in_registers: bool = True,
-                        block: int | None = None) -> torch.Tensor:
+                        block: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Activations → fp16 ·2^-8 with columns in MMA K order. Masked slab (offsets None): x [E, M, ·] → [E, M, K],
     rows m < counts[e] (others unwritten). Contiguous rows (offsets [E + 1] int32): x [N, ·] → [N, K], every row.
     x: float ("bf16"); float8_e4m3fn + scales fp32 [.., K/128] ("fp8"); uint8 [.., K/2] + scales e4m3 [.., K/16]
     + global_scale [1] or [E] ("nvfp4"). permute_in_registers: read the rows contiguously and reorder in registers
     (`_prep_x`'s PERMUTE; False: gather each column from memory). block: columns per program (a multiple of 128
-    dividing K; None: the largest of 1024, 512, 128 that does). Graph-safe."""
+    dividing K; None: the largest of 1024, 512, 128 that does). pdl: the next kernel, launched with programmatic
+    dependent launch (`frag_gemm(pdl=True)`), may start at once. Graph-safe."""
     kind = {"bf16": 0, "fp8": 1, "nvfp4": 2}[payload]
     rows = offsets is not None
     if rows:  # each row its own (E = N, M = 1) slab, all rows converted
@@ -589,7 +632,7 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
                                      scales.stride(0) if kind else 0, scales.stride(1) if kind else 0, X_SCALE,
                                      KIND=kind,
                                      GS_PER_EXPERT=kind == 2 and gs.numel() > 1, BLOCK=block, ALL_ROWS=rows,
-                                     PERMUTE=permute_in_registers, num_warps=4)
+                                     PERMUTE=permute_in_registers, PDL=pdl, num_warps=4)
     return y.squeeze(1) if rows else y
 
 

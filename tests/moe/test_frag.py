@@ -170,7 +170,7 @@ sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr"
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
        "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
 consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
-          "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3]), "PAIR_N": False}
+          "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3]), "PAIR_N": False, "PDL": False}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
@@ -292,7 +292,8 @@ def test_run_frag_launches_on_cpu(monkeypatch):
     assert h.dtype == torch.float16 and h.shape == (E, M, I) and a2[2] is h
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
     assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
-                  "X_ASYNC": False, "W_STAGES": 0, "PAIR_N": False, "num_warps": 4}
+                  "X_ASYNC": False, "W_STAGES": 0, "PAIR_N": False, "PDL": False, "num_warps": 4,
+                  "launch_pdl": False}
     assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
     assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
@@ -628,24 +629,83 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
     assert cosine_error(z, want[valid]) < 1e-5
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize("bm,payload", [(16, "bf16"), (16, "nvfp4"), (64, "bf16")])
+def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
+    # programmatic dependent launch: each GEMM starts while the kernel before it finishes and waits before it reads
+    # that kernel's output. Replayed in a CUDA graph with new activations each time, the chain's output is bit-equal
+    # to serial launches' on the same input: a GEMM that read its input before the wait would see the previous
+    # replay's values (the graph's buffers stay put). One expert has no rows: its programs exit after their wait.
+    from pdlab.moe.layouts import Contiguous, Masked, quantize_payload
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+
+    E, H, I, M = 4, 1024, 512, 24
+    w = _gpu_experts(E, H, I).frag_()
+    packs = _repack_frag(w)
+    counts = torch.tensor([24, 0, 9, 17], dtype=torch.int32, device="cuda")
+    rows = E * M if layout == "masked" else int(counts.sum())
+    offsets = torch.tensor([0, 24, 24, 33, 50], dtype=torch.int32, device="cuda")
+    hid = torch.zeros(rows, H, device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros(rows, H // 2, device="cuda", dtype=torch.uint8)
+    sf = torch.zeros(rows, H // 16, device="cuda", dtype=torch.float8_e4m3fn)
+    gs = torch.tensor([448.0 * 6.0 / 5.0], device="cuda")
+
+    def as_layout():
+        kw = {"payload": "nvfp4", "scales": sf, "global_scale": gs} if payload == "nvfp4" else {}
+        data = q if payload == "nvfp4" else hid
+        if layout == "masked":
+            return Masked(data.view(E, M, -1), counts, **kw)
+        return Contiguous(data, counts, offsets, **kw)
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        hid.copy_(torch.randn(rows, H, device="cuda", generator=g).to(torch.bfloat16))
+        if payload == "nvfp4":
+            qq, ss, _ = quantize_payload(hid, "nvfp4", gs)
+            q.copy_(qq)
+            sf.copy_(ss.view(rows, -1))
+
+    def run(pdl):
+        return F.run_frag(as_layout(), packs, I, torch.bfloat16, bm, ring=2, ring_down=2 if bm == 16 else 0,
+                          pair_down=bm == 16, x_async_down=bm == 64, pdl=pdl)
+
+    fill(0)
+    run(True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(True)
+    valid = (torch.arange(M, device="cuda")[None, :] < counts[:, None]).reshape(-1) if layout == "masked" \
+        else slice(None)
+    for seed in range(1, 6):
+        fill(seed)
+        graph.replay()
+        want = run(False)
+        got, want = out.reshape(rows, H)[valid], want.reshape(rows, H)[valid]
+        assert want.float().abs().sum() > 0 and torch.isfinite(want).all()
+        assert torch.equal(got, want), f"replay {seed}: max |Δ| {(got.float() - want.float()).abs().max()}"
+        assert torch.equal(run(True).reshape(rows, H)[valid], want)  # eager launches with PDL too
+
+
 @pytest.mark.parametrize("m,H,cfg,want", [
-    (64, 256, {}, (64, 1, True, 2, 0, False)), (16, 256, {}, (16, 2, False, 2, 2, True)),
-    (16, 128, {}, (16, 2, False, 2, 0, False)),  # H % 256: no N-tile pairs
-    (64, 256, {"FRAG_XASYNC": 0}, (64, 2, False, 2, 0, False)),
-    (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0},
-     (16, 1, True, 0, 0, False)),
-    (16, 256, {"FRAG_RING_DOWN": 3}, (16, 2, False, 2, 3, True))])
+    (64, 256, {}, (64, 1, True, 2, 0, False, True)), (16, 256, {}, (16, 2, False, 2, 2, True, True)),
+    (16, 128, {}, (16, 2, False, 2, 0, False, True)),  # H % 256: no N-tile pairs
+    (64, 256, {"FRAG_XASYNC": 0}, (64, 2, False, 2, 0, False, True)),
+    (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0, "FRAG_PDL": 0},
+     (16, 1, True, 0, 0, False, False)),
+    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True))])
 def test_fragment_knobs_resolve_as_documented(monkeypatch, m, H, cfg, want):
     # defaults through the runner's config resolution: gate_up takes its weights through a two-slot cp.async ring;
     # 16-token programs pair the down GEMM's N tiles (with its own two-slot ring) where H % 256 == 0; 64-token
-    # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster)
+    # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster); both GEMMs
+    # are launched with programmatic dependent launch unless FRAG_PDL is 0
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners import triton_nvfp4 as R
     from pdlab.moe.weights import ExpertWeights
 
     got = []
     monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down, **kw: got.append(
-        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"])))
+        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"], kw["pdl"])))
     w = ExpertWeights.from_bf16(torch.randn(2, 256, H) * 0.1, torch.randn(2, H, 128) * 0.1, quantize=True)
     layout = Masked(torch.randn(2, m, H), torch.tensor([m, 1], dtype=torch.int32))
     R._run_frag(layout, w, R.resolve_config({**R._DEFAULT, **cfg}, m), m)
