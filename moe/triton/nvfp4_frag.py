@@ -259,9 +259,10 @@ if HAVE_GLUON:
     def _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES: gl.constexpr,
                     TWO: gl.constexpr, PL: gl.constexpr, SL: gl.constexpr):
         """cp.async of K tile j's packed bytes and scales (the first tile into wr / sr, with TWO the second into
-        wur / sur) into ring slot j % W_STAGES, one commit group (empty copies past the last tile keep the group
-        count). Each thread copies exactly the bytes it later reads back (its own fragments). Four buffers, not one:
-        Triton's barrier analysis puts a CTA barrier between two copies into the same buffer."""
+        wur / sur) into ring slot j % W_STAGES (empty copies past the last tile keep the group count); the caller
+        commits the group (`_commit_tile`). Each thread copies exactly the bytes it later reads back (its own
+        fragments). Four buffers, not one: Triton's barrier analysis puts a CTA barrier between two copies into the
+        same buffer."""
         slot = j % W_STAGES
         wok = gl.full([4, 128, 16], j, gl.int32, PL) < KT
         sok = gl.full([128, 8], j, gl.int32, SL) < KT
@@ -270,6 +271,13 @@ if HAVE_GLUON:
         if TWO:
             _cp_async(wur.index(slot), wu_base + j * 8192 + woff, mask=wok)
             _cp_async(sur.index(slot), su_base + j * 1024 + soff, mask=sok)
+
+    @gluon.jit
+    def _commit_tile(xr, j, KT, x_rows, x_ok, W_STAGES: gl.constexpr, X_RING: gl.constexpr):
+        """With X_RING, cp.async of K tile j's activations [BM, 128] into ring slot j % W_STAGES of xr (none past the
+        last tile); then the commit of tile j's group (its weight copies, `_issue_tile`, and these)."""
+        if X_RING:
+            _cp_async(xr.index(j % W_STAGES), x_rows + j * 128, mask=x_ok & (j < KT))
         async_copy.commit_group()
 
     @gluon.jit
@@ -308,6 +316,19 @@ if HAVE_GLUON:
         return acc, acc_u
 
     @gluon.jit
+    def _mma_step_ring(p, s, pu, su, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr):
+        """One K tile whose activation tile xs [BM, 128] came through the weight ring (X_RING): this thread's copies
+        have landed (the caller's wait_group); the fence and the barrier make every thread's visible to wgmma."""
+        a = _operand(p, s, LB, AL)
+        fence_async_shared()
+        _cta_barrier()
+        acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
+        if TWO:
+            acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
+        _cta_barrier()  # the ring slot read here is refilled by the next step
+        return acc, acc_u
+
+    @gluon.jit
     def _mma_step_async(p, s, pu, su, xr, kt, KT, x_rows, x_ok, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr,
                         TWO: gl.constexpr):
         """One K tile with the activation tiles copied into a two-tile shared ring by cp.async, one tile ahead:
@@ -332,18 +353,19 @@ if HAVE_GLUON:
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
                    X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, PAIR_N: gl.constexpr = False,
-                   PDL: gl.constexpr = False):
+                   PDL: gl.constexpr = False, X_RING: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
         (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit.
         W_STAGES ≥ 2: the weight tiles go through a W_STAGES-slot shared ring filled by cp.async W_STAGES - 1 tiles
-        ahead (UNROLL and X_ASYNC unused); 0: loaded into registers at the top of each step.
+        ahead (UNROLL and X_ASYNC unused), with X_RING the activation tiles too (in the same commit groups, read by
+        wgmma where they land); 0: loaded into registers at the top of each step.
         PAIR_N (not with FUSE_SILU): program pid_n computes the two N tiles 2·pid_n and 2·pid_n + 1 from one pass over
         the activations (half the activation reads and programs).
         PDL (launched with programmatic dependent launch): the program lets the next grid start at once, reads only
-        the counts (complete before the previous grid started) and issues its first weight copies before it waits
-        for the previous grid (which wrote x); it writes nothing before. Every program waits, those without rows
+        the counts (complete before the previous grid started) and issues its first tile's weight copies before it
+        waits for the previous grid (which wrote x); it writes nothing before. Every program waits, those without rows
         too, so that this grid's completion implies the previous grid's."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -401,8 +423,13 @@ if HAVE_GLUON:
                 xr = gl.allocate_shared_memory(gl.float16, [2, BM, 128], XS)
                 _cp_async(xr.index(0), x_rows, mask=x_ok)
                 async_copy.commit_group()
+            elif X_RING:  # activation tiles in the weight ring's slots
+                x_ok = x_ok & gl.expand_dims(xk < 128, 0)
+                xr = gl.allocate_shared_memory(gl.float16, [W_STAGES, BM, 128], XS)
+                xs = xr.index(0)  # (not used)
             else:
                 xs = gl.allocate_shared_memory(gl.float16, [BM, 128], XS)
+                xr = xs  # (not used)
             acc = gl.zeros([128, BM], gl.float32, layout=mma)
             acc_u = gl.zeros([128, BM], gl.float32, layout=mma)
             woff, soff = _tile_offsets(PL, SL)
@@ -419,12 +446,15 @@ if HAVE_GLUON:
                 for j in gl.static_range(W_STAGES - 1):
                     _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES,
                                 TWO, PL, SL)
-                if PDL:
-                    _grid_wait()
+                    if PDL and j == 0:
+                        _grid_wait()  # (after the first tile's weight copies, before any activation is read)
+                    _commit_tile(xr, j, KT, x_rows, x_ok, W_STAGES, X_RING)
                 for kt in range(KT):
                     _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
                                 soff, W_STAGES, TWO, PL, SL)
-                    x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
+                    _commit_tile(xr, kt + (W_STAGES - 1), KT, x_rows, x_ok, W_STAGES, X_RING)
+                    if not X_RING:
+                        x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
                     async_copy.wait_group(W_STAGES - 1)  # tile kt's copies (this thread's) have landed
                     slot = kt % W_STAGES
                     p = wr.index(slot).load(PL)
@@ -434,7 +464,10 @@ if HAVE_GLUON:
                         su = sur.index(slot).load(SL)
                     else:  # (not read by the step)
                         pu, su = p, s
-                    acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
+                    if X_RING:
+                        acc, acc_u = _mma_step_ring(p, s, pu, su, xr.index(slot), acc, acc_u, LB, AL, TWO)
+                    else:
+                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
                 async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
             else:
                 if PDL and not X_ASYNC:
@@ -497,7 +530,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
               offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
               x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None,
-              pair_n: bool = False, pdl: bool = False) -> torch.Tensor:
+              pair_n: bool = False, pdl: bool = False, x_ring: bool = False) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -511,7 +544,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     unroll: K tiles whose loads are issued together (1 or 2; 1 when K/128 is odd). x_async: the activation tiles go
     to shared memory by cp.async one tile ahead (instead of through registers). w_stages (0, or ≥ 2): the weight
     tiles through a shared ring of that many slots filled by cp.async w_stages - 1 tiles ahead, instead of loaded into
-    registers at each step (unroll and x_async then unused). maxnreg: the register cap per thread given to ptxas
+    registers at each step (unroll and x_async then unused); x_ring: with a ring, the activation tiles go through it
+    too (cp.async, in the weights' groups) instead of registers. maxnreg: the register cap per thread given to ptxas
     (128 fits four programs per SM). pair_n: each program computes two adjacent 128-row N tiles from one pass over
     its activations (not with fuse_silu; n_out a multiple of 256). pdl: launched with programmatic dependent launch
     (sm90+): the programs start while the previous kernel on the stream (`prepare_activations(pdl=True)` or the gate_up
@@ -542,7 +576,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
-                     W_STAGES=w_stages, PAIR_N=pair_n, PDL=pdl, num_warps=4, launch_pdl=pdl, **extra)
+                     W_STAGES=w_stages, PAIR_N=pair_n, PDL=pdl, X_RING=x_ring and w_stages > 0, num_warps=4,
+                     launch_pdl=pdl, **extra)
     return out
 
 
@@ -564,7 +599,8 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
              unroll_down: int = 2, x_async_down: bool = False, ring: int = 0, ring_down: int = 0,
-             maxnreg: int | None = None, pair_down: bool = False, pdl: bool = False) -> torch.Tensor:
+             maxnreg: int | None = None, pair_down: bool = False, pdl: bool = False,
+             x_ring: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
@@ -573,7 +609,8 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     the gate_up / down GEMM's weight ring slots (`frag_gemm`'s w_stages; 0: registers); maxnreg: both GEMMs' register
     cap per thread (None: ptxas's choice); pair_down: the down GEMM's programs take two N tiles each
     (`frag_gemm`'s pair_n); pdl: the two GEMMs launched with programmatic dependent launch, each starting (and
-    copying its first weight tiles) while the kernel before it finishes (`frag_gemm`'s pdl)."""
+    copying its first weight tiles) while the kernel before it finishes (`frag_gemm`'s pdl); x_ring: each GEMM with
+    a ring takes its activation tiles through it (`frag_gemm`'s x_ring)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -583,13 +620,15 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg, pdl=pdl)
+              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg, pdl=pdl,
+              x_ring=x_ring)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # without a ring, two K tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16
     # (EP4, H200; bit-equal)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
-                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down, pdl=pdl)
+                     x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down, pdl=pdl,
+                     x_ring=x_ring)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

@@ -170,25 +170,29 @@ sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr"
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
        "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
 consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
-          "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3]), "PAIR_N": False, "PDL": False}
+          "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3]), "PAIR_N": False,
+          "PDL": sys.argv[5:6] == ["1"], "X_RING": sys.argv[4:5] == ["1"]}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
 k = triton.compile(GluonASTSource(fn=F._frag_gemm, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(_disassemble(k.asm["cubin"]))}))
+sass = _disassemble(k.asm["cubin"])
+marks = [w.split(".")[0] for line in sass.splitlines() for w in line.replace(";", " ").split()
+         if w.split(".")[0] in ("LDGSTS", "ACQBULK", "PREEXIT", "STG", "EXIT")]
+print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(sass), "marks": marks}))
 """
 
 
-def _compile_sm90(layout: str, x_async: int, w_stages: int) -> dict:
-    """The down GEMM (BM 16) compiled for sm90 in its own process (compiled, not interpreted): shared bytes and the
-    SASS opcode counts."""
+def _compile_sm90(layout: str, x_async: int, w_stages: int, x_ring: int = 0, pdl: int = 0) -> dict:
+    """The down GEMM (BM 16) compiled for sm90 in its own process (compiled, not interpreted): shared bytes, the
+    SASS opcode counts, and the order of its copies, grid-dependency instructions, stores and exits ("marks")."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async), str(w_stages)], capture_output=True,
-                       text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async), str(w_stages), str(x_ring), str(pdl)],
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
 
@@ -221,6 +225,24 @@ def test_compiles_for_sm90_with_the_weight_ring(w_stages):
     assert ops["HGMMA"] == 16 and ops.get("LDSM", 0) == 0, ops
     assert ops.get("LDGSTS", 0) == 5 * w_stages, ops
     assert ops.get("PRMT", 0) <= 16, ops
+
+
+@pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("w_stages", [2, 3])
+def test_compiles_for_sm90_with_activations_in_the_ring_and_pdl(w_stages):
+    # X_RING: each ring slot holds a tile's weights and its activation tile [16, 128] fp16 (two 16-byte copies per
+    # thread), and there is no separate activation buffer. PDL: the program first lets the next grid launch
+    # (PREEXIT), copies the first tile's weights (five copies), then waits for the previous grid (ACQBULK) before
+    # its first activation copy; nothing is stored before; programs without rows wait too (a second ACQBULK)
+    got = _compile_sm90("masked", 0, w_stages, x_ring=1, pdl=1)
+    ops, marks = got["ops"], got["marks"]
+    assert got["shared"] == w_stages * (8192 + 1024 + 16 * 128 * 2), got
+    assert ops["HGMMA"] == 16 and ops.get("LDGSTS", 0) == 7 * w_stages and ops.get("PRMT", 0) <= 16, ops
+    assert marks[0] == "PREEXIT" and marks.count("ACQBULK") == 2, marks
+    first_wait = marks.index("ACQBULK")
+    assert marks[1:first_wait] == ["LDGSTS"] * 5 and "STG" not in marks[:first_wait], marks
+    plain = _compile_sm90("masked", 0, w_stages)["marks"]
+    assert "ACQBULK" not in plain and "PREEXIT" not in plain
 
 
 @pytest.mark.parametrize("permute", [True, False])
@@ -292,8 +314,8 @@ def test_run_frag_launches_on_cpu(monkeypatch):
     assert h.dtype == torch.float16 and h.shape == (E, M, I) and a2[2] is h
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
     assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
-                  "X_ASYNC": False, "W_STAGES": 0, "PAIR_N": False, "PDL": False, "num_warps": 4,
-                  "launch_pdl": False}
+                  "X_ASYNC": False, "W_STAGES": 0, "PAIR_N": False, "PDL": False, "X_RING": False,
+                  "num_warps": 4, "launch_pdl": False}
     assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
     assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
@@ -577,8 +599,9 @@ def test_gpu_cp_async_activations_are_bit_equal(layout, bm, unroll):
 @pytest.mark.parametrize("bm", [16, 64])
 @pytest.mark.parametrize("w_stages,maxnreg", [(2, None), (3, None), (4, None), (2, 128)])
 def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
-    # the weight tiles through the cp.async ring instead of registers: the MMAs see the same operands, so both GEMMs'
-    # outputs are bit-equal to the register path's (K/128: gate_up 6 tiles, down 3, fewer than some rings' slots)
+    # the weight tiles (and with x_ring the activation tiles) through the cp.async ring instead of registers: the MMAs
+    # see the same operands, so both GEMMs' outputs are bit-equal to the register path's (K/128: gate_up 6 tiles,
+    # down 3, fewer than some rings' slots)
     from pdlab.moe.layouts import Contiguous, Masked
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
 
@@ -598,15 +621,16 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
     x = as_layout(torch.randn(rows, H, device="cuda").to(torch.bfloat16))
     off = None if layout == "masked" else x.offsets
     xp = F.prepare_activations(x.hidden, counts, offsets=off)
-    # (weight ring slots, register cap, down GEMM's programs on two N tiles)
-    runs = [(0, None, False), (w_stages, maxnreg, False), (w_stages, maxnreg, True), (0, None, True)]
+    # (weight ring slots, register cap, down GEMM's programs on two N tiles, activations through the ring)
+    runs = [(0, None, False, False), (w_stages, maxnreg, False, False), (w_stages, maxnreg, True, False),
+            (0, None, True, False), (w_stages, maxnreg, False, True), (w_stages, maxnreg, True, True)]
     h = [torch.zeros(xp.shape[:-1] + (I,), dtype=torch.float16, device="cuda") for _ in runs]
     y = [torch.zeros(xp.shape[:-1] + (H,), dtype=torch.bfloat16, device="cuda") for _ in runs]
-    for hh, yy, (ws, reg, pair) in zip(h, y, runs):
+    for hh, yy, (ws, reg, pair, xring) in zip(h, y, runs):
         F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True,
-                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg)
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, x_ring=xring)
         F.frag_gemm(h[0], packs["w2"], packs["w2_sf"], packs["w2_s2"], yy, counts, n_out=H, fuse_silu=False,
-                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, pair_n=pair)
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, pair_n=pair, x_ring=xring)
     flat = [t.reshape(rows, -1)[valid] for t in h + y]
     assert flat[0].float().abs().sum() > 0 and all(torch.isfinite(t).all() for t in flat)
     for i in range(1, len(runs)):
@@ -666,9 +690,9 @@ def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
             q.copy_(qq)
             sf.copy_(ss.view(rows, -1))
 
-    def run(pdl):
+    def run(pdl):  # (the activations through the rings where there are rings: the wait guards their copies too)
         return F.run_frag(as_layout(), packs, I, torch.bfloat16, bm, ring=2, ring_down=2 if bm == 16 else 0,
-                          pair_down=bm == 16, x_async_down=bm == 64, pdl=pdl)
+                          pair_down=bm == 16, x_async_down=bm == 64, pdl=pdl, x_ring=pdl)
 
     fill(0)
     run(True)  # compile outside the capture
@@ -688,24 +712,25 @@ def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
 
 
 @pytest.mark.parametrize("m,H,cfg,want", [
-    (64, 256, {}, (64, 1, True, 2, 0, False, True)), (16, 256, {}, (16, 2, False, 2, 2, True, True)),
-    (16, 128, {}, (16, 2, False, 2, 0, False, True)),  # H % 256: no N-tile pairs
-    (64, 256, {"FRAG_XASYNC": 0}, (64, 2, False, 2, 0, False, True)),
-    (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0, "FRAG_PDL": 0},
-     (16, 1, True, 0, 0, False, False)),
-    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True))])
+    (64, 256, {}, (64, 1, True, 2, 0, False, True, True)), (16, 256, {}, (16, 2, False, 2, 2, True, True, True)),
+    (16, 128, {}, (16, 2, False, 2, 0, False, True, True)),  # H % 256: no N-tile pairs
+    (64, 256, {"FRAG_XASYNC": 0}, (64, 2, False, 2, 0, False, True, True)),
+    (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0, "FRAG_PDL": 0,
+               "FRAG_XRING": 0}, (16, 1, True, 0, 0, False, False, False)),
+    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True, True))])
 def test_fragment_knobs_resolve_as_documented(monkeypatch, m, H, cfg, want):
     # defaults through the runner's config resolution: gate_up takes its weights through a two-slot cp.async ring;
     # 16-token programs pair the down GEMM's N tiles (with its own two-slot ring) where H % 256 == 0; 64-token
     # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster); both GEMMs
-    # are launched with programmatic dependent launch unless FRAG_PDL is 0
+    # are launched with programmatic dependent launch unless FRAG_PDL is 0, and take their activations through their
+    # rings unless FRAG_XRING is 0
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners import triton_nvfp4 as R
     from pdlab.moe.weights import ExpertWeights
 
     got = []
     monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down, **kw: got.append(
-        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"], kw["pdl"])))
+        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"], kw["pdl"], kw["x_ring"])))
     w = ExpertWeights.from_bf16(torch.randn(2, 256, H) * 0.1, torch.randn(2, H, 128) * 0.1, quantize=True)
     layout = Masked(torch.randn(2, m, H), torch.tensor([m, 1], dtype=torch.int32))
     R._run_frag(layout, w, R.resolve_config({**R._DEFAULT, **cfg}, m), m)
