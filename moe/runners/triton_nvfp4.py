@@ -42,7 +42,7 @@ whatever FRAG says.
 Otherwise they read a fragment-order copy built once (a second copy of the experts): auto takes them unless the
 weights are stored tiled, 1 always. `frag_path_taken` says whether a call runs them.
 FRAG_RING (-1 = 2): the gate_up GEMM's weight tiles through a shared ring of that many slots filled by cp.async
-(0: loaded into registers at each step); FRAG_PAIR_DOWN (-1: on for 16-token programs where H % 256 == 0) has each
+(0: loaded into registers at each step); FRAG_PAIR_DOWN (-1: on where H % 256 == 0) has each
 down-GEMM program compute two adjacent N tiles from one pass over its activations; FRAG_RING_DOWN (-1: 2 with
 FRAG_PAIR_DOWN, else 0) the down GEMM's ring (with a ring, FRAG_UNROLL and FRAG_XASYNC do not apply to that GEMM);
 FRAG_MAXNREG (0 = none) a register cap per thread for both GEMMs; FRAG_PDL (-1 = 1) launches the two GEMMs with
@@ -298,7 +298,7 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     unroll = int(cfg.get("FRAG_UNROLL") or (1 if x_async and bm == 64 else 2))
     ring, ring_down, pair = (int(cfg.get(k, -1)) for k in ("FRAG_RING", "FRAG_RING_DOWN", "FRAG_PAIR_DOWN"))
     ring = 2 if ring == -1 else ring
-    pair = bm == 16 if pair == -1 else bool(pair)
+    pair = True if pair == -1 else bool(pair)
     if pair and weights.hidden_size % 256:
         pair = False  # (two 128-row tiles per program need H % 256 == 0)
     ring_down = (2 if pair else 0) if ring_down == -1 else ring_down
