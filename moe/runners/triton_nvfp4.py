@@ -45,9 +45,13 @@ FRAG_RING (-1 = 2): the gate_up GEMM's weight tiles through a shared ring of tha
 (0: loaded into registers at each step); FRAG_PAIR_DOWN (-1: on where H % 256 == 0) has each
 down-GEMM program compute two adjacent N tiles from one pass over its activations; FRAG_RING_DOWN (-1: 2 with
 FRAG_PAIR_DOWN, else 0) the down GEMM's ring (with a ring, FRAG_UNROLL and FRAG_XASYNC do not apply to that GEMM);
-FRAG_MAXNREG (0 = none) a register cap per thread for both GEMMs; FRAG_PDL (-1 = 1) launches the two GEMMs with
+FRAG_MAXNREG (0 = none) a register cap per thread for both GEMMs; FRAG_PDL (-1 = 0) launches the two GEMMs with
 programmatic dependent launch, so that each starts, and copies its first weight tiles, while the kernel before it
-finishes; FRAG_XRING (-1 = 1) has a GEMM with a weight ring take its activation tiles through the ring too. EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
+finishes (on an H200 at EP4: 3–5 µs faster at 1 token/expert, within the runs' ±10–15 µs noise at 16 and 64, so off
+unless tuned); FRAG_XRING (-1 = 1) has a GEMM with a weight ring take its activation tiles through the ring too,
+instead of loading them into registers at each K step, where each load's L2 latency was exposed (458 → 421–445 µs at
+1 token/expert, 521–527 → 457–506 µs at 16, 955–965 → 814–888 µs at 64;
+bench/results/NVIDIA_H200/moe_experts/2026-12-01_activation_ring). EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
 gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
@@ -303,7 +307,7 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
         pair = False  # (two 128-row tiles per program need H % 256 == 0)
     ring_down = (2 if pair else 0) if ring_down == -1 else ring_down
     maxnreg = int(cfg.get("FRAG_MAXNREG", 0)) or None
-    pdl = int(cfg.get("FRAG_PDL", -1)) != 0
+    pdl = int(cfg.get("FRAG_PDL", -1)) == 1  # (-1: off; no gain beyond the runs' noise, see the module docstring)
     x_ring = int(cfg.get("FRAG_XRING", -1)) != 0
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,

@@ -8,7 +8,10 @@ wgmma A fragments (four 16-byte loads per 128×128 tile), unpacks them in regist
 hands them to wgmma as the register A operand: no permutes. The bytes come straight from global memory, or (W_STAGES;
 the runner's default for gate_up, and for the down GEMM when it pairs N tiles) through a cp.async ring in shared
 memory in which each thread copies and reads back only its own fragments, so that several tiles are in flight per
-program without holding registers.
+program without holding registers. With X_RING (the runner's default with a ring) each slot also holds the K tile's
+activations [BM, 128], copied in the same group and read by wgmma where they land: loaded into registers at each
+step instead, every K step waited for one L2 round trip. PDL (off by default) launches the GEMMs with programmatic
+dependent launch: a program issues its first weight copies before it waits for the kernel that wrote its input.
 
 Layouts (one program = 128 weight rows × all of K, one warpgroup; tile = 128 rows × 128 K):
 

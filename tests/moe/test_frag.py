@@ -712,18 +712,18 @@ def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
 
 
 @pytest.mark.parametrize("m,H,cfg,want", [
-    (64, 256, {}, (64, 1, True, 2, 2, True, True, True)), (16, 256, {}, (16, 2, False, 2, 2, True, True, True)),
-    (16, 128, {}, (16, 2, False, 2, 0, False, True, True)),  # H % 256: no N-tile pairs
-    (64, 128, {}, (64, 1, True, 2, 0, False, True, True)),
-    (64, 256, {"FRAG_XASYNC": 0, "FRAG_PAIR_DOWN": 0}, (64, 2, False, 2, 0, False, True, True)),
+    (64, 256, {}, (64, 1, True, 2, 2, True, False, True)), (16, 256, {}, (16, 2, False, 2, 2, True, False, True)),
+    (16, 128, {}, (16, 2, False, 2, 0, False, False, True)),  # H % 256: no N-tile pairs
+    (64, 128, {}, (64, 1, True, 2, 0, False, False, True)),
+    (64, 256, {"FRAG_XASYNC": 0, "FRAG_PAIR_DOWN": 0}, (64, 2, False, 2, 0, False, False, True)),
     (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0, "FRAG_PDL": 0,
                "FRAG_XRING": 0}, (16, 1, True, 0, 0, False, False, False)),
     (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True, True))])
 def test_fragment_knobs_resolve_as_documented(monkeypatch, m, H, cfg, want):
     # defaults through the runner's config resolution: gate_up takes its weights through a two-slot cp.async ring;
     # the down GEMM pairs its N tiles (with its own two-slot ring) where H % 256 == 0; without pairs, 64-token
-    # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster); both GEMMs
-    # are launched with programmatic dependent launch unless FRAG_PDL is 0, and take their activations through their
+    # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster); the GEMMs are
+    # launched with programmatic dependent launch only with FRAG_PDL 1, and take their activations through their
     # rings unless FRAG_XRING is 0
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners import triton_nvfp4 as R
