@@ -47,8 +47,8 @@ down-GEMM program compute two adjacent N tiles from one pass over its activation
 FRAG_PAIR_DOWN, else 0) the down GEMM's ring (with a ring, FRAG_UNROLL and FRAG_XASYNC do not apply to that GEMM);
 FRAG_MAXNREG (0 = none) a register cap per thread for both GEMMs; FRAG_PDL (-1 = 0) launches the two GEMMs with
 programmatic dependent launch, so that each starts, and copies its first weight tiles, while the kernel before it
-finishes (on an H200 at EP4: 3–5 µs faster at 1 token/expert, within the runs' ±10–15 µs noise at 16 and 64, so off
-unless tuned); FRAG_XRING (-1 = 1) has a GEMM with a weight ring take its activation tiles through the ring too,
+finishes (on an H200 at EP4: 3–6 µs faster at 1 token/expert in two of three A/B runs, within the runs' ±10–15 µs
+noise at 16 and 64, so off unless tuned; the tuned EP4 decode entries turn it on); FRAG_XRING (-1 = 1) has a GEMM with a weight ring take its activation tiles through the ring too,
 instead of loading them into registers at each K step, where each load's L2 latency was exposed (458 → 421–445 µs at
 1 token/expert, 521–527 → 457–506 µs at 16, 955–965 → 814–888 µs at 64;
 bench/results/NVIDIA_H200/moe_experts/2026-12-01_activation_ring). EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
