@@ -48,9 +48,10 @@ FRAG_PAIR_DOWN, else 0) the down GEMM's ring (with a ring, FRAG_UNROLL and FRAG_
 FRAG_MAXNREG (0 = none) a register cap per thread for both GEMMs; FRAG_PDL (-1 = 0) launches the two GEMMs with
 programmatic dependent launch, so that each starts, and copies its first weight tiles, while the kernel before it
 finishes (on an H200 at EP4: 3–6 µs faster at 1 token/expert in two of three A/B runs, within the runs' ±10–15 µs
-noise at 16 and 64, so off unless tuned; the tuned EP4 decode entries turn it on); FRAG_XRING (-1 = 1) has a GEMM with a weight ring take its activation tiles through the ring too,
-instead of loading them into registers at each K step, where each load's L2 latency was exposed (458 → 421–445 µs at
-1 token/expert, 521–527 → 457–506 µs at 16, 955–965 → 814–888 µs at 64;
+noise at 16 and 64, so off unless tuned; the tuned EP4 decode entries turn it on); FRAG_XRING (-1 = 1) has a GEMM
+with a weight ring take its activation tiles through the ring too, instead of loading them into registers at each
+K step, where each load's L2 latency was exposed (458 → 421–445 µs at 1 token/expert, 521–527 → 457–506 µs at 16,
+955–965 → 814–888 µs at 64;
 bench/results/NVIDIA_H200/moe_experts/2026-12-01_activation_ring). EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
 gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).

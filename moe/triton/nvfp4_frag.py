@@ -367,9 +367,9 @@ if HAVE_GLUON:
         PAIR_N (not with FUSE_SILU): program pid_n computes the two N tiles 2·pid_n and 2·pid_n + 1 from one pass over
         the activations (half the activation reads and programs).
         PDL (launched with programmatic dependent launch): the program lets the next grid start at once, reads only
-        the counts (complete before the previous grid started) and, with a ring, issues its first tile's weight copies
-        before it waits for the previous grid (which wrote x); it writes nothing before. Every program waits, those without rows
-        too, so that this grid's completion implies the previous grid's."""
+        the counts (complete before the previous grid started) and, with a ring, issues its first tile's weight
+        copies before it waits for the previous grid (which wrote x); it writes nothing before. Every program waits,
+        those without rows too, so that this grid's completion implies the previous grid's."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         LB: gl.constexpr = gl.DistributedLinearLayout(
