@@ -236,21 +236,18 @@ if HAVE_GLUON:
         sj = gl.arange(0, 8, layout=gl.SliceLayout(0, SL))
         return (i16[:, None, None] * 2048 + tid[None, :, None] * 16) + b[None, None, :], st[:, None] * 8 + sj[None, :]
 
-    @gluon.jit
-    def _grid_wait():
-        """griddepcontrol.wait in every thread (programmatic dependent launch): until the previous grid on the stream
-        has completed and its writes are visible. A no-op in a grid launched without PDL."""
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r",
-                                         [gl.full([128], 0, gl.int32, one)], dtype=gl.int32, is_pure=False, pack=1)
+    # programmatic dependent launch, in every thread (both are no-ops without it): wait until the previous grid on
+    # the stream has completed and its writes are visible; let the next grid start once every program of this one
+    # has said so or exited
+    _GRID_WAIT = gl.constexpr("griddepcontrol.wait; mov.b32 $0, $1;")
+    _LAUNCH_DEPENDENTS = gl.constexpr("griddepcontrol.launch_dependents; mov.b32 $0, $1;")
 
     @gluon.jit
-    def _launch_dependents():
-        """griddepcontrol.launch_dependents in every thread: the next grid (launched with PDL) may start once every
-        program of this one has said so or exited. A no-op when there is no such grid."""
+    def _grid_control(ASM: gl.constexpr):
+        """One grid-dependency instruction (`_GRID_WAIT` or `_LAUNCH_DEPENDENTS`) in every thread of the program."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r",
-                                         [gl.full([128], 0, gl.int32, one)], dtype=gl.int32, is_pure=False, pack=1)
+        return gl.inline_asm_elementwise(ASM, "=r,r", [gl.full([128], 0, gl.int32, one)], dtype=gl.int32,
+                                         is_pure=False, pack=1)
 
     @gluon.jit
     def _load_tile(wp, sp, woff, soff):
@@ -383,7 +380,7 @@ if HAVE_GLUON:
 
         TWO: gl.constexpr = FUSE_SILU or PAIR_N  # two weight tiles per K step, one activation tile
         if PDL:
-            _launch_dependents()
+            _grid_control(_LAUNCH_DEPENDENTS)
         pid_n = gl.program_id(0)
         if CONTIG:
             blk = gl.program_id(1)
@@ -421,7 +418,7 @@ if HAVE_GLUON:
             x_ok = gl.expand_dims(m0 + xm < count, 1)
             if X_ASYNC:  # activation tiles through a two-tile ring filled by cp.async one tile ahead
                 if PDL:
-                    _grid_wait()
+                    _grid_control(_GRID_WAIT)
                 x_ok = x_ok & gl.expand_dims(xk < 128, 0)
                 xr = gl.allocate_shared_memory(gl.float16, [2, BM, 128], XS)
                 _cp_async(xr.index(0), x_rows, mask=x_ok)
@@ -450,7 +447,7 @@ if HAVE_GLUON:
                     _issue_tile(wr, sr, wur, sur, j, KT, w_base, s_base, wu_base, su_base, woff, soff, W_STAGES,
                                 TWO, PL, SL)
                     if PDL and j == 0:
-                        _grid_wait()  # (after the first tile's weight copies, before any activation is read)
+                        _grid_control(_GRID_WAIT)  # (after the first weight copies, before any activation read)
                     _commit_tile(xr, j, KT, x_rows, x_ok, W_STAGES, X_RING)
                 for kt in range(KT):
                     _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
@@ -474,7 +471,7 @@ if HAVE_GLUON:
                 async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
             else:
                 if PDL and not X_ASYNC:
-                    _grid_wait()
+                    _grid_control(_GRID_WAIT)
                 for kt0 in range(0, KT, UNROLL):
                     # UNROLL tiles' bytes requested together (more bytes in flight), then computed one by one
                     p, s = _load_tile(w_base + kt0 * 8192, s_base + kt0 * 1024, woff, soff)
@@ -522,7 +519,7 @@ if HAVE_GLUON:
                 gl.store(o + 128, (acc_u * alpha).to(out_ptr.dtype.element_ty), mask=gl.expand_dims(om < count, 0))
         else:
             if PDL:
-                _grid_wait()
+                _grid_control(_GRID_WAIT)
 
 
 ALPHA = 64.0 * 256.0  # the unpack's value·2^-6 and the activations' ·2^-8, undone in the epilogue
