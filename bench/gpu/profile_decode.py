@@ -70,11 +70,18 @@ def _moe(args) -> list[dict]:
     return rows
 
 
+def _ring_options(raw: dict, ring_key: str) -> dict:
+    """`frag_gemm`'s x_ring / mma_async from a --what frag config, for a GEMM with a ring (raw[ring_key] ≥ 2)."""
+    ring = int(raw.get(ring_key, 0)) > 0
+    return {"x_ring": ring and bool(raw.get("x_ring", 0)), "mma_async": ring and bool(raw.get("mma_async", 0))}
+
+
 def _frag(args) -> list[dict]:
     """The fragment-order GEMMs (moe/triton/nvfp4_frag.py) stage by stage on a masked bf16 slab: the activation
     pre-kernel, gate_up+SiLU, down. Configs: {"block_m": 16, "unroll_down": 2, "x_async": 0, "w_stages_gate": 0,
     "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "prep_block": null,
-    "pair_down": 0} keys (missing: the runner's defaults; `frag_gemm`'s w_stages / maxnreg / pair_n,
+    "pair_down": 0, "x_ring": 0, "mma_async": 0} keys (missing: the values shown; `frag_gemm`'s w_stages / maxnreg /
+    pair_n / x_ring / mma_async (these two for the GEMMs with a ring),
     `prepare_activations`' permute_in_registers = not prep_gather and block). Rows: prep, gate_up, down and the
     three in sequence ("layer"); with --events also each kernel's time within the sequence (CUDA events, eager)."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
@@ -100,13 +107,14 @@ def _frag(args) -> list[dict]:
             def gate_up(bm=bm, xa=xa, raw=raw):
                 F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=I, fuse_silu=True,
                             block_m=bm, unroll=int(raw.get("unroll_gate", 1)), x_async=xa,
-                            w_stages=int(raw.get("w_stages_gate", 0)), maxnreg=raw.get("maxnreg_gate"))
+                            w_stages=int(raw.get("w_stages_gate", 0)), maxnreg=raw.get("maxnreg_gate"),
+                            **_ring_options(raw, "w_stages_gate"))
 
             def down(bm=bm, xa=xa, raw=raw):
                 F.frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                             block_m=bm, unroll=int(raw.get("unroll_down", 2)), x_async=xa,
                             w_stages=int(raw.get("w_stages_down", 0)), maxnreg=raw.get("maxnreg_down"),
-                            pair_n=bool(raw.get("pair_down", 0)))
+                            pair_n=bool(raw.get("pair_down", 0)), **_ring_options(raw, "w_stages_down"))
 
             def prep(raw=raw):
                 F.prepare_activations(layout.hidden, counts, permute_in_registers=not raw.get("prep_gather", 0),

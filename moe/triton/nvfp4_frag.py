@@ -48,7 +48,7 @@ try:  # Gluon (Triton ≥ 3.5): explicit layouts
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     # the CTA barrier: gl.thread_barrier up to Triton 3.6, gl.barrier after; the cp.async copy:
     # async_copy_global_to_shared up to 3.6, async_load after
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -302,6 +302,43 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(w, [128, 128]), AL, assert_trivial=True)
 
     @gluon.jit
+    def _operand_half(p, s, LH: gl.constexpr, AL: gl.constexpr):
+        """Half `_operand`: rows 64·rhi … 64·rhi + 63 of a tile, from its packed bytes [2, 128, 16] (the tile's i16 =
+        2·rhi + c2) and scales [128, 4] (bytes rsel + 2·c2 of 4·rhi …) → the wgmma register A operand [64, 128]."""
+        # bytes [c2, t = (w1 w0 rlo2 rlo1 rlo0 q1 q0), b = (c1 c0 rsel u)] → [row, j] with row = (w1 w0 rsel rlo) and
+        # j = (c2 c1 c0 q1 q0 u)
+        p = gl.reshape(p, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        p = gl.permute(p, (1, 2, 10, 3, 4, 5, 0, 8, 9, 6, 7, 11))
+        wb = gl.convert_layout(gl.reshape(p, [64, 64]), LH, assert_trivial=True)
+        s32 = gl.inline_asm_elementwise(_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.int32, is_pure=True, pack=4)
+        # scales [t, (c2 rsel)] → the bytes' order, broadcast over c1, c0, u
+        s32 = gl.permute(gl.reshape(s32, [2, 2, 2, 2, 2, 2, 2, 2, 2]), (0, 1, 8, 2, 3, 4, 7, 5, 6))
+        s32 = gl.convert_layout(gl.reshape(s32, [2, 2, 2, 2, 2, 2, 2, 1, 1, 2, 2, 1]), p.type.layout,
+                                assert_trivial=True)
+        s32, _ = gl.broadcast(s32, p.to(gl.int32))
+        s32 = gl.convert_layout(gl.reshape(s32, [64, 64]), LH, assert_trivial=True)
+        lo, hi = gl.inline_asm_elementwise(_DEQ, "=r,=r,=r,=r,r,r,r,r,r", [wb, s32], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=4)
+        w = gl.join(lo, hi)  # [64, 64, 2]
+        w = gl.permute(gl.reshape(w, [64, 8, 8, 2]), (0, 1, 3, 2))
+        return gl.convert_layout(gl.reshape(w, [64, 128]), AL, assert_trivial=True)
+
+    @gluon.jit
+    def _ring_half(wr, sr, slot, h: gl.constexpr, PL: gl.constexpr, SH: gl.constexpr, LH: gl.constexpr,
+                   AL: gl.constexpr):
+        """Rows 64·h … 64·h + 63 of the tile in ring slot `slot` → the wgmma register A operand [64, 128] fp16
+        (MMA_ASYNC): this thread's own bytes of that half, read back from shared memory."""
+        p = wr.index(slot).slice(2 * h, 2, dim=0).load(PL)
+        s = sr.index(slot).slice(4 * h, 4, dim=1).load(SH)
+        return _operand_half(p, s, LH, AL)
+
+    @gluon.jit
+    def _join_rows(lo, hi, mma: gl.constexpr):
+        """Two [64, BM] accumulators (rows 0 … 63 and 64 … 127 of a tile) → one [128, BM] in layout mma."""
+        acc = gl.permute(gl.join(lo, hi), (2, 0, 1))
+        return gl.convert_layout(gl.reshape(acc, [2 * lo.shape[0], lo.shape[1]]), mma)
+
+    @gluon.jit
     def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr):
         """One K tile: unpack the first tile (and with TWO the second: gate and up, or two N tiles) into wgmma
         register operands, the activation tile x [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
@@ -353,7 +390,7 @@ if HAVE_GLUON:
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
                    X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, PAIR_N: gl.constexpr = False,
-                   PDL: gl.constexpr = False, X_RING: gl.constexpr = False):
+                   PDL: gl.constexpr = False, X_RING: gl.constexpr = False, MMA_ASYNC: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
         CONTIG: rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); program pid_m is
         token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] … bstart_ptr[e + 1] - 1
@@ -449,25 +486,74 @@ if HAVE_GLUON:
                     if PDL and j == 0:
                         _grid_control(_GRID_WAIT)  # (after the first weight copies, before any activation read)
                     _commit_tile(xr, j, KT, x_rows, x_ok, W_STAGES, X_RING)
-                for kt in range(KT):
-                    _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base, woff,
-                                soff, W_STAGES, TWO, PL, SL)
-                    _commit_tile(xr, kt + (W_STAGES - 1), KT, x_rows, x_ok, W_STAGES, X_RING)
-                    if not X_RING:
-                        x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
-                    async_copy.wait_group(W_STAGES - 1)  # tile kt's copies (this thread's) have landed
-                    slot = kt % W_STAGES
-                    p = wr.index(slot).load(PL)
-                    s = sr.index(slot).load(SL)
+                if MMA_ASYNC:
+                    # (X_RING) each tile as two 64-row halves, each with its own accumulator: a half's operand is
+                    # built while the previous half's MMA runs, the next tile's first half during the last MMA
+                    SH: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
+                    LH: gl.constexpr = gl.DistributedLinearLayout(
+                        reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]],
+                        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+                        block_bases=[], shape=[64, 64])
+                    g0 = gl.zeros([64, BM], gl.float32, layout=mma)
+                    g1 = gl.zeros([64, BM], gl.float32, layout=mma)
+                    u0 = gl.zeros([64, BM], gl.float32, layout=mma)
+                    u1 = gl.zeros([64, BM], gl.float32, layout=mma)
+                    async_copy.wait_group(W_STAGES - 2)  # tile 0's copies (this thread's) have landed
+                    a = _ring_half(wr, sr, 0, 0, PL, SH, LH, AL)
+                    fence_async_shared()
+                    _cta_barrier()
+                    _issue_tile(wr, sr, wur, sur, W_STAGES - 1, KT, w_base, s_base, wu_base, su_base, woff, soff,
+                                W_STAGES, TWO, PL, SL)
+                    _commit_tile(xr, W_STAGES - 1, KT, x_rows, x_ok, W_STAGES, X_RING)
+                    for kt in range(KT):
+                        slot = kt % W_STAGES
+                        xt = xr.index(slot).permute((1, 0))
+                        t = warpgroup_mma(a, xt, g0, is_async=True)
+                        b = _ring_half(wr, sr, slot, 1, PL, SH, LH, AL)
+                        tb = warpgroup_mma(b, xt, g1, is_async=True)
+                        g0, a = warpgroup_mma_wait(1, deps=(t, a))
+                        if TWO:
+                            a = _ring_half(wur, sur, slot, 0, PL, SH, LH, AL)
+                            t = warpgroup_mma(a, xt, u0, is_async=True)
+                            g1, b = warpgroup_mma_wait(1, deps=(tb, b))
+                            b = _ring_half(wur, sur, slot, 1, PL, SH, LH, AL)
+                            tb = warpgroup_mma(b, xt, u1, is_async=True)
+                            u0, a = warpgroup_mma_wait(1, deps=(t, a))
+                        async_copy.wait_group(W_STAGES - 2)  # tile kt + 1's (none past the last tile)
+                        a = _ring_half(wr, sr, (kt + 1) % W_STAGES, 0, PL, SH, LH, AL)
+                        # (a through the wait: unpacked before it, not sunk below it by ptxas)
+                        if TWO:
+                            u1, b, a = warpgroup_mma_wait(0, deps=(tb, b, a))
+                        else:
+                            g1, b, a = warpgroup_mma_wait(0, deps=(tb, b, a))
+                        fence_async_shared()
+                        _cta_barrier()  # tile kt + 1's activations visible to wgmma; every MMA of slot kt done
+                        _issue_tile(wr, sr, wur, sur, kt + W_STAGES, KT, w_base, s_base, wu_base, su_base, woff,
+                                    soff, W_STAGES, TWO, PL, SL)
+                        _commit_tile(xr, kt + W_STAGES, KT, x_rows, x_ok, W_STAGES, X_RING)
+                    acc = _join_rows(g0, g1, mma)
                     if TWO:
-                        pu = wur.index(slot).load(PL)
-                        su = sur.index(slot).load(SL)
-                    else:  # (not read by the step)
-                        pu, su = p, s
-                    if X_RING:
-                        acc, acc_u = _mma_step_ring(p, s, pu, su, xr.index(slot), acc, acc_u, LB, AL, TWO)
-                    else:
-                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
+                        acc_u = _join_rows(u0, u1, mma)
+                else:
+                    for kt in range(KT):
+                        _issue_tile(wr, sr, wur, sur, kt + (W_STAGES - 1), KT, w_base, s_base, wu_base, su_base,
+                                    woff, soff, W_STAGES, TWO, PL, SL)
+                        _commit_tile(xr, kt + (W_STAGES - 1), KT, x_rows, x_ok, W_STAGES, X_RING)
+                        if not X_RING:
+                            x = gl.load(x_rows + kt * 128, mask=x_ok, other=0.0)
+                        async_copy.wait_group(W_STAGES - 1)  # tile kt's copies (this thread's) have landed
+                        slot = kt % W_STAGES
+                        p = wr.index(slot).load(PL)
+                        s = sr.index(slot).load(SL)
+                        if TWO:
+                            pu = wur.index(slot).load(PL)
+                            su = sur.index(slot).load(SL)
+                        else:  # (not read by the step)
+                            pu, su = p, s
+                        if X_RING:
+                            acc, acc_u = _mma_step_ring(p, s, pu, su, xr.index(slot), acc, acc_u, LB, AL, TWO)
+                        else:
+                            acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
                 async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
             else:
                 if PDL and not X_ASYNC:
@@ -530,7 +616,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
               offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
               x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None,
-              pair_n: bool = False, pdl: bool = False, x_ring: bool = False) -> torch.Tensor:
+              pair_n: bool = False, pdl: bool = False, x_ring: bool = False,
+              mma_async: bool = False) -> torch.Tensor:
     """out = act(x · W[e]ᵀ) for each expert e's rows (the others are not written).
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
@@ -550,7 +637,12 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     its activations (not with fuse_silu; n_out a multiple of 256). pdl: launched with programmatic dependent launch
     (sm90+): the programs start while the previous kernel on the stream (`prepare_activations(pdl=True)` or the gate_up
     GEMM) finishes, and issue their first weight copies before they wait for it; that kernel must write nothing
-    this one reads except x. Graph-safe (no host sync)."""
+    this one reads except x. mma_async (with a ring and x_ring): each tile's two 64-row halves go to wgmma
+    asynchronously, each half's operand unpacked while the previous half's MMA runs (the next tile's first half
+    during the tile's last MMA), instead of one synchronous MMA per tile after its whole unpack. Graph-safe (no host
+    sync)."""
+    if mma_async and not (w_stages and x_ring):
+        raise ValueError("frag_gemm: mma_async needs a weight ring (w_stages ≥ 2) with x_ring")
     if pair_n and (fuse_silu or n_out % (2 * TILE)):
         raise ValueError(f"frag_gemm: pair_n needs fuse_silu False and n_out % 256 == 0 (n_out={n_out})")
     if w_stages == 1 or w_stages < 0:
@@ -576,7 +668,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
-                     W_STAGES=w_stages, PAIR_N=pair_n, PDL=pdl, X_RING=x_ring and w_stages > 0, num_warps=4,
+                     W_STAGES=w_stages, PAIR_N=pair_n, PDL=pdl, X_RING=x_ring and w_stages > 0, MMA_ASYNC=mma_async,
+                     num_warps=4,
                      launch_pdl=pdl, **extra)
     return out
 
@@ -600,7 +693,7 @@ def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
 def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, block_m: int,
              unroll_down: int = 2, x_async_down: bool = False, ring: int = 0, ring_down: int = 0,
              maxnreg: int | None = None, pair_down: bool = False, pdl: bool = False,
-             x_ring: bool = False) -> torch.Tensor:
+             x_ring: bool = False, mma_async: bool = False) -> torch.Tensor:
     """The experts on a Masked slab or Contiguous rows (bf16 / fp8 / nvfp4 payload) → [E, M, H] or [N, H]
     `out_dtype` (rows past an expert's count unwritten). packs: {"w13", "w13_sf", "w13_s2", "w2", "w2_sf", "w2_s2"}
     (`pack_experts`, or the tensors of experts stored in fragment order). block_m: tokens per program (16, 32, 64);
@@ -610,7 +703,8 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     cap per thread (None: ptxas's choice); pair_down: the down GEMM's programs take two N tiles each
     (`frag_gemm`'s pair_n); pdl: the two GEMMs launched with programmatic dependent launch, each starting (and
     copying its first weight tiles) while the kernel before it finishes (`frag_gemm`'s pdl); x_ring: each GEMM with
-    a ring takes its activation tiles through it (`frag_gemm`'s x_ring)."""
+    a ring takes its activation tiles through it (`frag_gemm`'s x_ring); mma_async: each GEMM with a ring and x_ring
+    issues its MMAs asynchronously, half a tile at a time (`frag_gemm`'s mma_async)."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -621,14 +715,14 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
               block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg, pdl=pdl,
-              x_ring=x_ring)
+              x_ring=x_ring, mma_async=mma_async and ring > 0 and x_ring)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # without a ring, two K tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16
     # (EP4, H200; bit-equal)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
                      block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
                      x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down, pdl=pdl,
-                     x_ring=x_ring)
+                     x_ring=x_ring, mma_async=mma_async and ring_down > 0 and x_ring)
 
 
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",

@@ -621,16 +621,19 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
     x = as_layout(torch.randn(rows, H, device="cuda").to(torch.bfloat16))
     off = None if layout == "masked" else x.offsets
     xp = F.prepare_activations(x.hidden, counts, offsets=off)
-    # (weight ring slots, register cap, down GEMM's programs on two N tiles, activations through the ring)
-    runs = [(0, None, False, False), (w_stages, maxnreg, False, False), (w_stages, maxnreg, True, False),
-            (0, None, True, False), (w_stages, maxnreg, False, True), (w_stages, maxnreg, True, True)]
+    # (weight ring slots, register cap, down GEMM's programs on two N tiles, activations through the ring,
+    # asynchronous half-tile MMAs: the same products summed in the same K order, in two accumulators per tile)
+    runs = [(0, None, False, False, False), (w_stages, maxnreg, False, False, False),
+            (w_stages, maxnreg, True, False, False), (0, None, True, False, False),
+            (w_stages, maxnreg, False, True, False), (w_stages, maxnreg, True, True, False),
+            (w_stages, maxnreg, False, True, True), (w_stages, maxnreg, True, True, True)]
     h = [torch.zeros(xp.shape[:-1] + (I,), dtype=torch.float16, device="cuda") for _ in runs]
     y = [torch.zeros(xp.shape[:-1] + (H,), dtype=torch.bfloat16, device="cuda") for _ in runs]
-    for hh, yy, (ws, reg, pair, xring) in zip(h, y, runs):
+    for hh, yy, (ws, reg, pair, xring, masync) in zip(h, y, runs):
         F.frag_gemm(xp, packs["w13"], packs["w13_sf"], packs["w13_s2"], hh, counts, n_out=I, fuse_silu=True,
-                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, x_ring=xring)
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, x_ring=xring, mma_async=masync)
         F.frag_gemm(h[0], packs["w2"], packs["w2_sf"], packs["w2_s2"], yy, counts, n_out=H, fuse_silu=False,
-                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, pair_n=pair, x_ring=xring)
+                    block_m=bm, offsets=off, w_stages=ws, maxnreg=reg, pair_n=pair, x_ring=xring, mma_async=masync)
     flat = [t.reshape(rows, -1)[valid] for t in h + y]
     assert flat[0].float().abs().sum() > 0 and all(torch.isfinite(t).all() for t in flat)
     for i in range(1, len(runs)):
