@@ -82,8 +82,9 @@ def _frag(args) -> list[dict]:
     "w_stages_down": 0, "maxnreg_gate": null, "maxnreg_down": null, "prep_gather": 0, "prep_block": null,
     "pair_down": 0, "x_ring": 0, "mma_async": 0} keys (missing: the values shown; `frag_gemm`'s w_stages / maxnreg /
     pair_n / x_ring / mma_async (these two for the GEMMs with a ring),
-    `prepare_activations`' permute_in_registers = not prep_gather and block). Rows: prep, gate_up, down and the
-    three in sequence ("layer"); with --events also each kernel's time within the sequence (CUDA events, eager)."""
+    `prepare_activations`' permute_in_registers = not prep_gather and block). Rows: prep, gate_up, down, the two
+    GEMMs in sequence ("gemms") and all three ("layer"); with --events also each kernel's time within the sequence
+    (CUDA events, eager)."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
     from pdlab.moe.triton import nvfp4_frag as F
@@ -125,8 +126,12 @@ def _frag(args) -> list[dict]:
                 gate_up()
                 down()
 
+            def gemms():
+                gate_up()
+                down()
+
             stages = {"prep": (prep, 0), "gate_up": (gate_up, 2 * I * H), "down": (down, H * I),
-                      "layer": (layer, 3 * I * H)}  # the three in sequence
+                      "gemms": (gemms, 3 * I * H), "layer": (layer, 3 * I * H)}  # the two GEMMs, all three
             for name, (fn, params) in stages.items():
                 us = _time_us(fn, args)
                 if us is None:
