@@ -145,7 +145,7 @@ def _space(backend, bucket, arch: str) -> dict | None:
         return None
     full = backend.config_space
     space = {k: full[k] for k in ("FRAG_BM", "FRAG_UNROLL", "FRAG_XASYNC", "FRAG_RING", "FRAG_RING_DOWN",
-                                  "FRAG_PAIR_DOWN", "FRAG_XRING", "FRAG_PDL")}
+                                  "FRAG_PAIR_DOWN", "FRAG_XRING", "FRAG_PDL", "FRAG_MMA_ASYNC")}
     if bucket["layout"] == "contiguous" and bucket["payload"] == "bf16":
         space.update({k: full[k] for k in ("DENSE_MIN_M", "DENSE_CHUNK", "DENSE_OVERLAP")})
     return space

@@ -171,7 +171,7 @@ sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr"
        "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
 consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
           "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3]), "PAIR_N": False,
-          "PDL": sys.argv[5:6] == ["1"], "X_RING": sys.argv[4:5] == ["1"]}
+          "PDL": sys.argv[5:6] == ["1"], "X_RING": sys.argv[4:5] == ["1"], "MMA_ASYNC": sys.argv[6:7] == ["1"]}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
@@ -180,18 +180,23 @@ k = triton.compile(GluonASTSource(fn=F._frag_gemm, signature=sig, constexprs=con
 sass = _disassemble(k.asm["cubin"])
 marks = [w.split(".")[0] for line in sass.splitlines() for w in line.replace(";", " ").split()
          if w.split(".")[0] in ("LDGSTS", "ACQBULK", "PREEXIT", "STG", "EXIT")]
-print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(sass), "marks": marks}))
+waits = sorted({line.split("gsb0,")[1].split(";")[0].strip() for line in sass.splitlines()
+                if "WARPGROUP.DEPBAR.LE" in line})
+print(json.dumps({"shared": k.metadata.shared, "ops": sass_opcodes(sass), "marks": marks, "gmma_waits": waits}))
 """
 
 
-def _compile_sm90(layout: str, x_async: int, w_stages: int, x_ring: int = 0, pdl: int = 0) -> dict:
+def _compile_sm90(layout: str, x_async: int, w_stages: int, x_ring: int = 0, pdl: int = 0,
+                  mma_async: int = 0) -> dict:
     """The down GEMM (BM 16) compiled for sm90 in its own process (compiled, not interpreted): shared bytes, the
-    SASS opcode counts, and the order of its copies, grid-dependency instructions, stores and exits ("marks")."""
+    SASS opcode counts, the order of its copies, grid-dependency instructions, stores and exits ("marks"), and the
+    MMA-group counts its wgmma waits allow in flight ("gmma_waits")."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async), str(w_stages), str(x_ring), str(pdl)],
+    r = subprocess.run([sys.executable, "-c", _COMPILE, layout, str(x_async), str(w_stages), str(x_ring), str(pdl),
+                        str(mma_async)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
@@ -243,6 +248,17 @@ def test_compiles_for_sm90_with_activations_in_the_ring_and_pdl(w_stages):
     assert marks[1:first_wait] == ["LDGSTS"] * 5 and "STG" not in marks[:first_wait], marks
     plain = _compile_sm90("masked", 0, w_stages)["marks"]
     assert "ACQBULK" not in plain and "PREEXIT" not in plain
+
+
+@pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_compiles_for_sm90_with_asynchronous_half_tile_mmas():
+    # MMA_ASYNC: each tile's two 64-row halves are separate MMA groups (8 HGMMA each: the same 16 per tile) and the
+    # program waits until at most one group is in flight (gsb0 ≤ 1) between them, so that a half's unpack overlaps
+    # the previous half's MMA; the synchronous ring waits for every MMA (≤ 0 only). The same shared memory.
+    got = _compile_sm90("masked", 0, 2, x_ring=1, mma_async=1)
+    assert got["ops"]["HGMMA"] == 16 and got["shared"] == 2 * (8192 + 1024 + 16 * 128 * 2), got
+    assert "0x1" in got["gmma_waits"], got["gmma_waits"]
+    assert _compile_sm90("masked", 0, 2, x_ring=1)["gmma_waits"] == ["0x0"]
 
 
 @pytest.mark.parametrize("permute", [True, False])
@@ -315,7 +331,7 @@ def test_run_frag_launches_on_cpu(monkeypatch):
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
     assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
                   "X_ASYNC": False, "W_STAGES": 0, "PAIR_N": False, "PDL": False, "X_RING": False,
-                  "num_warps": 4, "launch_pdl": False}
+                  "MMA_ASYNC": False, "num_warps": 4, "launch_pdl": False}
     assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
     assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
@@ -715,26 +731,31 @@ def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
 
 
 @pytest.mark.parametrize("m,H,cfg,want", [
-    (64, 256, {}, (64, 1, True, 2, 2, True, False, True)), (16, 256, {}, (16, 2, False, 2, 2, True, False, True)),
-    (16, 128, {}, (16, 2, False, 2, 0, False, False, True)),  # H % 256: no N-tile pairs
-    (64, 128, {}, (64, 1, True, 2, 0, False, False, True)),
-    (64, 256, {"FRAG_XASYNC": 0, "FRAG_PAIR_DOWN": 0}, (64, 2, False, 2, 0, False, False, True)),
+    (64, 256, {}, (64, 1, True, 2, 2, True, False, True, False)),
+    (16, 256, {}, (16, 2, False, 2, 2, True, False, True, True)),
+    (16, 128, {}, (16, 2, False, 2, 0, False, False, True, True)),  # H % 256: no N-tile pairs
+    (64, 128, {}, (64, 1, True, 2, 0, False, False, True, False)),
+    (32, 256, {"FRAG_MMA_ASYNC": 0}, (32, 2, False, 2, 2, True, False, True, False)),
+    (64, 256, {"FRAG_XASYNC": 0, "FRAG_PAIR_DOWN": 0, "FRAG_MMA_ASYNC": 1}, (64, 2, False, 2, 0, False, False, True,
+                                                                            True)),
     (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0, "FRAG_PDL": 0,
-               "FRAG_XRING": 0}, (16, 1, True, 0, 0, False, False, False)),
-    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True, True))])
+               "FRAG_XRING": 0}, (16, 1, True, 0, 0, False, False, False, True)),
+    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True, True, True))])
 def test_fragment_knobs_resolve_as_documented(monkeypatch, m, H, cfg, want):
     # defaults through the runner's config resolution: gate_up takes its weights through a two-slot cp.async ring;
     # the down GEMM pairs its N tiles (with its own two-slot ring) where H % 256 == 0; without pairs, 64-token
     # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster); the GEMMs are
     # launched with programmatic dependent launch only with FRAG_PDL 1, and take their activations through their
-    # rings unless FRAG_XRING is 0
+    # rings unless FRAG_XRING is 0; 16- and 32-token programs issue their MMAs asynchronously by half tiles unless
+    # FRAG_MMA_ASYNC is 0 (run_frag applies it to the GEMMs with a ring and x_ring only)
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners import triton_nvfp4 as R
     from pdlab.moe.weights import ExpertWeights
 
     got = []
     monkeypatch.setattr(F, "run_frag", lambda layout, packs, inter, dtype, bm, unroll, x_async_down, **kw: got.append(
-        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"], kw["pdl"], kw["x_ring"])))
+        (bm, unroll, x_async_down, kw["ring"], kw["ring_down"], kw["pair_down"], kw["pdl"], kw["x_ring"],
+        kw["mma_async"])))
     w = ExpertWeights.from_bf16(torch.randn(2, 256, H) * 0.1, torch.randn(2, H, 128) * 0.1, quantize=True)
     layout = Masked(torch.randn(2, m, H), torch.tensor([m, 1], dtype=torch.int32))
     R._run_frag(layout, w, R.resolve_config({**R._DEFAULT, **cfg}, m), m)

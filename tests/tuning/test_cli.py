@@ -81,13 +81,13 @@ def test_dry_run_real_ops_without_gpu(capsys):
     from pdlab.moe.triton.nvfp4_frag import HAVE_GLUON
 
     if HAVE_GLUON:  # on sm90 the experts' triton runner is searched over its fragment GEMMs' knobs only
-        assert "864–20736 configs by bucket" in out and "the knobs that matter on this arch" in out
+        assert "1728–41472 configs by bucket" in out and "the knobs that matter on this arch" in out
         assert ("triton (17 buckets): FRAG_BM: [16, 32, 64]; FRAG_UNROLL: [1, 2]; FRAG_XASYNC: [0, 1]; "
                 "FRAG_RING: [0, 2, 3]; FRAG_RING_DOWN: [0, 2, 3]; FRAG_PAIR_DOWN: [0, 1]; FRAG_XRING: [0, 1]; "
-                "FRAG_PDL: [0, 1] (") in out
+                "FRAG_PDL: [0, 1]; FRAG_MMA_ASYNC: [0, 1] (") in out
     assert main(["moe", "--arch", "sm100", "--dry-run", "--only", "experts=64"]) == 0
     out = capsys.readouterr().out
-    assert "48922361856 configs" in out and "the knobs that matter" not in out  # elsewhere: the whole space
+    assert "97844723712 configs" in out and "the knobs that matter" not in out  # elsewhere: the whole space
     assert main(["dispatch", "--arch", "sm90", "--dry-run"]) == 0
     assert "tokens_per_rank" in capsys.readouterr().out
 

@@ -53,7 +53,8 @@ def test_sm90_searches_only_the_fragment_gemms_knobs():
         assert MOE_EXPERTS.search_space(triton, b, "sm90") == triton.config_space
         return
     frag = {"FRAG_BM": [16, 32, 64], "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1], "FRAG_RING": [0, 2, 3],
-            "FRAG_RING_DOWN": [0, 2, 3], "FRAG_PAIR_DOWN": [0, 1], "FRAG_XRING": [0, 1], "FRAG_PDL": [0, 1]}
+            "FRAG_RING_DOWN": [0, 2, 3], "FRAG_PAIR_DOWN": [0, 1], "FRAG_XRING": [0, 1], "FRAG_PDL": [0, 1],
+            "FRAG_MMA_ASYNC": [0, 1]}
     assert MOE_EXPERTS.search_space(triton, b, "sm90") == frag
     rows = MOE_EXPERTS.search_space(triton, {**b, "layout": "contiguous"}, "sm90")
     assert set(rows) == {*frag, "DENSE_MIN_M", "DENSE_CHUNK", "DENSE_OVERLAP"}
