@@ -53,10 +53,10 @@ with a weight ring take its activation tiles through the ring too, instead of lo
 K step, where each load's L2 latency was exposed (458 → 421–445 µs at 1 token/expert, 521–527 → 457–506 µs at 16,
 955–965 → 814–888 µs at 64;
 bench/results/NVIDIA_H200/moe_experts/2026-12-01_activation_ring); FRAG_MMA_ASYNC (-1: on for 16- and 32-token
-programs) has a GEMM with both rings issue its MMAs asynchronously by half tiles, each half unpacked while the previous
+programs expecting more than one token per expert) has a GEMM with both rings issue its MMAs asynchronously by half tiles, each half unpacked while the previous
 half's MMA runs (at EP4, 16 tokens/expert: faster in each of eight A/B pairs, 3 % in geometric mean; at 1 and 64
-tokens 0.999× and 1.004× the time, single pairs −3 % to +5 %;
-bench/results/NVIDIA_H200/moe_experts/2026-12-01_async_mma). EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
+tokens 0.999× and 1.004× the time, single pairs −3 % to +5 %; one token on 8 of 256 experts, masked: 155 → 163–166
+µs; bench/results/NVIDIA_H200/moe_experts/2026-12-01_async_mma). EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
 gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
@@ -317,7 +317,9 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     pdl = int(cfg.get("FRAG_PDL", -1)) == 1  # (-1: off; no gain beyond the runs' noise, see the module docstring)
     x_ring = int(cfg.get("FRAG_XRING", -1)) != 0
     mma_async = int(cfg.get("FRAG_MMA_ASYNC", -1))
-    mma_async = bm <= 32 if mma_async == -1 else bool(mma_async)  # (-1: measured faster at 16, even at 64)
+    # -1: 16- and 32-token programs when more than one token per expert is expected (measured: faster at 16 tokens
+    # per expert, the same at 64 and at 1 on every expert, slower with one token on 8 of 256 experts)
+    mma_async = (bm <= 32 and expected_m >= 2) if mma_async == -1 else bool(mma_async)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,
                                ring=ring, ring_down=ring_down, maxnreg=maxnreg, pair_down=pair, pdl=pdl,

@@ -12,7 +12,8 @@ program without holding registers. With X_RING (the runner's default with a ring
 activations [BM, 128], copied in the same group and read by wgmma where they land: loaded into registers at each
 step instead, every K step waited for one L2 round trip. PDL (off by default) launches the GEMMs with programmatic
 dependent launch: a program issues its first weight copies before it waits for the kernel that wrote its input.
-MMA_ASYNC (with X_RING; the runner's default for 16- and 32-token programs) cuts each tile into its two 64-row
+MMA_ASYNC (with X_RING; the runner's default for 16- and 32-token programs with more than one token expected per
+expert) cuts each tile into its two 64-row
 halves, each with its own accumulator, and issues their MMAs asynchronously: a half is unpacked while the previous
 half's MMA runs, instead of one synchronous MMA per tile after its whole unpack (and 16-token programs need 122
 registers instead of 155).

@@ -740,14 +740,17 @@ def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
                                                                             True)),
     (16, 256, {"FRAG_XASYNC": 1, "FRAG_UNROLL": 1, "FRAG_PAIR_DOWN": 0, "FRAG_RING": 0, "FRAG_PDL": 0,
                "FRAG_XRING": 0}, (16, 1, True, 0, 0, False, False, False, True)),
-    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True, True, True))])
+    (16, 256, {"FRAG_RING_DOWN": 3, "FRAG_PDL": 1}, (16, 2, False, 2, 3, True, True, True, True)),
+    (1, 256, {}, (16, 2, False, 2, 2, True, False, True, False)),  # one token per expert: synchronous MMAs
+    (1, 256, {"FRAG_MMA_ASYNC": 1}, (16, 2, False, 2, 2, True, False, True, True))])
 def test_fragment_knobs_resolve_as_documented(monkeypatch, m, H, cfg, want):
     # defaults through the runner's config resolution: gate_up takes its weights through a two-slot cp.async ring;
     # the down GEMM pairs its N tiles (with its own two-slot ring) where H % 256 == 0; without pairs, 64-token
     # programs take the down GEMM's activations by cp.async with one tile in flight (measured faster); the GEMMs are
     # launched with programmatic dependent launch only with FRAG_PDL 1, and take their activations through their
-    # rings unless FRAG_XRING is 0; 16- and 32-token programs issue their MMAs asynchronously by half tiles unless
-    # FRAG_MMA_ASYNC is 0 (run_frag applies it to the GEMMs with a ring and x_ring only)
+    # rings unless FRAG_XRING is 0; 16- and 32-token programs expecting more than one token per expert issue their
+    # MMAs asynchronously by half tiles unless FRAG_MMA_ASYNC is 0 (run_frag applies it to the GEMMs with a ring and
+    # x_ring only)
     from pdlab.moe.layouts import Masked
     from pdlab.moe.runners import triton_nvfp4 as R
     from pdlab.moe.weights import ExpertWeights
