@@ -53,10 +53,11 @@ with a weight ring take its activation tiles through the ring too, instead of lo
 K step, where each load's L2 latency was exposed (458 → 421–445 µs at 1 token/expert, 521–527 → 457–506 µs at 16,
 955–965 → 814–888 µs at 64;
 bench/results/NVIDIA_H200/moe_experts/2026-12-01_activation_ring); FRAG_MMA_ASYNC (-1: on for 16- and 32-token
-programs expecting more than one token per expert) has a GEMM with both rings issue its MMAs asynchronously by half tiles, each half unpacked while the previous
-half's MMA runs (at EP4, 16 tokens/expert: faster in each of eight A/B pairs, 3 % in geometric mean; at 1 and 64
-tokens 0.999× and 1.004× the time, single pairs −3 % to +5 %; one token on 8 of 256 experts, masked: 155 → 163–166
-µs; bench/results/NVIDIA_H200/moe_experts/2026-12-01_async_mma). EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
+programs expecting more than one token per expert) has a GEMM with both rings issue its MMAs asynchronously by
+half tiles, each half unpacked while the previous half's MMA runs (at EP4, 16 tokens/expert: faster in each of
+eight A/B pairs, 3 % in geometric mean; at 1 and 64 tokens 0.999× and 1.004× the time, single pairs −3 % to +5 %;
+one token on 8 of 256 experts, masked: 155 → 163–166 µs; bench/results/NVIDIA_H200/moe_experts/2026-12-01_async_mma).
+EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
 gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read

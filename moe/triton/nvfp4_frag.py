@@ -13,10 +13,9 @@ activations [BM, 128], copied in the same group and read by wgmma where they lan
 step instead, every K step waited for one L2 round trip. PDL (off by default) launches the GEMMs with programmatic
 dependent launch: a program issues its first weight copies before it waits for the kernel that wrote its input.
 MMA_ASYNC (with X_RING; the runner's default for 16- and 32-token programs with more than one token expected per
-expert) cuts each tile into its two 64-row
-halves, each with its own accumulator, and issues their MMAs asynchronously: a half is unpacked while the previous
-half's MMA runs, instead of one synchronous MMA per tile after its whole unpack (and 16-token programs need 122
-registers instead of 155).
+expert) cuts each tile into its two 64-row halves, each with its own accumulator, and issues their MMAs
+asynchronously: a half is unpacked while the previous half's MMA runs, instead of one synchronous MMA per tile after
+its whole unpack (and 16-token programs need 122 registers instead of 155).
 
 Layouts (one program = 128 weight rows × all of K, one warpgroup; tile = 128 rows × 128 K):
 
@@ -526,7 +525,7 @@ if HAVE_GLUON:
                             u0, a = warpgroup_mma_wait(1, deps=(t, a))
                         async_copy.wait_group(W_STAGES - 2)  # tile kt + 1's (none past the last tile)
                         a = _ring_half(wr, sr, (kt + 1) % W_STAGES, 0, PL, SH, LH, AL)
-                        # (a through the wait: unpacked before it, not sunk below it by ptxas)
+                        # (a passes through the wait; ptxas still places most of its unpack after the wait)
                         if TWO:
                             u1, b, a = warpgroup_mma_wait(0, deps=(tb, b, a))
                         else:
