@@ -285,30 +285,22 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _operand(p, s, LB: gl.constexpr, AL: gl.constexpr):
-        """Packed bytes + scales of a tile → the wgmma register A operand [128, 128] fp16 (value·scale·2^-6)."""
-        # bytes [i16 = (rhi c2), t = (w1 w0 rlo2 rlo1 rlo0 q1 q0), b = (c1 c0 rsel u)] → [row, j] with
-        # row = (rhi w1 w0 rsel rlo) and j = (c2 c1 c0 q1 q0 u): a relabelling of this thread's registers
-        p = gl.reshape(p, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-        p = gl.permute(p, (0, 2, 3, 11, 4, 5, 6, 1, 9, 10, 7, 8, 12))
-        wb = gl.convert_layout(gl.reshape(p, [128, 64]), LB, assert_trivial=True)
-        s32 = gl.inline_asm_elementwise(_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.int32, is_pure=True, pack=4)
-        # scales [t, (rhi c2 rsel)] → the bytes' order, broadcast over c1, c0, u
-        s32 = gl.permute(gl.reshape(s32, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2]), (7, 0, 1, 9, 2, 3, 4, 8, 5, 6))
-        s32 = gl.convert_layout(gl.reshape(s32, [2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 2, 2, 1]), p.type.layout,
-                                assert_trivial=True)
-        s32, _ = gl.broadcast(s32, p.to(gl.int32))
-        s32 = gl.convert_layout(gl.reshape(s32, [128, 64]), LB, assert_trivial=True)
-        lo, hi = gl.inline_asm_elementwise(_DEQ, "=r,=r,=r,=r,r,r,r,r,r", [wb, s32], dtype=(gl.float16, gl.float16),
-                                           is_pure=True, pack=4)
-        w = gl.join(lo, hi)  # [128, 64, 2]: (row, j = 8c + 2q + u, n) is MMA column 16c + 8n + 2q + u
-        w = gl.permute(gl.reshape(w, [128, 8, 8, 2]), (0, 1, 3, 2))
-        return gl.convert_layout(gl.reshape(w, [128, 128]), AL, assert_trivial=True)
+    def _operand(p, s, LH: gl.constexpr, AL: gl.constexpr):
+        """Packed bytes [4, 128, 16] + scales [128, 8] of a tile → the wgmma register A operand [128, 128] fp16
+        (value·scale·2^-6): its two 64-row halves (`_operand_half`; i16 = 2·rhi + c2, scale byte 4·rhi + …), the
+        same instructions as one unpack of the whole tile (sm90 SASS compared)."""
+        p = gl.permute(gl.reshape(p, [2, 2, 128, 16]), (1, 2, 3, 0))
+        p0, p1 = gl.split(p)
+        s = gl.permute(gl.reshape(s, [128, 2, 4]), (0, 2, 1))
+        s0, s1 = gl.split(s)
+        a = gl.permute(gl.join(_operand_half(p0, s0, LH, AL), _operand_half(p1, s1, LH, AL)), (2, 0, 1))
+        return gl.convert_layout(gl.reshape(a, [128, 128]), AL)
 
     @gluon.jit
     def _operand_half(p, s, LH: gl.constexpr, AL: gl.constexpr):
-        """Half `_operand`: rows 64·rhi … 64·rhi + 63 of a tile, from its packed bytes [2, 128, 16] (the tile's i16 =
-        2·rhi + c2) and scales [128, 4] (bytes rsel + 2·c2 of 4·rhi …) → the wgmma register A operand [64, 128]."""
+        """Rows 64·rhi … 64·rhi + 63 of a tile, from its packed bytes [2, 128, 16] (the tile's i16 = 2·rhi + c2) and
+        scales [128, 4] (bytes rsel + 2·c2 of 4·rhi …) → the wgmma register A operand [64, 128] fp16
+        (value·scale·2^-6): a relabelling of this thread's registers, then the DEQ_ASM unpack."""
         # bytes [c2, t = (w1 w0 rlo2 rlo1 rlo0 q1 q0), b = (c1 c0 rsel u)] → [row, j] with row = (w1 w0 rsel rlo) and
         # j = (c2 c1 c0 q1 q0 u)
         p = gl.reshape(p, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
@@ -343,48 +335,39 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(acc, [2 * lo.shape[0], lo.shape[1]]), mma)
 
     @gluon.jit
-    def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr):
+    def _mma_step(p, s, pu, su, x, xs, acc, acc_u, LH: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr,
+                  STORE_X: gl.constexpr = True):
         """One K tile: unpack the first tile (and with TWO the second: gate and up, or two N tiles) into wgmma
-        register operands, the activation tile x [BM, 128] into shared memory, the MMAs. Returns (acc, acc_u)."""
-        a = _operand(p, s, LB, AL)
-        xs.store(x)
+        register operands, with STORE_X the activation tile x [BM, 128] into shared memory xs (else xs came through
+        the weight ring, X_RING: this thread's copies have landed, the caller's wait_group, and x is not read), the
+        MMAs; the fence and the barrier make every thread's tile visible to wgmma. Returns (acc, acc_u)."""
+        a = _operand(p, s, LH, AL)
+        if STORE_X:
+            xs.store(x)
         fence_async_shared()
         _cta_barrier()
         acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
         if TWO:
-            acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
-        _cta_barrier()
+            acc_u = warpgroup_mma(_operand(pu, su, LH, AL), xs.permute((1, 0)), acc_u)
+        _cta_barrier()  # xs (or the ring slot) is rewritten by the next step
         return acc, acc_u
 
     @gluon.jit
-    def _mma_step_ring(p, s, pu, su, xs, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr, TWO: gl.constexpr):
-        """One K tile whose activation tile xs [BM, 128] came through the weight ring (X_RING): this thread's copies
-        have landed (the caller's wait_group); the fence and the barrier make every thread's visible to wgmma."""
-        a = _operand(p, s, LB, AL)
-        fence_async_shared()
-        _cta_barrier()
-        acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
-        if TWO:
-            acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
-        _cta_barrier()  # the ring slot read here is refilled by the next step
-        return acc, acc_u
-
-    @gluon.jit
-    def _mma_step_async(p, s, pu, su, xr, kt, KT, x_rows, x_ok, acc, acc_u, LB: gl.constexpr, AL: gl.constexpr,
+    def _mma_step_async(p, s, pu, su, xr, kt, KT, x_rows, x_ok, acc, acc_u, LH: gl.constexpr, AL: gl.constexpr,
                         TWO: gl.constexpr):
         """One K tile with the activation tiles copied into a two-tile shared ring by cp.async, one tile ahead:
         tile kt + 1's copy is issued, tile kt's awaited (issued by the previous step, or before the loop)."""
         nxt = kt + 1
         _cp_async(xr.index(nxt % 2), x_rows + nxt * 128, mask=x_ok & (nxt < KT))
         async_copy.commit_group()
-        a = _operand(p, s, LB, AL)
+        a = _operand(p, s, LH, AL)
         async_copy.wait_group(1)
         fence_async_shared()
         _cta_barrier()
         xs = xr.index(kt % 2)
         acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
         if TWO:
-            acc_u = warpgroup_mma(_operand(pu, su, LB, AL), xs.permute((1, 0)), acc_u)
+            acc_u = warpgroup_mma(_operand(pu, su, LH, AL), xs.permute((1, 0)), acc_u)
         _cta_barrier()  # the ring slot read here is refilled by the next step
         return acc, acc_u
 
@@ -410,10 +393,11 @@ if HAVE_GLUON:
         those without rows too, so that this grid's completion implies the previous grid's."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        LB: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [64, 0]],
+        # a half tile's packed bytes as [row, j] (`_operand_half`)
+        LH: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]],
             lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-            shape=[128, 64])
+            shape=[64, 64])
         PL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [1, 4, 1], [2, 1, 0])
         SL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
@@ -494,10 +478,6 @@ if HAVE_GLUON:
                     # (X_RING) each tile as two 64-row halves, each with its own accumulator: a half's operand is
                     # built while the previous half's MMA runs, the next tile's first half during the last MMA
                     SH: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
-                    LH: gl.constexpr = gl.DistributedLinearLayout(
-                        reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]],
-                        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
-                        block_bases=[], shape=[64, 64])
                     g0 = gl.zeros([64, BM], gl.float32, layout=mma)
                     g1 = gl.zeros([64, BM], gl.float32, layout=mma)
                     u0 = gl.zeros([64, BM], gl.float32, layout=mma)
@@ -525,11 +505,11 @@ if HAVE_GLUON:
                             u0, a = warpgroup_mma_wait(1, deps=(t, a))
                         async_copy.wait_group(W_STAGES - 2)  # tile kt + 1's (none past the last tile)
                         a = _ring_half(wr, sr, (kt + 1) % W_STAGES, 0, PL, SH, LH, AL)
-                        # (a passes through the wait; ptxas still places most of its unpack after the wait)
+                        # (ptxas places most of this unpack after the wait below all the same)
                         if TWO:
-                            u1, b, a = warpgroup_mma_wait(0, deps=(tb, b, a))
+                            u1, b = warpgroup_mma_wait(0, deps=(tb, b))
                         else:
-                            g1, b, a = warpgroup_mma_wait(0, deps=(tb, b, a))
+                            g1, b = warpgroup_mma_wait(0, deps=(tb, b))
                         fence_async_shared()
                         _cta_barrier()  # tile kt + 1's activations visible to wgmma; every MMA of slot kt done
                         _issue_tile(wr, sr, wur, sur, kt + W_STAGES, KT, w_base, s_base, wu_base, su_base, woff,
@@ -555,9 +535,10 @@ if HAVE_GLUON:
                         else:  # (not read by the step)
                             pu, su = p, s
                         if X_RING:
-                            acc, acc_u = _mma_step_ring(p, s, pu, su, xr.index(slot), acc, acc_u, LB, AL, TWO)
+                            acc, acc_u = _mma_step(p, s, pu, su, acc, xr.index(slot), acc, acc_u, LH, AL, TWO,
+                                                   STORE_X=False)
                         else:
-                            acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
+                            acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LH, AL, TWO)
                 async_copy.wait_group(0)  # no copy may land after the program has left its shared memory
             else:
                 if PDL and not X_ASYNC:
@@ -580,15 +561,15 @@ if HAVE_GLUON:
                         if not X_ASYNC:
                             x2 = gl.load(x_rows + (kt0 + 1) * 128, mask=x_ok, other=0.0)
                     if X_ASYNC:
-                        acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LB, AL,
+                        acc, acc_u = _mma_step_async(p, s, pu, su, xr, kt0, KT, x_rows, x_ok, acc, acc_u, LH, AL,
                                                      TWO)
                         if UNROLL == 2:
                             acc, acc_u = _mma_step_async(p2, s2, pu2, su2, xr, kt0 + 1, KT, x_rows, x_ok, acc, acc_u,
-                                                         LB, AL, TWO)
+                                                         LH, AL, TWO)
                     else:
-                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LB, AL, TWO)
+                        acc, acc_u = _mma_step(p, s, pu, su, x, xs, acc, acc_u, LH, AL, TWO)
                         if UNROLL == 2:
-                            acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LB, AL, TWO)
+                            acc, acc_u = _mma_step(p2, s2, pu2, su2, x2, xs, acc, acc_u, LH, AL, TWO)
             alpha = gl.load(s2_ptr + e) * 16384.0  # weight_scale_2 · ALPHA (2^6 · 2^8, exact)
             res = acc * alpha
             if FUSE_SILU:
