@@ -675,11 +675,13 @@ def test_gpu_weight_ring_is_bit_equal(layout, bm, w_stages, maxnreg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
 @pytest.mark.parametrize("bm,payload", [(16, "bf16"), (16, "nvfp4"), (64, "bf16")])
-def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
+@pytest.mark.parametrize("mma_async", [False, True])
+def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload, mma_async):
     # programmatic dependent launch: each GEMM starts while the kernel before it finishes and waits before it reads
     # that kernel's output. Replayed in a CUDA graph with new activations each time, the chain's output is bit-equal
     # to serial launches' on the same input: a GEMM that read its input before the wait would see the previous
     # replay's values (the graph's buffers stay put). One expert has no rows: its programs exit after their wait.
+    # With mma_async, the GEMMs with rings issue their MMAs by half tiles (the shipped 16-token entries do both).
     from pdlab.moe.layouts import Contiguous, Masked, quantize_payload
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag
 
@@ -711,7 +713,8 @@ def test_gpu_pdl_chain_is_bit_equal(layout, bm, payload):
 
     def run(pdl):  # (the activations through the rings where there are rings: the wait guards their copies too)
         return F.run_frag(as_layout(), packs, I, torch.bfloat16, bm, ring=2, ring_down=2 if bm == 16 else 0,
-                          pair_down=bm == 16, x_async_down=bm == 64, pdl=pdl, x_ring=pdl)
+                          pair_down=bm == 16, x_async_down=bm == 64, pdl=pdl, x_ring=pdl,
+                          mma_async=pdl and mma_async)
 
     fill(0)
     run(True)  # compile outside the capture
