@@ -18,6 +18,8 @@ Lookup rule (`resolve_config`):
    |log2(max(query, 1)) − log2(max(entry, 1))|; ties go to the entry with the larger values (a
    kernel tuned for more work is the safer choice), then to the first in key order. A query outside
    the tuned range therefore gets the nearest edge bucket.
+   Stored buckets are first read through the op's registered upgrade (`register_bucket_upgrade`),
+   which fills keys an op's bucket gained after a file was written.
 3. Metadata rule: a file whose `metadata.device` differs from the running device's name, or whose
    format version is unknown, is skipped (one warning per file). A file measured with other
    torch / triton / vendor package versions is used, with one warning per file.
@@ -60,6 +62,7 @@ _FACTS: dict[str, tuple[str, str, str]] = {}
 _WARNED: set = set()
 _OBSERVERS: list[list] = []
 _ADAPTERS: dict[tuple[str, str], Any] = {}
+_UPGRADES: dict[str, Any] = {}
 
 
 def register_adapter(op: str, backend: str, fn) -> None:
@@ -67,6 +70,19 @@ def register_adapter(op: str, backend: str, fn) -> None:
     returns the config for the call (e.g. a split count that sets how many programs fill the GPU, tuned at batch
     128, means twice as many splits at batch 64). Applied whenever the nearest tuned bucket is not the call's."""
     _ADAPTERS[(op, backend)] = fn
+
+
+def register_bucket_upgrade(op: str, fn) -> None:
+    """Read `op`'s stored buckets through fn(bucket) -> bucket, which fills in keys the op's bucket gained after
+    files were written (e.g. moe_experts' `active_experts`: older entries were all measured with every expert
+    holding tokens, so it equals their `experts`). Lookups and the store writer both apply it."""
+    _UPGRADES[op] = fn
+
+
+def upgrade_bucket(op: str, bucket: Mapping[str, int | str]) -> dict:
+    """`bucket` as `op` keys it now (see `register_bucket_upgrade`); unchanged for ops without an upgrade."""
+    fn = _UPGRADES.get(op)
+    return dict(fn(dict(bucket))) if fn is not None else dict(bucket)
 
 
 def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], device=None,
@@ -101,13 +117,14 @@ def resolve_config(op: str, backend: str, bucket: Mapping[str, int | str], devic
         data = _load(path, name)
         if data is None:
             continue
-        entry = nearest_entry(data.get("entries", {}), backend, bucket)
+        entry = nearest_entry(data.get("entries", {}), backend, bucket, op=op)
         if entry is None:
             continue
         cfg = entry["backends"][backend]["config"]
         adapt = _ADAPTERS.get((op, backend))
-        if adapt is not None and bucket_distance(bucket, entry.get("bucket", {})) > 0:
-            cfg = adapt(dict(cfg), dict(entry["bucket"]), dict(bucket))
+        stored = upgrade_bucket(op, entry.get("bucket", {}))
+        if adapt is not None and bucket_distance(bucket, stored) > 0:
+            cfg = adapt(dict(cfg), stored, dict(bucket))
         try:
             result = (_with_defaults(op, backend, cfg, strict=True), f"tuned:{_label(root, path)}")
         except ValueError as exc:  # stale file: a knob the backend no longer has
@@ -132,7 +149,7 @@ def resolve_backend(op: str, bucket: Mapping[str, int | str], device=None) -> st
         data = _load(root / key / f"{op}.json", name)
         if data is None:
             continue
-        entry = nearest_entry(data.get("entries", {}), None, bucket)
+        entry = nearest_entry(data.get("entries", {}), None, bucket, op=op)
         if entry is not None:
             return entry["backend"]
     return None
@@ -178,9 +195,10 @@ def bucket_distance(query: Mapping[str, int | str], entry: Mapping[str, int | st
 
 
 def nearest_entry(entries: Mapping[str, Mapping], backend: str | None,
-                  bucket: Mapping[str, int | str]) -> Mapping | None:
+                  bucket: Mapping[str, int | str], op: str | None = None) -> Mapping | None:
     """The entry (of `entries`, bucket-key → entry) nearest to `bucket` that has results for
-    `backend` (any backend when None); None when no entry is comparable."""
+    `backend` (any backend when None); None when no entry is comparable. With `op`, stored buckets are
+    read through its registered upgrade first."""
     best, best_rank = None, None
     for label in sorted(entries):
         entry = entries[label]
@@ -188,10 +206,11 @@ def nearest_entry(entries: Mapping[str, Mapping], backend: str | None,
             continue
         if backend is None and not entry.get("backend"):
             continue
-        d = bucket_distance(bucket, entry.get("bucket", {}))
+        stored = upgrade_bucket(op, entry.get("bucket", {})) if op is not None else entry.get("bucket", {})
+        d = bucket_distance(bucket, stored)
         if math.isinf(d):
             continue
-        bigger = -sum(math.log2(max(float(v), 1.0)) for v in entry["bucket"].values() if _numeric(v))
+        bigger = -sum(math.log2(max(float(v), 1.0)) for v in stored.values() if _numeric(v))
         rank = (d, bigger)
         if best_rank is None or rank < best_rank:
             best, best_rank = entry, rank

@@ -1,6 +1,7 @@
 """The `moe_experts` op: gate_up → SiLU·mul → down for every local expert, on a dispatch layout.
 
-    run_experts(layout, weights, *, runner=None, config=None, expected_m=None) -> same layout, bf16
+    run_experts(layout, weights, *, runner=None, config=None, expected_m=None, active_experts=None)
+        -> same layout, bf16
 
 A runner is a backend of op "moe_experts" (one file each under `moe/runners/`) that declares the
 layouts and payloads it accepts in its registry options::
@@ -21,6 +22,7 @@ import torch
 
 from pdlab.kernels import registry
 from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
+from pdlab.kernels.tuned import register_bucket_upgrade, resolve_config
 from pdlab.moe.layouts import Contiguous, Layout, Masked, layout_op, with_hidden
 from pdlab.moe.weights import ExpertWeights
 
@@ -83,7 +85,8 @@ def select_runner(layout: Layout, weights: ExpertWeights, runner: str | None = N
 
 
 def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = None,
-                config: Mapping[str, Any] | None = None, expected_m: int | None = None) -> Layout:
+                config: Mapping[str, Any] | None = None, expected_m: int | None = None,
+                active_experts: int | None = None) -> Layout:
     """Run every local expert on its rows: out = down(silu(x·gateᵀ) · (x·upᵀ)).
 
     Args:
@@ -94,6 +97,9 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
         config: explicit runner config (wins over tuned ones).
         expected_m: tokens per expert the caller expects (shape bucket for tuned configs; default
             N/E for contiguous, M for masked).
+        active_experts: experts the caller expects to hold tokens (shape bucket too: one token on 8 of 256
+            experts reads 1/32 of the weights that one token on each does); default min(E, N) for contiguous,
+            E for masked (the host cannot see masked_m without a sync).
     Returns:
         the same layout kind with hidden [N, K] / [E, M, K] bf16 (fp16/fp32 when the input was),
         payload "bf16"; rows past the valid ones (masked rows >= masked_m) are unspecified.
@@ -122,53 +128,65 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
     if weights.has_bf16:
         wt.update(w13=weights.w13, w2=weights.w2)
     wdims = WEIGHTS.check(backend.name, bound={"E": E, "K": K}, **wt)
-    if expected_m is None:
-        expected_m = _default_expected_m(layout, E)
+    expected_m, active_experts = _expected(layout, E, expected_m, active_experts)
     if runner is not None:
         backend = select_runner(layout, weights, runner)  # availability, after the shape checks
-    cfg = _config(backend, layout, wdims["I"], expected_m, config)
+    cfg = _config(backend, layout, wdims["I"], expected_m, active_experts, config)
     out = backend.impl(layout, weights, config=cfg)
     return with_hidden(layout, out)
 
 
-def bucket(layout: Layout, intermediate: int, expected_m: int) -> dict[str, int | str]:
-    """Shape bucket for tuned-config lookup."""
-    return {"layout": layout.kind, "payload": layout.payload, "experts": layout.num_experts,
-            "hidden": layout.hidden_size, "intermediate": intermediate, "tokens_per_expert": int(expected_m)}
+def bucket(layout: Layout, intermediate: int, expected_m: int, active_experts: int | None = None
+           ) -> dict[str, int | str]:
+    """Shape bucket for tuned-config lookup (`active_experts` defaults to every local expert)."""
+    E = layout.num_experts
+    return {"layout": layout.kind, "payload": layout.payload, "experts": E, "hidden": layout.hidden_size,
+            "intermediate": intermediate, "tokens_per_expert": int(expected_m),
+            "active_experts": int(E if active_experts is None else active_experts)}
+
+
+def upgrade_bucket(stored: dict) -> dict:
+    """A stored bucket as the op keys it now: entries written before `active_experts` was a key were all
+    measured with every local expert holding tokens."""
+    if "active_experts" not in stored and "experts" in stored:
+        stored = {**stored, "active_experts": stored["experts"]}
+    return stored
+
+
+register_bucket_upgrade(OP, upgrade_bucket)
 
 
 def resolved_config(layout: Layout, weights: ExpertWeights, runner: str, config: Mapping[str, Any] | None = None,
-                    expected_m: int | None = None) -> tuple[dict[str, Any], str]:
-    """(the config `run_experts(layout, weights, runner=runner, config=config, expected_m=expected_m)` hands the
-    runner: explicit > tuned > default, plus "_expected_m"; where it came from: "explicit", "tuned:<file>",
-    "default"), without running it."""
+                    expected_m: int | None = None, active_experts: int | None = None) -> tuple[dict[str, Any], str]:
+    """(the config `run_experts(layout, weights, runner=runner, config=config, expected_m=expected_m,
+    active_experts=active_experts)` hands the runner: explicit > tuned > default, plus "_expected_m"; where it
+    came from: "explicit", "tuned:<file>", "default"), without running it."""
     backend = registry.get_backend(OP, runner)
+    expected_m, active_experts = _expected(layout, layout.num_experts, expected_m, active_experts)
+    return _config(backend, layout, weights.intermediate_size, expected_m, active_experts, config, with_source=True)
+
+
+def _expected(layout: Layout, num_experts: int, expected_m: int | None, active_experts: int | None
+              ) -> tuple[int, int]:
+    """(tokens per expert, experts holding tokens) the call's bucket names. Not given: rows over experts and
+    min(experts, rows) for contiguous rows, the slab's rows and every expert for a masked slab."""
+    rows = layout.hidden.shape[0] if layout.kind == "contiguous" else None
     if expected_m is None:
-        expected_m = _default_expected_m(layout, layout.num_experts)
-    return _config(backend, layout, weights.intermediate_size, expected_m, config, with_source=True)
+        expected_m = max(1, rows // max(num_experts, 1)) if rows is not None else layout.hidden.shape[1]
+    if active_experts is None:
+        active_experts = min(num_experts, rows) if rows is not None else num_experts
+    return int(expected_m), max(1, min(int(active_experts), num_experts))
 
 
-def _default_expected_m(layout: Layout, num_experts: int) -> int:
-    """Tokens per expert when the caller gives none: rows over experts (contiguous), the slab's rows (masked)."""
-    if layout.kind == "contiguous":
-        return max(1, layout.hidden.shape[0] // max(num_experts, 1))
-    return layout.hidden.shape[1]
-
-
-def _config(backend: registry.Backend, layout: Layout, intermediate: int, expected_m: int,
+def _config(backend: registry.Backend, layout: Layout, intermediate: int, expected_m: int, active_experts: int,
             explicit: Mapping[str, Any] | None, with_source: bool = False):
     """The runner's config (and, with_source, where it came from)."""
     source = "explicit" if explicit else "default"
     if not backend.config_space and not backend.default_config:
         cfg = dict(explicit or {})
     else:
-        try:
-            from pdlab.kernels.tuned import resolve_config
-        except ImportError:  # tuned-config store not present: the backend's defaults
-            cfg = backend.config(explicit)
-        else:
-            cfg, source = resolve_config(OP, backend.name, bucket(layout, intermediate, expected_m),
-                                         device=layout.hidden.device, explicit=explicit)
+        cfg, source = resolve_config(OP, backend.name, bucket(layout, intermediate, expected_m, active_experts),
+                                     device=layout.hidden.device, explicit=explicit)
         cfg["_expected_m"] = int(expected_m)
     return (cfg, source) if with_source else cfg
 

@@ -182,8 +182,8 @@ class MoELayer:
 
     def experts(self, layout: Layout, mode: str | None = None, num_tokens: int | None = None) -> Layout:
         """Run this rank's experts on a dispatched layout → same layout, bf16 hidden.
-        num_tokens: tokens of this step on this rank (host int), for the expected rows per expert that
-        picks the tuned config of a masked layout without a host sync.
+        num_tokens: tokens of this step on this rank (host int), for the expected rows per expert and experts
+        holding tokens that pick the tuned config of a masked layout without a host sync.
         A layout of the wrong kind raises ShapeError (the runner's contract)."""
         from pdlab.moe.experts import run_experts
 
@@ -196,11 +196,14 @@ class MoELayer:
                              describe_tensor(hidden),
                              "normal dispatch gives Contiguous [N, K], low-latency dispatch gives Masked [E, M, K]; "
                              "hand the runner the layout of the mode it was paired with")
-        expected_m = None
-        if num_tokens is not None:  # balanced routing: T·world·k (token, expert) pairs over E experts
+        expected_m = active = None
+        if num_tokens is not None:
+            # balanced routing: T·world·k (token, expert) pairs over E experts, T·k of them on this rank, so at
+            # most T·k of its experts hold tokens (one token on 8 of 256 experts is not one on each)
             expected_m = max(1, -(-num_tokens * self.world_size * self.cfg.top_k // self.cfg.num_experts))
+            active = max(1, num_tokens * self.cfg.top_k)
         return run_experts(layout, self.weights, runner=self.runners[mode], config=self.runner_config or None,
-                           expected_m=expected_m)
+                           expected_m=expected_m, active_experts=active)
 
     def combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
         """The experts' output (same layout as dispatched, bf16 hidden) → [T, H] weighted sum per token

@@ -67,6 +67,8 @@ def print_plan(plans, arch: str, detected: str, model, args) -> None:
                     axes[k].append(v)
         console.print(f"[bold]{target.op}[/bold]: {len(buckets)} buckets ({target.bucket_doc})")
         for k, vals in axes.items():
+            if all(isinstance(v, int) for v in vals):
+                vals = sorted(vals)
             console.print(f"  {k}: {', '.join(str(v) for v in vals)}")
         studies = sum(1 for b in backends for bk in buckets if target.accepts(b, bk)
                       and (not b.reference or target.reference_output is not None

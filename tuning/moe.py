@@ -2,7 +2,9 @@
 inputs built for the public op `pdlab.moe.experts.run_experts`.
 
 Buckets (the keys `run_experts` passes to `resolve_config`):
-  tokens_per_expert {1, 4, 16, 64, 256, 1024, 2048} (contiguous: rows / experts; masked: M_max)
+  tokens_per_expert {1, 4, 16, 64, 256, 1024, 2048} (contiguous: rows / experts; masked: M_max) on every
+  local expert (active_experts = experts), plus decode steps that reach only some experts: one token on
+  active_experts {8, 32, 128} of them (fewer than all; EP1 decode of 1, 4 and 16 tokens at top-8)
   × experts {E (EP1), E/4 (EP4)} local experts × layout {contiguous, masked (≤ 256 tokens per expert)}
   × payload {nvfp4, bf16} (activations as dispatched), with hidden = H and intermediate = I of the model.
 NVFP4 weights are random (DeepSeek-R1 sizes by default), quantized once per shape and reused (NVFP4 only:
@@ -22,6 +24,7 @@ from pdlab.tuning.models import ModelShape
 from pdlab.tuning.target import TuneTarget, register_target
 
 TOKENS_PER_EXPERT = (1, 4, 16, 64, 256, 1024, 2048)
+SPARSE_ACTIVE = (8, 32, 128)  # experts holding one token each (decode of 1, 4, 16 tokens at top-8)
 MASKED_MAX_TPE = 256  # low-latency (masked) dispatch carries decode batches only
 EP_SIZES = (1, 4)
 PAYLOADS = ("nvfp4", "bf16")
@@ -32,12 +35,14 @@ _WEIGHTS: dict[tuple, object] = {}
 def experts_buckets(model: ModelShape) -> list[dict]:
     out = []
     for ep in EP_SIZES:
-        for tpe in TOKENS_PER_EXPERT:
+        experts = model.n_routed_experts // ep
+        fills = [(tpe, experts) for tpe in TOKENS_PER_EXPERT] + [(1, a) for a in SPARSE_ACTIVE if a < experts]
+        for tpe, active in fills:
             for layout in ("contiguous", "masked"):
                 if layout == "masked" and tpe > MASKED_MAX_TPE:
                     continue
                 for payload in PAYLOADS:
-                    out.append({"tokens_per_expert": tpe, "experts": model.n_routed_experts // ep,
+                    out.append({"tokens_per_expert": tpe, "experts": experts, "active_experts": active,
                                 "hidden": model.hidden_size, "intermediate": model.moe_intermediate_size,
                                 "layout": layout, "payload": payload})
     return out
@@ -62,17 +67,29 @@ def expert_weights(experts: int, hidden: int, inter: int, device: torch.device):
     return _WEIGHTS[key]
 
 
+def active_ids(experts: int, active: int) -> torch.Tensor:
+    """The experts holding tokens in a bucket with `active` of `experts` filled: spread evenly over the local
+    experts (int64 [active]), as random routing spreads a decode step's few tokens."""
+    return torch.arange(active) * experts // active
+
+
 class ExpertInputs:
-    """One bucket: the dispatched layout (every expert full: tokens_per_expert rows each) and weights."""
+    """One bucket: the dispatched layout (tokens_per_expert rows on each of the bucket's active experts, none on
+    the others) and the weights of every local expert."""
 
     def __init__(self, bucket: dict, model: ModelShape, device: torch.device) -> None:
         from pdlab.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
         from pdlab.moe.layouts import Contiguous, Masked
 
         E, M, H = bucket["experts"], bucket["tokens_per_expert"], bucket["hidden"]
+        A = int(bucket.get("active_experts", E))
+        self.expected_m, self.active_experts = M, A
         self.weights = expert_weights(E, H, bucket["intermediate"], device)
+        counts = torch.zeros(E, dtype=torch.int32)
+        counts[active_ids(E, A)] = M
         g = torch.Generator(device=device).manual_seed(11)
-        x = torch.randn(E * M, H, generator=g, device=device, dtype=torch.bfloat16)
+        masked = bucket["layout"] == "masked"
+        x = torch.randn((E if masked else A) * M, H, generator=g, device=device, dtype=torch.bfloat16)
         payload = bucket["payload"]
         extra = {}
         if payload == "nvfp4":
@@ -81,20 +98,19 @@ class ExpertInputs:
             extra = {"payload": "nvfp4", "scales": scales, "global_scale": gs}
         elif payload != "bf16":
             raise ValueError(f"payload {payload!r}: the tuner builds bf16 or nvfp4 activations")
-        if bucket["layout"] == "contiguous":
-            counts = torch.full((E,), M, dtype=torch.int32, device=device)
-            offsets = torch.arange(0, E * M + 1, M, dtype=torch.int32, device=device)
-            self.layout = Contiguous(hidden=x, counts=counts, offsets=offsets, **extra)
+        if not masked:
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(counts, 0, dtype=torch.int32)])
+            self.layout = Contiguous(hidden=x, counts=counts.to(device), offsets=offsets.to(device), **extra)
         else:
             extra = {k: (v.view(E, M, -1) if k == "scales" else v) for k, v in extra.items()}
-            self.layout = Masked(hidden=x.view(E, M, -1), masked_m=torch.full((E,), M, dtype=torch.int32,
-                                                                                  device=device), **extra)
+            self.layout = Masked(hidden=x.view(E, M, -1), masked_m=counts.to(device), **extra)
 
 
 def _call(backend: str, cfg: dict, x: ExpertInputs):
     from pdlab.moe.experts import run_experts
 
-    out = run_experts(x.layout, x.weights, runner=backend, config=cfg)
+    out = run_experts(x.layout, x.weights, runner=backend, config=cfg, expected_m=x.expected_m,
+                      active_experts=x.active_experts)
     if backend == "torch":
         # the reference runs once per bucket; its cached fp32 copy of the weights (45 GB at EP1
         # DeepSeek-R1) would otherwise crowd out every trial after it
@@ -107,7 +123,13 @@ def _tensor(y) -> torch.Tensor:
 
 
 def _error(out, ref) -> float:
-    return cosine_error(_tensor(out), _tensor(ref))
+    """Cosine error over the rows the layout holds (a masked slab's rows past masked_m are unspecified)."""
+    a, b = _tensor(out), _tensor(ref)
+    masked_m = getattr(ref, "masked_m", None)
+    if masked_m is not None and a.dim() == 3:
+        valid = torch.arange(a.shape[1], device=a.device)[None, :] < masked_m.to(a.device)[:, None]
+        a, b = a[valid], b[valid]
+    return cosine_error(a, b)
 
 
 def _tolerance(bucket) -> float:
@@ -155,7 +177,8 @@ MOE_EXPERTS = register_target(TuneTarget(
     op="moe_experts", description="MoE expert runners (gate_up → SiLU·mul → down)",
     buckets=experts_buckets, build=lambda b, m, d: ExpertInputs(b, m, d), call=_call, error=_error,
     tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",), resolve=_resolve, space=_space,
-    bucket_doc="tokens_per_expert × experts (EP1, EP4) × layout × payload at the model's hidden/intermediate"))
+    bucket_doc="tokens_per_expert × active_experts (all, or one token on 8/32/128) × experts (EP1, EP4) × layout "
+               "× payload at the model's hidden/intermediate"))
 
 OPS = ("moe_experts",)
 

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from pdlab.kernels.tuned import FORMAT_VERSION, bucket_label, read_store
+from pdlab.kernels.tuned import FORMAT_VERSION, bucket_label, read_store, upgrade_bucket
 
 
 def store_path(root: str | os.PathLike, device_key: str, op: str) -> Path:
@@ -66,6 +66,7 @@ def write_results(root: str | os.PathLike, device_key: str, op: str, metadata: M
             data = {"format": FORMAT_VERSION, "op": op, "metadata": {}, "entries": {}}
         data["format"] = FORMAT_VERSION
         data["metadata"] = dict(metadata)
+        data["entries"] = _upgraded(op, data["entries"])
         for label, (bucket, per_backend) in results.items():
             entry = data["entries"].setdefault(label, {"bucket": dict(bucket), "backends": {}})
             entry["bucket"] = dict(bucket)
@@ -73,6 +74,19 @@ def write_results(root: str | os.PathLike, device_key: str, op: str, metadata: M
             _pick_winner(entry)
         _atomic_write(path, data)
     return path
+
+
+def _upgraded(op: str, entries: Mapping[str, dict]) -> dict[str, dict]:
+    """`entries` with their buckets (and labels) as the op keys them now; where an old entry's upgraded label
+    is already taken, the entry already under that label stays."""
+    out: dict[str, dict] = {}
+    for label, entry in entries.items():
+        bucket = upgrade_bucket(op, entry.get("bucket", {}))
+        new = bucket_label(bucket) if bucket != entry.get("bucket") else label
+        if new in entries and new != label:
+            continue
+        out[new] = {**entry, "bucket": bucket}
+    return out
 
 
 def merge_bucket(bucket: Mapping, per_backend: Mapping[str, dict]) -> dict[str, tuple[Mapping, Mapping]]:

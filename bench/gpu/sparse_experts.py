@@ -40,12 +40,13 @@ def main() -> None:
         contiguous = Contiguous(x, counts.to(dev), offsets)
         slab = torch.zeros(E, max(T, 1), H, device=dev, dtype=torch.bfloat16)
         masked = Masked(slab, counts.to(dev))
-        expected = max(1, -(-T * args.top_k // E))
+        expected, active = max(1, -(-T * args.top_k // E)), T * args.top_k
         for raw in args.config or ["{}"]:
             cfg = json.loads(raw)
             for name, layout in (("contiguous", contiguous), ("masked", masked)):
                 def fn(layout=layout, cfg=cfg):
-                    return run_experts(layout, w, runner="triton", config=cfg or None, expected_m=expected)
+                    return run_experts(layout, w, runner="triton", config=cfg or None, expected_m=expected,
+                                       active_experts=active)
 
                 graph = bench(fn, cuda_graph=True, graph_calls=10, repeats=20, warmup=2).median_ms * 1e3
                 ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(30)]
@@ -68,7 +69,8 @@ def main() -> None:
                 cfg = json.loads(raw)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
-                        run_experts(contiguous, w, runner="triton", config=cfg or None, expected_m=expected)
+                        run_experts(contiguous, w, runner="triton", config=cfg or None, expected_m=expected,
+                                    active_experts=active)
                     torch.cuda.synchronize()
                 print(f"== tokens {T} contiguous config {raw}")
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14), flush=True)

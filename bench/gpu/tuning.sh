@@ -23,8 +23,14 @@ ATT_HEADS=${ATT_HEADS:-16,128}         # mla_decode heads and cache dtype bucket
 ATT_KV=${ATT_KV:-bf16,fp8}
 MOE_TPE=${MOE_TPE:-4,64,256,1024}       # tokens-per-expert buckets (nvfp4, contiguous)
 MOE_EXPERTS=${MOE_EXPERTS:-256,64}      # local experts: EP1 and EP4 of DeepSeek-R1
+MOE_ACTIVE=${MOE_ACTIVE:-}              # experts holding tokens (e.g. 8,32,128: the sparse decode buckets); all if empty
+MERGE_SHIPPED=${MERGE_SHIPPED:-0}       # 1: start $OUT/configs from the shipped files, so the new entries merge into them
 PY=${PY:-python3}
 mkdir -p "$OUT"
+if [[ $MERGE_SHIPPED == 1 ]]; then
+  KEY=$($PY -c "from pdlab.kernels.arch import device_facts; print(device_facts('cuda').key)")
+  mkdir -p "$OUT/configs/$KEY" && cp tuning/configs/$KEY/*.json "$OUT/configs/$KEY/"
+fi
 export PDLAB_CONFIG_DIR="$OUT/configs" PDLAB_CACHE_DIR="$OUT/cache" PDLAB_RESULTS_DIR="$OUT"
 . "$(dirname "$0")/provenance.sh"
 record_provenance "$OUT"
@@ -66,7 +72,7 @@ tune_attention() {
 tune_experts() {
   tune_resuming "$OUT/moe.log" $MOE moe --backends triton --storage "$OUT/tuning_moe.db" \
     --only experts=$MOE_EXPERTS --only tokens_per_expert=$MOE_TPE --only layout=$MOE_LAYOUT --only payload=$MOE_PAYLOAD \
-    --out "$OUT/moe"
+    ${MOE_ACTIVE:+--only active_experts=$MOE_ACTIVE} --out "$OUT/moe"
 }
 START=$(date +%s)
 # mla_decode: ATT_BATCH x ATT_SEQLEN x ATT_HEADS x ATT_KV; Triton NVFP4 experts: EP1 (256

@@ -137,3 +137,17 @@ def test_local_expert_slice(moe):
     assert torch.equal(part.w2_weight_scale_2, weights.w2_weight_scale_2[4:8])
     layer = MoELayer(CFG, weights, gate, bias, None, "local", "torch", "normal")
     assert layer.weights.num_experts == 8
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_layer_names_the_experts_a_step_reaches(moe, mode):
+    # the tuned-config bucket of a decode step: T tokens reach at most T·top_k of the local experts
+    from pdlab.kernels import tuned
+
+    weights, gate, bias = moe
+    layer = MoELayer(CFG, weights, gate, bias, None, "local", "torch", mode, num_max_dispatch_tokens_per_rank=16)
+    for T, active in ((1, 3), (2, 6), (12, 8)):
+        with tuned.observe() as seen, torch.no_grad():
+            layer(torch.randn(T, CFG.hidden_size).to(torch.bfloat16))
+        asked = [b for op, _, b in seen if op == "moe_experts"]
+        assert asked and all(b["active_experts"] == active and b["experts"] == CFG.num_experts for b in asked), asked

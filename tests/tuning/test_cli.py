@@ -78,11 +78,13 @@ def test_dry_run_real_ops_without_gpu(capsys):
     assert main(["moe", "--arch", "sm90", "--dry-run", "--only", "experts=64"]) == 0
     out = capsys.readouterr().out
     assert "tokens_per_expert: 1, 4, 16, 64, 256, 1024, 2048" in out and "experts: 64" in out
+    # decode steps that reach only some experts are buckets of their own (one token on 8 or 32 of the 64)
+    assert "active_experts: 8, 32, 64" in out and "32 buckets" in out
     from pdlab.moe.triton.nvfp4_frag import HAVE_GLUON
 
     if HAVE_GLUON:  # on sm90 the experts' triton runner is searched over its fragment GEMMs' knobs only
         assert "1728–41472 configs by bucket" in out and "the knobs that matter on this arch" in out
-        assert ("triton (17 buckets): FRAG_BM: [16, 32, 64]; FRAG_UNROLL: [1, 2]; FRAG_XASYNC: [0, 1]; "
+        assert ("triton (23 buckets): FRAG_BM: [16, 32, 64]; FRAG_UNROLL: [1, 2]; FRAG_XASYNC: [0, 1]; "
                 "FRAG_RING: [0, 2, 3]; FRAG_RING_DOWN: [0, 2, 3]; FRAG_PAIR_DOWN: [0, 1]; FRAG_XRING: [0, 1]; "
                 "FRAG_PDL: [0, 1]; FRAG_MMA_ASYNC: [0, 1] (") in out
     assert main(["moe", "--arch", "sm100", "--dry-run", "--only", "experts=64"]) == 0

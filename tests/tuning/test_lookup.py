@@ -165,3 +165,57 @@ def test_decode_split_count_carried_to_the_calls_batch(isolated):
 
     assert [splits(b) for b in (128, 64, 32, 256, 512, 96)] == [2, 4, 8, 1, 1, 2]
     assert splits(4, 1024) == 0 and splits(128, 16384) == 2
+
+
+def _experts_bucket(experts, tpe=1, layout="contiguous", active=None):
+    b = {"experts": experts, "hidden": 128, "intermediate": 64, "layout": layout, "payload": "bf16",
+         "tokens_per_expert": tpe}
+    return b if active is None else {**b, "active_experts": active}
+
+
+def test_experts_buckets_tell_one_token_on_few_experts_from_one_on_each(isolated):
+    # a file written before active_experts was a key (every expert full) still serves those shapes, and is
+    # relabelled when new entries are merged in; one token on 8 of 256 experts finds the sparse entry, not the
+    # dense one (nor EP4's 64 experts with one token each, which the old key could not tell apart)
+    from types import SimpleNamespace
+
+    import torch
+
+    import pdlab.moe  # noqa: F401  (registers the runners and the bucket upgrade)
+    from pdlab.moe.experts import resolved_config
+    from pdlab.moe.layouts import Contiguous, Masked
+
+    root = isolated / "configs"
+    old = _write(root, [], op="moe_experts", backend="triton")  # an older file, written as it was then
+    data = json.loads(old.read_text())
+    for b, cfg in ((_experts_bucket(256), {"FRAG_BM": 64}), (_experts_bucket(64), {"FRAG_BM": 16})):
+        data["entries"][tuned.bucket_label(b)] = {"bucket": b, "backend": "triton",
+                                                  "backends": {"triton": store.backend_result(cfg, 1.0, 2.0)}}
+    old.write_text(json.dumps(data))
+    w = SimpleNamespace(intermediate_size=64)
+
+    def rows(n, experts=256, **kw):
+        counts = torch.zeros(experts, dtype=torch.int32)
+        counts[:n] = 1
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0, dtype=torch.int32)])
+        cfg, src = resolved_config(Contiguous(torch.randn(n, 128), counts, offsets), w, "triton", **kw)
+        assert src.startswith("tuned:"), src
+        return cfg["FRAG_BM"]
+
+    assert rows(256) == 64 and rows(64, experts=64) == 16  # old entries, read as every expert full
+    assert rows(8) == 64  # nothing sparse tuned yet: the nearest is EP1's dense entry (distance 5)
+    _write(root, [(_experts_bucket(256, active=8), {"FRAG_BM": 32}),
+                  (_experts_bucket(256, layout="masked", active=256), {"FRAG_BM": 64}),
+                  (_experts_bucket(256, layout="masked", active=8), {"FRAG_BM": 32})], op="moe_experts",
+           backend="triton")
+    tuned.clear_cache()
+    entries = json.loads(old.read_text())["entries"]
+    assert sorted(entries) == sorted(tuned.bucket_label(_experts_bucket(e, layout=lay, active=a)) for e, a, lay in
+                                     ((256, 256, "contiguous"), (256, 8, "contiguous"), (64, 64, "contiguous"),
+                                      (256, 256, "masked"), (256, 8, "masked")))
+    assert entries[tuned.bucket_label(_experts_bucket(256, active=256))]["bucket"]["active_experts"] == 256
+    assert rows(8) == 32 and rows(16) == 32 and rows(256) == 64 and rows(64, experts=64) == 16
+    assert rows(256, active_experts=8) == 32  # the caller's expectation wins over the rows it sees
+    slab = Masked(torch.randn(256, 1, 128), torch.zeros(256, dtype=torch.int32))
+    assert resolved_config(slab, w, "triton")[0]["FRAG_BM"] == 64  # a slab: every expert, unless told
+    assert resolved_config(slab, w, "triton", active_experts=8)[0]["FRAG_BM"] == 32

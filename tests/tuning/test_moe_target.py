@@ -61,3 +61,31 @@ def test_sm90_searches_only_the_fragment_gemms_knobs():
     assert MOE_EXPERTS.search_space(triton, {**b, "payload": "nvfp4", "layout": "contiguous"}, "sm90") == frag
     ref = registry.get_backend("moe_experts", "torch")
     assert MOE_EXPERTS.search_space(ref, b, "sm90") == ref.config_space
+
+
+def test_sparse_buckets_fill_only_their_active_experts():
+    # one token on 2 of 8 experts: rows only there (contiguous: 2 rows; masked: masked_m 1 on those, 0 elsewhere);
+    # the error counts a masked slab's valid rows only (the others are unspecified), and a wrong valid row fails
+    from pdlab.tuning.models import ModelShape
+    from pdlab.tuning.moe import MOE_EXPERTS, active_ids, experts_buckets
+
+    model = ModelShape(name="tiny", hidden_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                       num_experts_per_tok=2, num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128,
+                       qk_rope_head_dim=64)
+    buckets = experts_buckets(model)
+    # SPARSE_ACTIVE (8, 32, 128) holds none below 8 experts: tiny models get the every-expert buckets only
+    assert {b["active_experts"] for b in buckets} == {8, 2}
+    assert active_ids(256, 8).tolist() == list(range(0, 256, 32))
+    base = {"tokens_per_expert": 1, "experts": 8, "active_experts": 2, "hidden": 64, "intermediate": 32,
+            "payload": "bf16"}
+    rows = MOE_EXPERTS.build({**base, "layout": "contiguous"}, model, torch.device("cpu"))
+    assert rows.layout.hidden.shape == (2, 64) and rows.layout.counts.tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+    assert rows.layout.offsets.tolist() == [0, 1, 1, 1, 1, 2, 2, 2, 2]
+    slab = MOE_EXPERTS.build({**base, "layout": "masked"}, model, torch.device("cpu"))
+    assert slab.layout.hidden.shape == (8, 1, 64) and slab.layout.masked_m.tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+    ref = MOE_EXPERTS.call("torch", {}, slab)
+    out = MOE_EXPERTS.call("torch", {}, slab)
+    out.hidden[1:4] = 1e4  # rows past masked_m: unspecified, not compared
+    assert MOE_EXPERTS.error(out, ref) < 1e-6
+    out.hidden[4] = -out.hidden[4]
+    assert MOE_EXPERTS.error(out, ref) > 0.1

@@ -1,0 +1,45 @@
+"""Is the EP4 expert call's time a property of where its weights landed in memory? Builds the same experts (same
+seed, same bytes) at several placements, each behind a spacer allocation of another size, and times the whole
+call several times at each: a spread within one placement is run-to-run noise, a spread between placements that
+repeats within each is the placement.
+
+    python3 bench/gpu/placement_probe.py --tokens 16 --payloads nvfp4,bf16 --placements 6 --repeats 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def main() -> None:
+    from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights, time_runner
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--payloads", default="nvfp4,bf16")
+    ap.add_argument("--placements", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=4)
+    args = ap.parse_args()
+    E, H, I, m, dev = args.experts, 7168, 2048, args.tokens, torch.device("cuda")
+    gs = torch.tensor(2688.0 / 4.0, device=dev)
+    layouts = {p: make_layout("masked", p, E, m, H, dev, gs) for p in args.payloads.split(",")}
+    for placement in range(args.placements):
+        spacer = torch.empty(placement * 37 * 2**20 + 1, dtype=torch.uint8, device=dev)  # moves what follows
+        w = random_nvfp4_weights(E, H, I, dev, with_bf16=False).frag_()
+        for payload, layout in layouts.items():
+            times = [time_runner(layout, w, "triton", None, expected_m=m).median_ms * 1e3 for _ in range(args.repeats)]
+            print(json.dumps({"placement": placement, "spacer_mib": round(spacer.numel() / 2**20, 1),
+                              "weights_ptr_mod_2mib": w.w13_weight.data_ptr() % 2**21, "payload": payload,
+                              "tokens": m, "us": [round(t, 1) for t in times],
+                              "median_us": round(statistics.median(times), 1)}), flush=True)
+        del w, spacer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
