@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -24,6 +25,8 @@ def main() -> None:
     ap.add_argument("--payloads", default="nvfp4,bf16")
     ap.add_argument("--placements", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--stamp", action="store_true", help="also each timing's wall-clock end (to line up with a "
+                    "clock / power log such as nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 200)")
     args = ap.parse_args()
     E, H, I, m, dev = args.experts, 7168, 2048, args.tokens, torch.device("cuda")
     gs = torch.tensor(2688.0 / 4.0, device=dev)
@@ -32,8 +35,12 @@ def main() -> None:
         spacer = torch.empty(placement * 37 * 2**20 + 1, dtype=torch.uint8, device=dev)  # moves what follows
         w = random_nvfp4_weights(E, H, I, dev, with_bf16=False).frag_()
         for payload, layout in layouts.items():
-            times = [time_runner(layout, w, "triton", None, expected_m=m).median_ms * 1e3 for _ in range(args.repeats)]
-            print(json.dumps({"placement": placement, "spacer_mib": round(spacer.numel() / 2**20, 1),
+            times, stamps = [], []
+            for _ in range(args.repeats):
+                times.append(time_runner(layout, w, "triton", None, expected_m=m).median_ms * 1e3)
+                stamps.append(time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}")
+            extra = {"ended": stamps} if args.stamp else {}
+            print(json.dumps({**extra, "placement": placement, "spacer_mib": round(spacer.numel() / 2**20, 1),
                               "weights_ptr_mod_2mib": w.w13_weight.data_ptr() % 2**21, "payload": payload,
                               "tokens": m, "us": [round(t, 1) for t in times],
                               "median_us": round(statistics.median(times), 1)}), flush=True)
