@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import datetime
 import statistics
-import time
 
 import torch
 
@@ -38,7 +38,7 @@ def main() -> None:
             times, stamps = [], []
             for _ in range(args.repeats):
                 times.append(time_runner(layout, w, "triton", None, expected_m=m).median_ms * 1e3)
-                stamps.append(time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}")
+                stamps.append(datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3])
             extra = {"ended": stamps} if args.stamp else {}
             print(json.dumps({**extra, "placement": placement, "spacer_mib": round(spacer.numel() / 2**20, 1),
                               "weights_ptr_mod_2mib": w.w13_weight.data_ptr() % 2**21, "payload": payload,
