@@ -20,7 +20,7 @@ import torch
 def main() -> None:
     from pdlab.bench.harness import bench
     from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights
-    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag, default_mma_async, program_tokens
     from pdlab.moe.triton import nvfp4_frag as F
 
     ap = argparse.ArgumentParser()
@@ -35,15 +35,16 @@ def main() -> None:
         xp = F.prepare_activations(layout.hidden, counts)
         h = torch.empty(E, m, I, dtype=torch.float16, device=dev)
         out = torch.empty(E, m, H, dtype=torch.bfloat16, device=dev)
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bm = program_tokens(m)
+        mma_async = default_mma_async(bm, m)
 
         def gate_up(p):
             F.frag_gemm(xp, p["w13"], p["w13_sf"], p["w13_s2"], h, counts, n_out=I, fuse_silu=True, block_m=bm,
-                        w_stages=2, x_ring=True, mma_async=bm <= 32)
+                        w_stages=2, x_ring=True, mma_async=mma_async)
 
         def down(p):
             F.frag_gemm(h, p["w2"], p["w2_sf"], p["w2_s2"], out, counts, n_out=H, fuse_silu=False, block_m=bm,
-                        w_stages=2, pair_n=H % 256 == 0, x_ring=True, mma_async=bm <= 32)
+                        w_stages=2, pair_n=H % 256 == 0, x_ring=True, mma_async=mma_async)
 
         def timed(fn) -> float:
             return bench(fn, cuda_graph=True, graph_calls=10, repeats=20, warmup=2).median_ms * 1e3

@@ -86,7 +86,7 @@ def _frag(args) -> list[dict]:
     GEMMs in sequence ("gemms") and all three ("layer"); with --events also each kernel's time within the sequence
     (CUDA events, eager)."""
     from pdlab.bench.moe_experts import NVFP4_BYTES_PER_PARAM, make_layout, random_nvfp4_weights
-    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag, program_tokens
     from pdlab.moe.triton import nvfp4_frag as F
 
     E, H, I = args.experts, 7168, 2048
@@ -102,7 +102,7 @@ def _frag(args) -> list[dict]:
         h = torch.empty(E, m, I, dtype=torch.float16, device=dev)
         out = torch.empty(E, m, H, dtype=torch.bfloat16, device=dev)
         for raw in configs:
-            bm = int(raw.get("block_m", 16 if m <= 16 else 32 if m <= 32 else 64))
+            bm = int(raw.get("block_m", program_tokens(m)))
             xa = bool(raw.get("x_async", 0))
 
             def gate_up(bm=bm, xa=xa, raw=raw):

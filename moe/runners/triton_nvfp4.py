@@ -97,6 +97,18 @@ def _probe() -> str | None:
     return "needs a CUDA GPU (or TRITON_INTERPRET=1 for CPU tests)"
 
 
+def program_tokens(expected_m: int) -> int:
+    """Tokens per program of the decode kernels by the expected tokens per expert: 16 / 32 / 64."""
+    return 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
+
+
+def default_mma_async(block_m: int, expected_m: int) -> bool:
+    """FRAG_MMA_ASYNC's automatic choice: 16- and 32-token programs when more than one token per expert is expected
+    (measured: faster at 16 tokens per expert, the same at 64 and at 1 on every expert, slower with one token on 8
+    of 256 experts)."""
+    return block_m <= 32 and expected_m >= 2
+
+
 def heuristic_config(expected_m: int, interpret: bool = False) -> dict:
     """Defaults by tokens per expert: decode streams weights (small BLOCK_M, wide BLOCK_K), prefill
     is a compute-bound tiled GEMM."""
@@ -109,8 +121,7 @@ def heuristic_config(expected_m: int, interpret: bool = False) -> dict:
     # declared BLOCK_K-aligned) 896 → 739 µs, and the tiled weight layout 739 → 671 µs at 1 and 16 tokens/expert
     fast = {"DEQ_ASM": 1, "PERM_K": 1}
     if expected_m <= 64:
-        bm = 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
-        return {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "TILED": 1, **fast}
+        return {"BLOCK_M": program_tokens(expected_m), "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "TILED": 1, **fast}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "DENSE_MIN_M": 256,
             **fast}
 
@@ -304,7 +315,7 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
-    bm = int(cfg.get("FRAG_BM") or (16 if expected_m <= 16 else 32 if expected_m <= 32 else 64))
+    bm = int(cfg.get("FRAG_BM") or program_tokens(expected_m))
     x_async = int(cfg.get("FRAG_XASYNC", -1))
     x_async = bm == 64 if x_async == -1 else bool(x_async)
     unroll = int(cfg.get("FRAG_UNROLL") or (1 if x_async and bm == 64 else 2))
@@ -318,9 +329,7 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     pdl = int(cfg.get("FRAG_PDL", -1)) == 1  # (-1: off; no gain beyond the runs' noise, see the module docstring)
     x_ring = int(cfg.get("FRAG_XRING", -1)) != 0
     mma_async = int(cfg.get("FRAG_MMA_ASYNC", -1))
-    # -1: 16- and 32-token programs when more than one token per expert is expected (measured: faster at 16 tokens
-    # per expert, the same at 64 and at 1 on every expert, slower with one token on 8 of 256 experts)
-    mma_async = (bm <= 32 and expected_m >= 2) if mma_async == -1 else bool(mma_async)
+    mma_async = default_mma_async(bm, expected_m) if mma_async == -1 else bool(mma_async)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,
                                ring=ring, ring_down=ring_down, maxnreg=maxnreg, pair_down=pair, pdl=pdl,
