@@ -116,13 +116,13 @@ def run(args: argparse.Namespace) -> int:
     facts = device_facts()
     configs = parse_configs(args.config)
 
+    names = [b.strip() for b in args.backend.split(",") if b.strip()]
+    problem = registry.unknown_names(op.name, names)
+    if problem:
+        print(f"bench attention: {problem}")
+        return 2
     usable, missing = [], []
-    for name in [b for b in args.backend.split(",") if b]:
-        try:
-            registry.get_backend(op.name, name)
-        except KeyError as exc:
-            missing.append((name, str(exc).strip('"')))
-            continue
+    for name in names:
         reason = registry.unavailable_reason(op.name, name)
         (missing.append((name, reason)) if reason else usable.append(name))
     for name, reason in missing:

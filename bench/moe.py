@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 from dataclasses import asdict
 from typing import Any
@@ -85,7 +86,22 @@ def run(args: argparse.Namespace) -> int:
     if dispatcher == "local" and args.ep > 1:
         print("bench moe: the local dispatcher moves no tokens between ranks; use --dispatcher nccl or deepep with --ep > 1")
         return 2
-    cfg = resolve_model(args.model)
+    import pdlab.moe.dispatch  # noqa: F401  (registers the dispatchers)
+    import pdlab.moe.experts  # noqa: F401  (registers the runners)
+    from pdlab.kernels import registry
+
+    runners = [r.strip() for r in args.runner.split(",") if r.strip()]
+    for op, names in (("moe_experts", [r for r in runners if r != "auto"]), ("moe_dispatch", [dispatcher])):
+        problem = registry.unknown_names(op, names)
+        if problem:
+            print(f"bench moe: {problem}")
+            return 2
+    try:
+        cfg = resolve_model(args.model)
+    except (OSError, ValueError) as exc:  # a missing file, not JSON, not a DeepseekV3 MoE config
+        kind = "not a JSON config file: " if isinstance(exc, json.JSONDecodeError) else ""
+        print(f"bench moe: --model {args.model!r}: {kind}{exc}")
+        return 2
     note = ""
     if not cuda and args.model in PRESETS:  # a config file given on purpose is used as it is
         cfg = MoEConfig(**CPU_CFG)
@@ -93,13 +109,16 @@ def run(args: argparse.Namespace) -> int:
                 f"I={cfg.intermediate_size}) with the reference backends (torch runner, gloo ranks); "
                 "times are CPU times, not GPU figures")
         print(note)
+    if cfg.num_experts % args.ep:
+        print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
+              "that divides it")
+        return 2
     tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
     # low-latency buffers hold few tokens per rank (DeepEP allows <= 1024, recommends < 256): by default
     # the low-latency rows take the token counts up to 256
     ll_tokens = _ints(args.ll_tokens) or [t for t in tokens if t <= 256] or tokens[:1]
     modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
     payloads = [p.strip() for p in args.dispatch.split(",") if p.strip()]
-    runners = [r.strip() for r in args.runner.split(",") if r.strip()]
     if not cuda and runners == ["auto"]:
         runners = ["torch"]
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
@@ -150,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
         report.plot_stacked(ok, "config", [f"{s}_ms" for s in STAGES], csv.with_name(f"{name}_stages.png"),
                             f"MoE layer stages, EP{args.ep} {dispatcher} ({facts.name})", "ms (median)")
     print(f"wrote {csv}")
+    if not len(ok):
+        print("bench moe: no configuration ran (every row skipped, reasons above)")
+        return 1
     return 0
 
 
@@ -438,9 +460,7 @@ def _ratios(df) -> list[dict]:
 
 
 def _print_availability(dispatcher: str, runners: list[str]) -> None:
-    import pdlab.moe.dispatch  # noqa: F401  (registers the dispatchers)
-    import pdlab.moe.experts  # noqa: F401  (registers the runners)
-    from pdlab.kernels import registry
+    from pdlab.kernels import registry  # (the backends are registered by `run`'s imports)
 
     for row in registry.matrix():
         if row["op"] in ("moe_dispatch", "moe_experts") and not row["available"]:

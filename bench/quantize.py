@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         cases.append((m_max, ks[0], e))
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    problem = registry.unknown_names("nvfp4_quantize", names)
+    if problem:
+        print(f"bench quantize: {problem}")
+        return 2
     jobs = [(case, name, None) for case in cases for name in names]
     if args.sweep:
         jobs += [((4096, 7168, None), "triton", cfg) for cfg in SWEEP]

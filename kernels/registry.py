@@ -117,6 +117,17 @@ def get_backend(op: str, name: str) -> Backend:
     return table[name]
 
 
+def unknown_names(op: str, names: list[str]) -> str | None:
+    """None when every name is a registered backend of `op`, else one line naming the unknown ones and the
+    registered names (a typo on a command line is an error, not a backend that is "unavailable here")."""
+    table = _REGISTRY.get(op, {})
+    bad = [n for n in names if n not in table]
+    if not bad:
+        return None
+    return (f"{op} has no backend named {', '.join(map(repr, bad))}; registered: "
+            f"{', '.join(sorted(table)) or 'none'}")
+
+
 def unavailable_reason(op: str, name: str, arch: str | None = None) -> str | None:
     arch = arch or detect_arch()
     key = (op, name, arch)

@@ -39,11 +39,13 @@ def test_bench_quantize_writes_results_and_says_which_ran(tmp_path, capsys):
         assert triton_rows["bit_exact"].astype(str).eq("True").all()
 
 
-def test_bench_quantize_unknown_backend_is_reported(tmp_path, capsys):
+def test_bench_quantize_unknown_backend_is_an_error_that_names_the_registered_ones(tmp_path, capsys):
     args = _args(quantize, ["--m", "1", "--k", "32", "--grouped", "none", "--backends", "torch,nope",
                             "--out", str(tmp_path), "--no-plot", "--repeats", "2"])
-    assert quantize.run(args) == 0
-    assert "nope skipped: \"nvfp4_quantize has no backend named 'nope'" in capsys.readouterr().out
+    assert quantize.run(args) == 2
+    out = capsys.readouterr().out
+    assert "nvfp4_quantize has no backend named 'nope'; registered: " in out and "triton" in out
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
 def test_bench_list_shows_the_matrix(capsys):
@@ -118,3 +120,16 @@ def test_bench_shape_options_reject_bad_values_with_a_usage_error(capsys):
     args = _args(attention, ["--batch", "1,32", "--page-size", "1,64,128", "--kv-dtype", "fp8"])
     assert (args.batch, args.page_size, args.kv_dtype) == ("1,32", "1,64,128", "fp8")  # the text, split later
     assert _args(moe, []).dispatch == "nvfp4" and _args(moe, ["--ep", "4"]).ep == 4
+
+
+def test_a_backend_name_nobody_registered_is_an_error_not_an_unavailable_row(tmp_path, capsys):
+    # tried as a new user would: `bench attention --backend flashmal` listed the typo as "unavailable", measured the
+    # rest and exited 0, as did `bench moe --runner` with a typo (every row skipped)
+    from pdlab.bench.cli import main
+
+    assert main(["attention", "--backend", "torch,flashmal", "--batch", "1", "--seqlen", "64", "--heads", "16",
+                 "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "mla_decode has no backend named 'flashmal'; registered: flashinfer, flashmla, torch, triton" in out
+    assert not list(tmp_path.iterdir())
+    assert registry.unknown_names("mla_decode", ["torch", "triton"]) is None

@@ -50,9 +50,41 @@ def test_bench_moe_takes_an_hf_config_file(tmp_path):
                                "--dispatch", "bf16")) == 0
     meta = json.loads((tmp_path / "moe_ep1.json").read_text())["meta"]
     assert meta["plan"]["cfg"]["num_experts"] == 8 and meta["plan"]["cfg"]["hidden_size"] == 64
-    with pytest.raises(ValueError, match="not a DeepseekV3-style MoE config"):
-        (tmp_path / "bad.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-        bench_moe.run(_args(tmp_path, "--model", str(tmp_path / "bad.json")))
+
+
+@pytest.mark.parametrize("content, says", [
+    (json.dumps({"model_type": "llama", "hidden_size": 64}), "not a DeepseekV3-style MoE config"),
+    ("not json {", "not a JSON config file"),
+    (None, "unknown model"),
+])
+def test_bench_moe_bad_model_is_one_line_and_exit_2(tmp_path, capsys, content, says):
+    path = tmp_path / "cfg" / "config.json"
+    if content is not None:
+        path.parent.mkdir()
+        path.write_text(content)
+    assert bench_moe.run(_args(tmp_path, "--model", str(path))) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"bench moe: --model {str(path)!r}: ") and says in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--runner", "torch,tritn"), "moe_experts has no backend named 'tritn'; registered: cutedsl, torch, "
+                                  "torch_grouped, triton"),
+    (("--ep", "2", "--dispatcher", "mpi"), "moe_dispatch has no backend named 'mpi'; registered: deepep, local, nccl"),
+    (("--ep", "3"), "--ep 3 does not divide the model's 16 experts"),  # the CPU shape has 16
+])
+def test_bench_moe_rejects_what_cannot_run_before_starting(tmp_path, capsys, argv, says):
+    assert bench_moe.run(_args(tmp_path, *argv)) == 2
+    assert says in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_moe_fails_when_no_row_ran(tmp_path, capsys):
+    # torch_grouped takes bf16 activations only: every nvfp4 row is skipped with its reason, and the exit code says so
+    assert bench_moe.run(_args(tmp_path, "--runner", "torch_grouped", "--dispatch", "nvfp4", "--tokens", "2",
+                               "--mode", "normal")) == 1
+    out = capsys.readouterr().out
+    assert "skipped normal t2 nvfp4 torch_grouped" in out and "no configuration ran" in out
 
 
 def test_scaling_plot_from_result_csvs(tmp_path):
