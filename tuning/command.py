@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -113,6 +114,10 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     except (ValueError, KeyError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    problem = _unknown_backends(args.backends, [t for t, _ in plans])
+    if problem:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return 2
     if args.dry_run:
         from pdlab.tuning.dryrun import print_plan
 
@@ -121,6 +126,25 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     if lockstep is not None and lockstep.rank > 0:
         return _follow(args, plans, model, arch, lockstep)
     return _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep)
+
+
+def _unknown_backends(text: str | None, targets) -> str | None:
+    """None when every name of --backends is registered for at least one of the ops tuned, else one line naming the
+    unknown ones and the registered names (a typo would otherwise plan zero studies and exit 0)."""
+    if not text:
+        return None
+    from pdlab.kernels import registry
+
+    known: set[str] = set()
+    for t in targets:
+        t.load_backends()
+        with contextlib.suppress(KeyError):
+            known |= {b.name for b in registry.backends(t.op)}
+    bad = [n for n in (x.strip() for x in text.split(",")) if n and n not in known]
+    if not bad:
+        return None
+    return (f"--backends {','.join(bad)}: no such backend of {', '.join(t.op for t in targets)}; registered: "
+            f"{', '.join(sorted(known)) or 'none'}")
 
 
 def _settings(args, budget, bucket_budget):

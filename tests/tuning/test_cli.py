@@ -145,3 +145,14 @@ def test_only_that_matches_no_bucket_is_an_error_listing_the_values(capsys):
         filter_buckets(buckets, {"heads": ["16"]})
     assert main(["attention", "--only", "batch=abc", "--dry-run", "--arch", "sm90"]) == 2
     assert "--only batch=abc matches none of the" in capsys.readouterr().err
+
+
+def test_backends_that_nobody_registered_are_an_error_naming_the_registered_ones(capsys):
+    # `tune attention --backends flashmal` used to plan 0 studies and exit 0; a name registered for one of the ops
+    # tuned is accepted (trtllm_mla is a decode backend only)
+    assert main(["attention", "--backends", "triton,flashmal", "--dry-run", "--arch", "sm90"]) == 2
+    err = capsys.readouterr().err
+    assert "--backends flashmal: no such backend of mla_decode; registered: flashinfer, flashmla, torch, triton" in err
+    assert main(["attention", "--op", "all", "--backends", "trtllm_mla", "--dry-run", "--arch", "sm100"]) == 0
+    assert main(["moe", "--backends", "tritn", "--dry-run", "--arch", "sm90"]) == 2
+    assert "no such backend of moe_experts; registered: cutedsl, torch, torch_grouped, triton" in capsys.readouterr().err
