@@ -208,7 +208,8 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                     broken[backend.name] = context_breakers(settings.storage, key, target.op, backend.name)
                 res = run_study(target, backend, bucket, inputs, ref, settings, device=device,
                                 device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep,
-                                warm_start=winners.get(backend.name), broken=broken[backend.name], edge=edge)
+                                warm_start=winners.get(backend.name), broken=broken[backend.name], edge=edge,
+                                stored=stored_configs(key, target.op, backend.name, bucket, store_root))
                 for why in res.passed_over:
                     log.warning("%s %s [%s]: passed over %s", target.op, tuned.bucket_label(bucket), backend.name,
                                 why)
@@ -236,14 +237,40 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     return report
 
 
+def stored_configs(device_key: str, op: str, backend: str, bucket: Mapping,
+                   store_root: str | os.PathLike | None = None) -> list[dict]:
+    """The configs of `backend` stored for exactly `bucket` (older files' buckets read through the op's upgrade) in
+    the store being written (`store_root`) and in every lookup root ($PDLAB_CONFIG_DIR, the shipped folder), first
+    root first, without repeats. Unreadable files are skipped (the lookup reports them)."""
+    roots = ([Path(store_root)] if store_root is not None else []) + tuned.config_roots()
+    out: list[dict] = []
+    for root in roots:
+        path = root / device_key / f"{op}.json"
+        if not path.is_file():
+            continue
+        try:
+            entries = tuned.read_store(path)["entries"]
+        except ValueError:
+            continue
+        for entry in entries.values():
+            cfg = (entry.get("backends", {}).get(backend) or {}).get("config")
+            if cfg is not None and cfg not in out and \
+                    tuned.bucket_distance(bucket, tuned.upgrade_bucket(op, entry.get("bucket", {}))) == 0:
+                out.append(dict(cfg))
+    return out
+
+
 def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any, ref: Any,
               settings: SearchSettings, *, device: torch.device, device_key: str, deadline: float,
               bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None,
               warm_start: Sequence[dict] | None = None, broken: Mapping[str, str] | None = None,
-              edge: Sequence[tuple[Any, Any]] = ()) -> StudyResult:
+              edge: Sequence[tuple[Any, Any]] = (), stored: Sequence[dict] = ()) -> StudyResult:
     """Search `backend`'s config space on one bucket until `deadline` (perf_counter), the trial
     cap or the grid's end; then re-measure best vs default. Resumes a study of the same name.
     warm_start: configs to try first (after the default) in a new TPE/random study.
+    stored: the configs already stored for this very bucket (`stored_configs`), tried right after the default in a
+    new TPE/random study, so that a re-run measures what is shipped under today's timing and keeps it only if it
+    still wins.
     broken: config key → reason, configs that broke the CUDA context on some bucket of this backend
     (`context_breakers`): never run again, here or on any other bucket (a seeded sampler proposes
     the same configs in the same order on every bucket, so each bucket would crash the run again).
@@ -271,7 +298,7 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
         # knobs the space cannot express resolved (e.g. waves 7.5) keep their auto value
         base = {k: (v if k not in space or v in space[k] else default.get(k, v)) for k, v in resolved.items()}
         seeds = []
-        for cfg in [base, default] + list(reversed(warm_start or []))[:3]:
+        for cfg in [base, default, *stored] + list(reversed(warm_start or []))[:3]:
             enc = _encode(cfg, space)
             if enc and enc not in seeds:
                 seeds.append(enc)

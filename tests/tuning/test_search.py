@@ -177,6 +177,33 @@ def test_tpe_warm_start_tries_default_then_earlier_winners(toy, isolated):
         assert second.trials[1].params == enc  # then the previous bucket's winner
 
 
+def test_a_rerun_tries_the_config_already_stored_for_the_bucket_right_after_the_default(toy, isolated, monkeypatch):
+    # re-tuning under a changed timing (e.g. eager → CUDA graphs) must measure what is shipped, not hope that the
+    # sampler finds it again; a config stored for another bucket is not a seed
+    from pdlab.tuning.search import stored_configs
+
+    root = isolated / "configs"
+    shipped = {"rows": 4, "cols": 2, "flip": False}
+    other = {"m": 64, "k": 64, "dtype": "fp32"}
+    metadata = toy.metadata()
+    from pdlab.tuning import store
+
+    store.write_results(root, "cpu", "toy_matmul", metadata, store.merge_bucket(
+        BUCKET, {"wide": store.backend_result(shipped, 1.0, 2.0, 5, 0, "old")}))
+    store.write_results(root, "cpu", "toy_matmul", metadata, store.merge_bucket(
+        other, {"wide": store.backend_result({"rows": 2, "cols": 4, "flip": False}, 1.0, 2.0, 5, 0, "old")}))
+    monkeypatch.setenv(tuned.CONFIG_DIR_ENV, str(root))
+    assert [{k: c[k] for k in shipped} for c in stored_configs("cpu", "toy_matmul", "wide", BUCKET)] == [shipped]
+    assert stored_configs("cpu", "toy_matmul", "blocked", BUCKET) == []
+    storage = optuna.storages.InMemoryStorage()
+    tune_op(toy.register(), [BUCKET], DEEPSEEK_R1, toy.settings(storage, 4, backends=["wide"]),
+            device=torch.device("cpu"), store_root=isolated / "new", metadata=metadata)
+    trials = optuna.load_study(study_name=study_name("cpu", "toy_matmul", "wide", BUCKET), storage=storage).trials
+    assert trials[0].params == {"rows": 1, "cols": 1, "flip": False}  # the default
+    assert trials[1].params == shipped  # then what is stored for this bucket
+    assert {"rows": 2, "cols": 4, "flip": False} not in [t.params for t in trials[:3]]
+
+
 def test_op_asking_other_bucket_keys_is_reported(toy, isolated, monkeypatch):
     monkeypatch.setitem(toy.LOOKUP, "keys", ("m", "k"))  # an op that forgot the dtype key
     rep = toy.run(None, str(isolated / "configs"), 8)
