@@ -180,14 +180,13 @@ def test_tpe_warm_start_tries_default_then_earlier_winners(toy, isolated):
 def test_a_rerun_tries_the_config_already_stored_for_the_bucket_right_after_the_default(toy, isolated, monkeypatch):
     # re-tuning under a changed timing (e.g. eager → CUDA graphs) must measure what is shipped, not hope that the
     # sampler finds it again; a config stored for another bucket is not a seed
+    from pdlab.tuning import store
     from pdlab.tuning.search import stored_configs
 
     root = isolated / "configs"
     shipped = {"rows": 4, "cols": 2, "flip": False}
     other = {"m": 64, "k": 64, "dtype": "fp32"}
     metadata = toy.metadata()
-    from pdlab.tuning import store
-
     store.write_results(root, "cpu", "toy_matmul", metadata, store.merge_bucket(
         BUCKET, {"wide": store.backend_result(shipped, 1.0, 2.0, 5, 0, "old")}))
     store.write_results(root, "cpu", "toy_matmul", metadata, store.merge_bucket(
