@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -117,15 +117,19 @@ def get_backend(op: str, name: str) -> Backend:
     return table[name]
 
 
-def unknown_names(op: str, names: list[str]) -> str | None:
+def unregistered(ops: Sequence[str], names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the names that no op of `ops` registered, every name those ops registered, sorted)."""
+    known = sorted(set().union(*(_REGISTRY.get(op, {}) for op in ops)))
+    return [n for n in names if n not in known], known
+
+
+def unknown_names(op: str, names: Sequence[str]) -> str | None:
     """None when every name is a registered backend of `op`, else one line naming the unknown ones and the
     registered names (a typo on a command line is an error, not a backend that is "unavailable here")."""
-    table = _REGISTRY.get(op, {})
-    bad = [n for n in names if n not in table]
+    bad, known = unregistered([op], names)
     if not bad:
         return None
-    return (f"{op} has no backend named {', '.join(map(repr, bad))}; registered: "
-            f"{', '.join(sorted(table)) or 'none'}")
+    return f"{op} has no backend named {', '.join(map(repr, bad))}; registered: {', '.join(known) or 'none'}"
 
 
 def unavailable_reason(op: str, name: str, arch: str | None = None) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import sys
@@ -135,16 +134,13 @@ def _unknown_backends(text: str | None, targets) -> str | None:
         return None
     from pdlab.kernels import registry
 
-    known: set[str] = set()
     for t in targets:
         t.load_backends()
-        with contextlib.suppress(KeyError):
-            known |= {b.name for b in registry.backends(t.op)}
-    bad = [n for n in (x.strip() for x in text.split(",")) if n and n not in known]
+    bad, known = registry.unregistered([t.op for t in targets], [x.strip() for x in text.split(",") if x.strip()])
     if not bad:
         return None
     return (f"--backends {','.join(bad)}: no such backend of {', '.join(t.op for t in targets)}; registered: "
-            f"{', '.join(sorted(known)) or 'none'}")
+            f"{', '.join(known) or 'none'}")
 
 
 def _settings(args, budget, bucket_budget):

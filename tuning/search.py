@@ -174,6 +174,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     broken: dict[str, dict[str, str]] = {}  # backend → configs that broke the CUDA context in any bucket
     notes: list[str] = []
     checked = False
+    prior = stored_entries(key, target.op, store_root)  # what is stored before this run writes (seeds, `run_study`)
     with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
         for i, (bucket, bs) in enumerate(plan):
             now = time.perf_counter()
@@ -209,7 +210,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
                 res = run_study(target, backend, bucket, inputs, ref, settings, device=device,
                                 device_key=key, deadline=backend_deadline, bar=bar, lockstep=lockstep,
                                 warm_start=winners.get(backend.name), broken=broken[backend.name], edge=edge,
-                                stored=stored_configs(key, target.op, backend.name, bucket, store_root))
+                                stored=stored_configs(prior, target.op, backend.name, bucket))
                 for why in res.passed_over:
                     log.warning("%s %s [%s]: passed over %s", target.op, tuned.bucket_label(bucket), backend.name,
                                 why)
@@ -237,26 +238,32 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     return report
 
 
-def stored_configs(device_key: str, op: str, backend: str, bucket: Mapping,
-                   store_root: str | os.PathLike | None = None) -> list[dict]:
-    """The configs of `backend` stored for exactly `bucket` (older files' buckets read through the op's upgrade) in
-    the store being written (`store_root`) and in every lookup root ($PDLAB_CONFIG_DIR, the shipped folder), first
-    root first, without repeats. Unreadable files are skipped (the lookup reports them)."""
+def stored_entries(device_key: str, op: str, store_root: str | os.PathLike | None = None) -> list[Mapping]:
+    """The entries (bucket label → entry) of `op`'s store file in the store being written (`store_root`) and in every
+    lookup root ($PDLAB_CONFIG_DIR, the shipped folder), first root first; read once per op. Unreadable files are
+    skipped (the lookup reports them)."""
     roots = ([Path(store_root)] if store_root is not None else []) + tuned.config_roots()
+    out = []
+    for path in (store.store_path(root, device_key, op) for root in roots):
+        if path.is_file():
+            try:
+                out.append(tuned.read_store(path)["entries"])
+            except ValueError:
+                continue
+    return out
+
+
+def stored_configs(files: Sequence[Mapping], op: str, backend: str, bucket: Mapping) -> list[dict]:
+    """The configs of `backend` stored for exactly `bucket` in `files` (`stored_entries`; older files' buckets read
+    through the op's upgrade), first file first, without repeats."""
     out: list[dict] = []
-    for root in roots:
-        path = root / device_key / f"{op}.json"
-        if not path.is_file():
+    for entries in files:
+        entry = tuned.nearest_entry(entries, backend, bucket, op=op)
+        if entry is None or tuned.bucket_distance(bucket, tuned.upgrade_bucket(op, entry["bucket"])) > 0:
             continue
-        try:
-            entries = tuned.read_store(path)["entries"]
-        except ValueError:
-            continue
-        for entry in entries.values():
-            cfg = (entry.get("backends", {}).get(backend) or {}).get("config")
-            if cfg is not None and cfg not in out and \
-                    tuned.bucket_distance(bucket, tuned.upgrade_bucket(op, entry.get("bucket", {}))) == 0:
-                out.append(dict(cfg))
+        cfg = entry["backends"][backend]["config"]
+        if cfg not in out:
+            out.append(dict(cfg))
     return out
 
 

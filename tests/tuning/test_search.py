@@ -181,7 +181,7 @@ def test_a_rerun_tries_the_config_already_stored_for_the_bucket_right_after_the_
     # re-tuning under a changed timing (e.g. eager → CUDA graphs) must measure what is shipped, not hope that the
     # sampler finds it again; a config stored for another bucket is not a seed
     from pdlab.tuning import store
-    from pdlab.tuning.search import stored_configs
+    from pdlab.tuning.search import stored_configs, stored_entries
 
     root = isolated / "configs"
     shipped = {"rows": 4, "cols": 2, "flip": False}
@@ -192,8 +192,9 @@ def test_a_rerun_tries_the_config_already_stored_for_the_bucket_right_after_the_
     store.write_results(root, "cpu", "toy_matmul", metadata, store.merge_bucket(
         other, {"wide": store.backend_result({"rows": 2, "cols": 4, "flip": False}, 1.0, 2.0, 5, 0, "old")}))
     monkeypatch.setenv(tuned.CONFIG_DIR_ENV, str(root))
-    assert [{k: c[k] for k in shipped} for c in stored_configs("cpu", "toy_matmul", "wide", BUCKET)] == [shipped]
-    assert stored_configs("cpu", "toy_matmul", "blocked", BUCKET) == []
+    files = stored_entries("cpu", "toy_matmul")
+    assert [{k: c[k] for k in shipped} for c in stored_configs(files, "toy_matmul", "wide", BUCKET)] == [shipped]
+    assert stored_configs(files, "toy_matmul", "blocked", BUCKET) == []
     storage = optuna.storages.InMemoryStorage()
     tune_op(toy.register(), [BUCKET], DEEPSEEK_R1, toy.settings(storage, 4, backends=["wide"]),
             device=torch.device("cpu"), store_root=isolated / "new", metadata=metadata)
