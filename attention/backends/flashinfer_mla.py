@@ -1,6 +1,11 @@
 """`flashinfer` backend: adapter for `flashinfer.mla.BatchMLAPagedAttentionWrapper` (fa3 on sm90,
 fa2 elsewhere; JIT-compiled on first use), for decode and prefill.
 
+Two API generations, detected at run time: releases with `flashinfer.mla.MLAPlanMetadata` (0.7 on) plan from
+canonical CSR metadata by keyword, with the natural-log LSE fixed at plan time, and run on the packed query
+[n, H, 576] and cache [pages, page, 576] (`query=`, `kv_cache=`); older ones take the flat positional plan and the
+split run(q_nope, q_pe, ckv, kpe) (the newer releases still accept that form, with deprecation warnings).
+
 `plan()` does host work (and a sync), so it runs once per step and every layer of the step reuses
 it: the plan is keyed by the identity and version counter of the step's metadata tensors
 (seqlens, block_table, qo_indptr; in-place updates bump the version) plus shapes, dtypes, page
@@ -22,8 +27,8 @@ _WRAPPERS: dict[tuple, "_Plan"] = {}
 
 
 class _Plan:
-    def __init__(self, wrapper, refs, key):
-        self.wrapper, self.refs, self.key = wrapper, refs, key
+    def __init__(self, wrapper, refs, key, keyword_api):
+        self.wrapper, self.refs, self.key, self.keyword_api = wrapper, refs, key, keyword_api
 
     def valid_for(self, tensors, key) -> bool:
         return key == self.key and all(r() is t for r, t in zip(self.refs, tensors))
@@ -37,8 +42,12 @@ def _backend_name(device: torch.device) -> str:
 
 
 def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_heads, page_size, causal,
-             sm_scale):
-    """The planned wrapper for this step (re-planned when any step tensor changed)."""
+             sm_scale) -> _Plan:
+    """The planned wrapper for this step (re-planned when any step tensor changed).
+
+    seqlens [B] int32, block_table [B, max_pages] int32 and qo_indptr [B + 1] int32 are the step's metadata
+    (device tensors); the plan copies them to the host once."""
+    import flashinfer.mla as fmla
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     tensors = (seqlens, block_table, qo_indptr)
@@ -47,7 +56,7 @@ def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_hea
     slot = (device, q_dtype, kv_dtype)
     cached = _WRAPPERS.get(slot)
     if cached is not None and cached.valid_for(tensors, key):
-        return cached.wrapper
+        return cached
     if cached is not None:
         wrapper = cached.wrapper
     else:
@@ -55,13 +64,24 @@ def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_hea
         wrapper = BatchMLAPagedAttentionWrapper(ws, backend=_backend_name(device))
     B, max_pages = block_table.shape
     kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * max_pages
-    wrapper.plan(qo_indptr, kv_indptr, block_table.reshape(-1), seqlens, num_heads, 512, 64, page_size, causal,
-                 sm_scale, q_dtype, kv_dtype)
-    _WRAPPERS[slot] = _Plan(wrapper, tuple(weakref.ref(t) for t in tensors), key)
-    return wrapper
+    metadata_cls = getattr(fmla, "MLAPlanMetadata", None)
+    if metadata_cls is not None:
+        wrapper.plan(metadata=metadata_cls.csr(qo_indptr, kv_indptr, block_table.reshape(-1), seqlens),
+                     num_heads=num_heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page_size, causal=causal,
+                     sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, query_layout="packed",
+                     kv_cache_layout="packed", lse_mode="basee")
+    else:
+        wrapper.plan(qo_indptr, kv_indptr, block_table.reshape(-1), seqlens, num_heads, 512, 64, page_size, causal,
+                     sm_scale, q_dtype, kv_dtype)
+    plan = _WRAPPERS[slot] = _Plan(wrapper, tuple(weakref.ref(t) for t in tensors), key, metadata_cls is not None)
+    return plan
 
 
-def _run(wrapper, q3, kv_cache):
+def _run(plan: _Plan, q3, kv_cache):
+    """q3 [n, H, 576] and kv_cache [pages, page, 576] → (out [n, H, 512], lse [n, H] fp32, natural log)."""
+    wrapper = plan.wrapper
+    if plan.keyword_api:
+        return wrapper.run(query=q3, kv_cache=kv_cache, return_lse=True, return_lse_base_on_e=True)
     q_nope, q_pe = q3[..., :512], q3[..., 512:]
     ckv, kpe = kv_cache[..., :512], kv_cache[..., 512:]
     params = inspect.signature(wrapper.run).parameters
@@ -85,9 +105,9 @@ def mla_decode_flashinfer(q, kv_cache, block_table, seqlens, softmax_scale, *, k
     qo = _UNIFORM_QO.get(key)
     if qo is None:
         qo = _UNIFORM_QO[key] = torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sq
-    wrapper = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo, H, kv_cache.shape[1], Sq > 1,
-                       softmax_scale)
-    out, lse = _run(wrapper, q.reshape(B * Sq, H, 576), kv_cache)
+    plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo, H, kv_cache.shape[1], Sq > 1,
+                    softmax_scale)
+    out, lse = _run(plan, q.reshape(B * Sq, H, 576), kv_cache)
     return out.view(B, Sq, H, 512), lse.view(B, Sq, H).transpose(1, 2).contiguous()
 
 
@@ -96,6 +116,6 @@ def mla_decode_flashinfer(q, kv_cache, block_table, seqlens, softmax_scale, *, k
 def mla_prefill_flashinfer(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, *, kv_scale=None,
                            max_q_len=None, config=None):
     """BatchMLAPagedAttentionWrapper causal extend over the paged cache (ragged)."""
-    wrapper = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
-                       kv_cache.shape[1], True, softmax_scale)
-    return _run(wrapper, q, kv_cache)
+    plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
+                    kv_cache.shape[1], True, softmax_scale)
+    return _run(plan, q, kv_cache)

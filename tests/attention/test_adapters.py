@@ -161,36 +161,59 @@ def test_trtllm_tensor_scale_stays_on_device(monkeypatch):
 # ------------------------------------------------------------------ flashinfer
 
 
-def _fake_flashinfer(monkeypatch, base_e: bool):
+def _fake_flashinfer(monkeypatch, api: str):
+    """api: "keyword" (0.7 on: MLAPlanMetadata, keyword plan, packed run), "legacy_e" (flat plan, split run with
+    return_lse_base_on_e), "legacy_log2" (flat plan, split run returning log2 LSE)."""
     log = {"plans": [], "runs": [], "init": []}
+
+    class MLAPlanMetadata:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+        @classmethod
+        def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+            return cls(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr)
 
     class BatchMLAPagedAttentionWrapper:
         def __init__(self, workspace, backend="auto"):
             log["init"].append((workspace, backend))
 
-        def plan(self, *args):
-            log["plans"].append(args)
+        if api == "keyword":
+            def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+                     q_data_type, kv_data_type, query_layout="packed", kv_cache_layout="packed", lse_mode="none"):
+                m = metadata
+                log["plans"].append((m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_len_arr, num_heads, head_dim_ckv,
+                                     head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type))
+                log["layouts"] = (query_layout, kv_cache_layout, lse_mode)
 
-        if base_e:
+            def run(self, *, query, kv_cache, return_lse=False, return_lse_base_on_e=False):
+                log["runs"].append(dict(query=query, kv_cache=kv_cache, lse=return_lse, e=return_lse_base_on_e))
+                return torch.zeros(*query.shape[:2], 512, dtype=query.dtype), torch.ones(query.shape[:2])
+        else:
+            def plan(self, *args):
+                log["plans"].append(args)
+
+        if api == "legacy_e":
             def run(self, q_nope, q_pe, ckv, kpe, return_lse=False, return_lse_base_on_e=False):
                 log["runs"].append(dict(q_nope=q_nope, q_pe=q_pe, ckv=ckv, kpe=kpe, lse=return_lse, e=return_lse_base_on_e))
                 return torch.zeros(q_nope.shape, dtype=q_nope.dtype), torch.ones(q_nope.shape[:2])
-        else:
+        elif api == "legacy_log2":
             def run(self, q_nope, q_pe, ckv, kpe, return_lse=False):
                 log["runs"].append(dict(q_nope=q_nope, q_pe=q_pe, ckv=ckv, kpe=kpe, lse=return_lse))
                 return torch.zeros(q_nope.shape, dtype=q_nope.dtype), torch.ones(q_nope.shape[:2])
 
     _install(monkeypatch, "flashinfer")
-    _install(monkeypatch, "flashinfer.mla", BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper)
+    extra = {"MLAPlanMetadata": MLAPlanMetadata} if api == "keyword" else {}
+    _install(monkeypatch, "flashinfer.mla", BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper, **extra)
     return log
 
 
-@pytest.mark.parametrize("base_e", [True, False])
-def test_flashinfer_decode_plans_once_per_step(monkeypatch, base_e):
+@pytest.mark.parametrize("api", ["keyword", "legacy_e", "legacy_log2"])
+def test_flashinfer_decode_plans_once_per_step(monkeypatch, api):
     from pdlab.attention.backends import flashinfer_mla
 
     monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
-    log = _fake_flashinfer(monkeypatch, base_e)
+    log = _fake_flashinfer(monkeypatch, api)
     b = registry.get_backend("mla_decode", "flashinfer")
     p = decode_problem([9, 30], heads=16, q_len=2, page=16, dtype=torch.bfloat16, poison=False)
     for _layer in range(3):
@@ -202,11 +225,18 @@ def test_flashinfer_decode_plans_once_per_step(monkeypatch, base_e):
     assert torch.equal(kv_indices, p.block_table.reshape(-1)) and kv_len is p.seqlens
     assert (H, dckv, dkpe, page, causal, scale, qd, kd) == (16, 512, 64, 16, True, 0.2, torch.bfloat16, torch.bfloat16)
     r = log["runs"][0]
-    assert r["q_nope"].shape == (4, 16, 512) and r["q_pe"].shape == (4, 16, 64) and r["lse"] is True
-    assert r["ckv"].shape == (p.kv_cache.shape[0], 16, 512) and r["kpe"].data_ptr() == p.kv_cache[..., 512:].data_ptr()
-    expected = 1.0 if base_e else math.log(2.0)  # older releases return log2: converted to natural log
+    assert r["lse"] is True
+    if api == "keyword":  # packed tensors, zero-copy: the query rows are the caller's, the cache is the pool itself
+        assert log["layouts"] == ("packed", "packed", "basee") and r["e"] is True
+        assert r["query"].shape == (4, 16, 576) and r["query"].data_ptr() == p.q.data_ptr()
+        assert r["kv_cache"] is p.kv_cache
+    else:
+        assert r["q_nope"].shape == (4, 16, 512) and r["q_pe"].shape == (4, 16, 64)
+        assert r["ckv"].shape == (p.kv_cache.shape[0], 16, 512)
+        assert r["kpe"].data_ptr() == p.kv_cache[..., 512:].data_ptr()
+    expected = math.log(2.0) if api == "legacy_log2" else 1.0  # log2 LSE converted to natural log
     assert torch.allclose(lse, torch.full((2, 16, 2), expected)) and out.shape == (2, 2, 16, 512)
-    if base_e:
+    if api == "legacy_e":
         assert r["e"] is True
     # next step: the engine updates seqlens in place -> one new plan, then reuse again
     p.seqlens.add_(1)
@@ -215,11 +245,12 @@ def test_flashinfer_decode_plans_once_per_step(monkeypatch, base_e):
     assert len(log["plans"]) == 2 and len(log["init"]) == 1
 
 
-def test_flashinfer_prefill_plan_is_causal_and_ragged(monkeypatch):
+@pytest.mark.parametrize("api", ["keyword", "legacy_e"])
+def test_flashinfer_prefill_plan_is_causal_and_ragged(monkeypatch, api):
     from pdlab.attention.backends import flashinfer_mla
 
     monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
-    log = _fake_flashinfer(monkeypatch, True)
+    log = _fake_flashinfer(monkeypatch, api)
     p = prefill_problem([20, 7], [5, 7], heads=4, page=8, dtype=torch.bfloat16, poison=False)
     out, lse = mla_prefill(p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, 0.3,
                            backend=registry.get_backend("mla_prefill", "flashinfer"))
