@@ -15,7 +15,8 @@ that runs here and supports the page size / kv dtype / S_q, or the one named), r
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -226,9 +227,30 @@ def backend_name(backend: str | Backend | None) -> str | None:
     return backend.name if isinstance(backend, Backend) else backend
 
 
-def supports(b: Backend, *, page_size: int, kv_dtype: str, q_dtype: str, q_len: int | None) -> str | None:
-    """None if backend `b` supports these features (per its `options`), else why not."""
+_REPLAYED_CAPTURE = [False]
+
+
+@contextmanager
+def replayed_graph_capture() -> Iterator[None]:
+    """Calls inside are captured into CUDA graphs that are replayed on other sequence lengths and block tables
+    (the runtime's decode graphs): a backend that plans on the host from the step's lengths (options
+    `host_plan`, e.g. flashinfer) would replay a stale plan, so selection skips it and naming it raises."""
+    before = _REPLAYED_CAPTURE[0]
+    _REPLAYED_CAPTURE[0] = True
+    try:
+        yield
+    finally:
+        _REPLAYED_CAPTURE[0] = before
+
+
+def supports(b: Backend, *, page_size: int, kv_dtype: str, q_dtype: str, q_len: int | None,
+             replayed: bool = False) -> str | None:
+    """None if backend `b` supports these features (per its `options`), else why not. replayed: the call is
+    captured into a CUDA graph replayed on other metadata (`replayed_graph_capture`)."""
     opts = b.options
+    if replayed and opts.get("host_plan"):
+        return ("it plans on the host from the step's sequence lengths, so a CUDA graph replayed on other lengths "
+                "would run a stale plan")
     if "page_sizes" in opts and page_size not in opts["page_sizes"]:
         return f"page size {page_size} not in {tuple(opts['page_sizes'])}"
     if "kv_dtypes" in opts and kv_dtype not in opts["kv_dtypes"]:
@@ -247,7 +269,7 @@ def kv_dtype_name(kv_cache: torch.Tensor) -> str:
 def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: torch.Tensor,
             q_len: int | None, bucket: Mapping[str, Any] | None = None) -> Backend:
     feats = dict(page_size=kv_cache.shape[1], kv_dtype=kv_dtype_name(kv_cache), q_dtype=dtype_name(q.dtype),
-                 q_len=q_len)
+                 q_len=q_len, replayed=_REPLAYED_CAPTURE[0])
     if isinstance(backend, Backend):  # explicit object: the caller vouches that it runs here
         chosen = backend
     elif backend is not None:
@@ -264,6 +286,10 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
                 pass
         return registry.select(op.name, None, device=q.device, accept=accept)
     why = supports(chosen, **feats)
+    if why and feats["replayed"] and chosen.options.get("host_plan"):
+        raise RuntimeError(f"{op.name} backend {chosen.name!r} cannot run in the decode CUDA graphs: {why}. Serve "
+                           "with --disable-cuda-graph to use it, or leave the attention backend unset (graphs then "
+                           "take one that plans on the device).")
     if why:
         raise ShapeError(op.name, chosen.name, "q" if why.startswith(("q ", "S_q")) else "kv_cache",
                          f"is not supported by this backend ({why})", "a supported configuration",

@@ -9,8 +9,16 @@ split run(q_nope, q_pe, ckv, kpe) (the newer releases still accept that form, wi
 `plan()` does host work (and a sync), so it runs once per step and every layer of the step reuses
 it: the plan is keyed by the identity and version counter of the step's metadata tensors
 (seqlens, block_table, qo_indptr; in-place updates bump the version) plus shapes, dtypes, page
-size, causality and scale. The block table becomes kv_indptr = b * max_pages, kv_indices =
-block_table.flatten() (pages past kv_len are listed but never read); kv_len_arr = seqlens."""
+size, causality and scale. Each sequence lists the first ceil(kv_len / page) pages of its block-table row
+(kv_indptr, kv_indices: releases from 0.7 on reject any other count); kv_len_arr = seqlens.
+
+The plan is host work over the step's lengths, so a CUDA graph captured with it is valid only for those lengths:
+the backend is registered with `host_plan`, and the runtime's decode graphs (replayed on other lengths) never
+take it (`pdlab.attention.ops.replayed_graph_capture`). Graphs of a fixed step (bench, tune) are fine.
+
+flashinfer's fa3/fa2 scheduler has a fixed number of work items (16384 tiles of 64·cluster query rows × heads,
+KV splits included); a prefill batch that needs more (e.g. 32k new tokens at 128 heads) is run in parts, split by
+query rows (a part of a sequence attends to the cache up to its own last row, as causal extend does)."""
 
 from __future__ import annotations
 
@@ -62,19 +70,29 @@ def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_hea
     else:
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         wrapper = BatchMLAPagedAttentionWrapper(ws, backend=_backend_name(device))
-    B, max_pages = block_table.shape
-    kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * max_pages
+    kv_indptr, kv_indices = _csr_pages(block_table, seqlens, page_size)
     metadata_cls = getattr(fmla, "MLAPlanMetadata", None)
     if metadata_cls is not None:
-        wrapper.plan(metadata=metadata_cls.csr(qo_indptr, kv_indptr, block_table.reshape(-1), seqlens),
+        wrapper.plan(metadata=metadata_cls.csr(qo_indptr, kv_indptr, kv_indices, seqlens),
                      num_heads=num_heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page_size, causal=causal,
                      sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, query_layout="packed",
                      kv_cache_layout="packed", lse_mode="basee")
     else:
-        wrapper.plan(qo_indptr, kv_indptr, block_table.reshape(-1), seqlens, num_heads, 512, 64, page_size, causal,
-                     sm_scale, q_dtype, kv_dtype)
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, seqlens, num_heads, 512, 64, page_size, causal, sm_scale,
+                     q_dtype, kv_dtype)
     plan = _WRAPPERS[slot] = _Plan(wrapper, tuple(weakref.ref(t) for t in tensors), key, metadata_cls is not None)
     return plan
+
+
+def _csr_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int):
+    """block_table [B, max_pages] int32, seqlens [B] int32 → (kv_indptr [B + 1] int32, kv_indices [Σ pages] int32):
+    sequence b's first ceil(seqlens[b] / page_size) pages, in order (one device sync, as the plan has anyway)."""
+    B, max_pages = block_table.shape
+    pages = torch.clamp((seqlens.to(torch.int64) + page_size - 1) // page_size, 0, max_pages)
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=block_table.device)
+    kv_indptr[1:] = torch.cumsum(pages, 0)
+    used = torch.arange(max_pages, device=block_table.device)[None, :] < pages[:, None]
+    return kv_indptr, block_table[used].to(torch.int32)
 
 
 def _run(plan: _Plan, q3, kv_cache):
@@ -92,7 +110,8 @@ def _run(plan: _Plan, q3, kv_cache):
     return out, lse * math.log(2.0)  # older releases return log2
 
 
-_OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16", "fp16"), "q_dtypes": ("bf16", "fp16")}
+_OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16", "fp16"), "q_dtypes": ("bf16", "fp16"),
+            "host_plan": True}
 _UNIFORM_QO: dict[tuple, torch.Tensor] = {}
 
 
@@ -115,7 +134,39 @@ def mla_decode_flashinfer(q, kv_cache, block_table, seqlens, softmax_scale, *, k
                   options=_OPTIONS)
 def mla_prefill_flashinfer(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, *, kv_scale=None,
                            max_q_len=None, config=None):
-    """BatchMLAPagedAttentionWrapper causal extend over the paged cache (ragged)."""
-    plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
-                    kv_cache.shape[1], True, softmax_scale)
+    """BatchMLAPagedAttentionWrapper causal extend over the paged cache (ragged); a batch over the scheduler's
+    capacity runs in parts (`_prefill_in_parts`)."""
+    try:
+        plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
+                        kv_cache.shape[1], True, softmax_scale)
+    except Exception as exc:  # flashinfer's own error type is private: recognised by its message
+        if "work items" not in str(exc) or q.shape[0] < 2:
+            raise
+        return _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale)
     return _run(plan, q, kv_cache)
+
+
+def _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale):
+    """The extend of q [T, H, 576] as two calls over query rows [0, T/2) and [T/2, T) (each may split again).
+    A part holding rows r0 … r1 - 1 of sequence b (n_b new rows, seqlens[b] tokens in all) attends to its first
+    seqlens[b] - (n_b - r1) tokens, causally: the same rows of the same result. Returns (out [T, H, 512],
+    lse [T, H] fp32)."""
+    qo, lens = qo_indptr.tolist(), seqlens.tolist()
+    T = qo[-1]
+    outs, lses = [], []
+    for a, b in ((0, T // 2), (T // 2, T)):
+        rows, kv_lens, counts = [], [], []
+        for s, (lo, hi) in enumerate(zip(qo[:-1], qo[1:])):
+            r0, r1 = max(a, lo), min(b, hi)
+            if r0 < r1:
+                rows.append(s)
+                counts.append(r1 - r0)
+                kv_lens.append(lens[s] - (hi - r1))
+        dev = q.device
+        part_qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
+        part_lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+        part_table = block_table[torch.tensor(rows, dtype=torch.int64, device=dev)]
+        out, lse = mla_prefill_flashinfer(q[a:b], kv_cache, part_table, part_lens, part_qo, softmax_scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from pdlab.attention.ops import replayed_graph_capture
 from pdlab.runtime.core import Req
 
 log = logging.getLogger("pdlab.runtime")
@@ -50,18 +51,21 @@ class GraphRunner:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.engine.device)
-        for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-            args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up (autotuning, lazy init) outside the capture
-                    self.engine.model.forward(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+        # the graphs are replayed on other lengths and block tables: the warm-up and the capture choose the same
+        # attention backends, none that plans on the host
+        with replayed_graph_capture():
+            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
                 args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
-                self.outputs[bs] = self.engine.model.forward(*args)
-            self.graphs[bs] = g
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up (autotuning, lazy init) outside the capture
+                        self.engine.model.forward(*args)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
+                    self.outputs[bs] = self.engine.model.forward(*args)
+                self.graphs[bs] = g
         torch.cuda.synchronize()
         free1 = torch.cuda.mem_get_info(self.engine.device)[0]
         log.info("captured %d decode graphs in %.1f s (free memory %.2f -> %.2f GiB)", len(self.graphs),

@@ -221,8 +221,10 @@ def test_flashinfer_decode_plans_once_per_step(monkeypatch, api):
     assert len(log["plans"]) == 1 and len(log["runs"]) == 3 and len(log["init"]) == 1
     assert log["init"][0][1] == "fa2" and log["init"][0][0].numel() == 128 << 20
     qo, kv_indptr, kv_indices, kv_len, H, dckv, dkpe, page, causal, scale, qd, kd = log["plans"][0]
-    assert qo.tolist() == [0, 2, 4] and kv_indptr.tolist() == [0, 2, 4]
-    assert torch.equal(kv_indices, p.block_table.reshape(-1)) and kv_len is p.seqlens
+    # each sequence lists exactly its ceil(len / page) pages: 9 tokens -> 1 page, 30 -> 2 (flashinfer 0.7 rejects
+    # any other count)
+    assert qo.tolist() == [0, 2, 4] and kv_indptr.tolist() == [0, 1, 3] and kv_len is p.seqlens
+    assert kv_indices.tolist() == [p.block_table[0, 0].item(), *p.block_table[1, :2].tolist()]
     assert (H, dckv, dkpe, page, causal, scale, qd, kd) == (16, 512, 64, 16, True, 0.2, torch.bfloat16, torch.bfloat16)
     r = log["runs"][0]
     assert r["lse"] is True
@@ -256,6 +258,91 @@ def test_flashinfer_prefill_plan_is_causal_and_ragged(monkeypatch, api):
                            backend=registry.get_backend("mla_prefill", "flashinfer"))
     args = log["plans"][0]
     assert args[0] is p.qo_indptr and args[8] is True and out.shape == (12, 4, 512) and lse.shape == (12, 4)
+
+
+def _attending_fake_flashinfer(monkeypatch, capacity_rows: int):
+    """A keyword-API flashinfer whose run computes MLA in fp32 from exactly what was planned (qo_indptr, the CSR
+    pages, kv_len, causality) and whose plan refuses a batch of more than `capacity_rows` query rows, as the real
+    scheduler refuses more work items than it has."""
+    plans = []
+
+    class MLAPlanMetadata:
+        @classmethod
+        def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+            m = cls()
+            m.t = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+            return m
+
+    class BatchMLAPagedAttentionWrapper:
+        def __init__(self, workspace, backend="auto"):
+            pass
+
+        def plan(self, *, metadata, causal, sm_scale, page_size, **kw):
+            qo = metadata.t[0].tolist()
+            if qo[-1] > capacity_rows:
+                raise ValueError(f"FA MLA needs at least {qo[-1]} work items; native capacity is {capacity_rows}.")
+            plans.append(qo[-1])
+            self.meta = [t.tolist() for t in metadata.t] + [causal, sm_scale, page_size]
+
+        def run(self, *, query, kv_cache, return_lse, return_lse_base_on_e):
+            qo, kv_indptr, kv_indices, kv_len, causal, scale, page = self.meta
+            out = torch.zeros(query.shape[0], query.shape[1], 512)
+            lse = torch.zeros(query.shape[0], query.shape[1])
+            for s in range(len(kv_len)):
+                pages = kv_indices[kv_indptr[s]:kv_indptr[s + 1]]
+                kv = kv_cache[pages].reshape(-1, 576)[:kv_len[s]].float()
+                q = query[qo[s]:qo[s + 1]].float()  # [n, H, 576]
+                n = q.shape[0]
+                logits = torch.einsum("nhd,ld->nhl", q, kv) * scale
+                if causal:
+                    last = kv_len[s] - n + torch.arange(n)  # row i sees positions <= last[i]
+                    logits = logits.masked_fill(torch.arange(kv_len[s])[None, None, :] > last[:, None, None], -torch.inf)
+                lse[qo[s]:qo[s + 1]] = torch.logsumexp(logits, -1)
+                out[qo[s]:qo[s + 1]] = torch.softmax(logits, -1) @ kv[:, :512]
+            return out.to(query.dtype), lse
+
+    _install(monkeypatch, "flashinfer")
+    _install(monkeypatch, "flashinfer.mla", BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper,
+             MLAPlanMetadata=MLAPlanMetadata)
+    return plans
+
+
+@pytest.mark.parametrize("capacity", [1000, 40, 7])
+def test_flashinfer_prefill_over_capacity_runs_in_parts_with_the_same_result(monkeypatch, capacity):
+    """A batch over the scheduler's capacity is split by query rows, also inside a sequence (a part attends to the
+    cache up to its own last row): the result equals the torch reference on the whole batch, and every plan
+    fits the capacity."""
+    from pdlab.attention.backends import flashinfer_mla
+
+    monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
+    plans = _attending_fake_flashinfer(monkeypatch, capacity)
+    p = prefill_problem([40, 9, 33, 70], [25, 9, 0, 30], heads=2, page=8, dtype=torch.float16, seed=3)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, 0.05)
+    ref_out, ref_lse = mla_prefill(*args, backend="torch")
+    out, lse = mla_prefill(*args, backend=registry.get_backend("mla_prefill", "flashinfer"))
+    assert (out.float() - ref_out.float()).abs().max() < 2e-3 and (lse - ref_lse.float()).abs().max() < 1e-4
+    assert plans and max(plans) <= capacity and sum(plans) == 64
+    assert len(plans) == (1 if capacity >= 64 else 2 if capacity >= 32 else 16)
+
+
+def test_flashinfer_is_never_taken_into_replayed_decode_graphs(monkeypatch):
+    """flashinfer plans on the host from the step's lengths: inside the runtime's decode-graph capture the op picks
+    another backend, and naming flashinfer there is an error that says what to do."""
+    from pdlab.attention import ops
+    from pdlab.attention.backends import flashinfer_mla
+
+    monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
+    _fake_flashinfer(monkeypatch, "keyword")
+    monkeypatch.setitem(registry._PROBE_CACHE, ("mla_decode", "flashinfer", registry.detect_arch()), None)  # "usable"
+    p = decode_problem([9, 30], heads=16, q_len=1, page=16, dtype=torch.bfloat16, poison=False)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, 0.2)
+    flash = registry.get_backend("mla_decode", "flashinfer")
+    assert ops._select(ops.MLA_DECODE, None, p.q, p.kv_cache, q_len=1).name == "flashinfer"  # preferred otherwise
+    with ops.replayed_graph_capture():
+        assert ops._select(ops.MLA_DECODE, None, p.q, p.kv_cache, q_len=1).name != "flashinfer"
+        with pytest.raises(RuntimeError, match="disable-cuda-graph"):
+            mla_decode(*args, backend=flash)
+    assert ops._select(ops.MLA_DECODE, None, p.q, p.kv_cache, q_len=1).name == "flashinfer"  # restored on exit
 
 
 def test_adapters_are_listed_unavailable_with_reasons():
