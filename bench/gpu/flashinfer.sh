@@ -3,29 +3,15 @@
 # install flashinfer from files brought along (the GPU machines reach no package index), JIT-compile it, run its GPU
 # tests against the torch fp32 reference, then `bench attention` decode (eager and CUDA graph) and prefill with
 # triton and flashinfer side by side. Results go to $OUT as one archive. Run from the repository root.
-#
-# FI_TAR: a tar.xz of the flashinfer package (the wheel's Python files, plus the headers and MLA sources its JIT
-#         needs: data/{include,cutlass/include,cutlass/tools/util/include,cccl,spdlog/include} and
-#         data/csrc/batch_mla*); apache-tvm-ffi comes as a wheel among .whl/*.whl.
+# The flashinfer files: see flashinfer_env.sh.
 set -u
 OUT=${OUT:-/tmp/pdlab_flashinfer}
 mkdir -p "$OUT"
 export PDLAB_RESULTS_DIR="$OUT"
 PY=${PY:-python3}
-SITE=${SITE:-/tmp/site}
-FI_TAR=${FI_TAR:-.whl/flashinfer_trim.tar.xz}
 . "$(dirname "$0")/provenance.sh"
 record_provenance "$OUT"
-
-tar xJf "$FI_TAR" -C "$SITE"
-export PYTHONPATH=$SITE:${PYTHONPATH:-}
-if [[ -z ${CUDA_HOME:-} ]]; then
-  for d in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13 "$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /x/x/x)")")"; do
-    if [[ -x $d/bin/nvcc ]]; then export CUDA_HOME=$d; break; fi
-  done
-fi
-export PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH
-export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_NVCC_THREADS=${FLASHINFER_NVCC_THREADS:-4}
+. "$(dirname "$0")/flashinfer_env.sh"
 { echo "CUDA_HOME=${CUDA_HOME:-unset}"; nvcc --version 2>&1 | tail -2
   $PY -c 'import flashinfer, tvm_ffi, torch; print("flashinfer", flashinfer.__version__, "torch", torch.__version__)'
 } 2>&1 | tee "$OUT/env.txt"

@@ -21,6 +21,7 @@ ATT_BATCH=${ATT_BATCH:-1,32,128}        # mla_decode batch buckets (seqlen 4096,
 ATT_SEQLEN=${ATT_SEQLEN:-4096}         # mla_decode seqlen buckets
 ATT_HEADS=${ATT_HEADS:-16,128}         # mla_decode heads and cache dtype buckets
 ATT_KV=${ATT_KV:-bf16,fp8}
+ATT_BACKENDS=${ATT_BACKENDS:-triton}   # mla_decode backends searched (e.g. triton,flashinfer: the winner per bucket)
 MOE_TPE=${MOE_TPE:-4,64,256,1024}       # tokens-per-expert buckets (nvfp4, contiguous)
 MOE_EXPERTS=${MOE_EXPERTS:-256,64}      # local experts: EP1 and EP4 of DeepSeek-R1
 MOE_ACTIVE=${MOE_ACTIVE:-}              # experts holding tokens (e.g. 8,32,128: the sparse decode buckets); all if empty
@@ -66,7 +67,7 @@ tune_resuming() {  # LOG BUDGET_S ARGS...
 }
 
 tune_attention() {
-  tune_resuming "$OUT/attention.log" $ATT attention --op mla_decode --backends triton --storage "$OUT/tuning_att.db" \
+  tune_resuming "$OUT/attention.log" $ATT attention --op mla_decode --backends $ATT_BACKENDS --storage "$OUT/tuning_att.db" \
     --only batch=$ATT_BATCH --only seqlen=$ATT_SEQLEN --only heads=$ATT_HEADS --only kv_dtype=$ATT_KV --out "$OUT/attention"
 }
 tune_experts() {

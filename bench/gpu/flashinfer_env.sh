@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sourced by the GPU scripts that run flashinfer on a machine without a package index: unpacks FI_TAR (a tar.xz of
+# the flashinfer package: the wheel's Python files plus the headers and MLA sources its JIT needs,
+# data/{include,cutlass/include,cutlass/tools/util/include,cccl,spdlog/include} and data/csrc/batch_mla*) into SITE,
+# puts SITE on PYTHONPATH (apache-tvm-ffi comes as a wheel installed there too) and finds nvcc for the JIT.
+SITE=${SITE:-/tmp/site}
+FI_TAR=${FI_TAR:-.whl/flashinfer_trim.tar.xz}
+mkdir -p "$SITE" && tar xJf "$FI_TAR" -C "$SITE"
+export PYTHONPATH=$SITE:${PYTHONPATH:-}
+if [[ -z ${CUDA_HOME:-} ]]; then
+  for d in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13 "$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /x/x/x)")")"; do
+    if [[ -x $d/bin/nvcc ]]; then export CUDA_HOME=$d; break; fi
+  done
+fi
+export PATH=${CUDA_HOME:-/usr/local/cuda}/bin:$PATH
+export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_NVCC_THREADS=${FLASHINFER_NVCC_THREADS:-4}
