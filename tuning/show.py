@@ -108,8 +108,11 @@ def _identity(device) -> tuple[str, str, str]:
 
 
 def geomean_line(path, data: dict, status: str) -> str:
-    """`<file>: N buckets, geometric-mean speedup X (min a, max b)[; by <key>: v X, ...] [status]` over
-    the winners; the breakdown for every non-numeric bucket key with several values (e.g. kv_dtype)."""
+    """`<file>: N buckets, geometric-mean speedup X (min a, max b)[; by <key>: v X, ...][; with the backend
+    choice, over each backend's default: b X (n), ...] [status]` over the winners: X is each winner's speedup over
+    its own backend's default config; the breakdown for every non-numeric bucket key with several values (e.g.
+    kv_dtype); where buckets searched several backends, the bucket's time against each backend's default config
+    (what the op runs with that backend and no store), over the buckets that searched it."""
     from pdlab.tuning.search import geomean as gm
 
     timed = [e for e in data["entries"].values() if e.get("speedup")]
@@ -124,6 +127,14 @@ def geomean_line(path, data: dict, status: str) -> str:
             groups.setdefault(str(e.get("bucket", {}).get(k)), []).append(e["speedup"])
         if len(groups) > 1:
             parts.append(f"by {k}: " + ", ".join(f"{v} {gm(g):.3f}x ({len(g)})" for v, g in sorted(groups.items())))
+    if any(len(e.get("backends", {})) > 1 for e in timed):
+        over: dict[str, list[float]] = {}
+        for e in timed:
+            for name, b in e.get("backends", {}).items():
+                if b.get("default_time_ms") and e.get("time_ms"):
+                    over.setdefault(name, []).append(b["default_time_ms"] / e["time_ms"])
+        parts.append("with the backend choice, over each backend's default: "
+                     + ", ".join(f"{name} {gm(v):.3f}x ({len(v)})" for name, v in sorted(over.items())))
     return (f"{path}: {len(xs)} buckets, geometric-mean speedup over default {gm(xs):.3f}x "
             f"(min {min(xs):.3f}x, max {max(xs):.3f}x)" + "".join(f"; {p}" for p in parts) + f" [{status}]")
 

@@ -114,6 +114,24 @@ def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     assert f"1 buckets, geometric-mean speedup over default {speedup:.3f}x" in line and "[used]" in line
 
 
+def test_geomean_line_counts_the_backend_choice_over_each_backends_default():
+    """Two buckets searched with backends a and b: the winners' own speedups (2.0 and 1.0) and, with the backend
+    choice, each backend's default time over the bucket's time: a 4/2 and 3/3, b 6/2 and 3/3 (hand-computed)."""
+    from pdlab.tuning.show import geomean_line
+
+    entries = {
+        "x=1": {"bucket": {"x": 1}, "backend": "a", "time_ms": 2.0, "speedup": 2.0,
+                "backends": {"a": {"time_ms": 2.0, "default_time_ms": 4.0}, "b": {"time_ms": 6.0, "default_time_ms": 6.0}}},
+        "x=2": {"bucket": {"x": 2}, "backend": "b", "time_ms": 3.0, "speedup": 1.0,
+                "backends": {"a": {"time_ms": 3.5, "default_time_ms": 3.0}, "b": {"time_ms": 3.0, "default_time_ms": 3.0}}},
+    }
+    line = geomean_line("f.json", {"entries": entries}, "used")
+    assert "2 buckets, geometric-mean speedup over default 1.414x" in line
+    assert "with the backend choice, over each backend's default: a 1.414x (2), b 1.732x (2)" in line
+    one = {k: {**e, "backends": {e["backend"]: e["backends"][e["backend"]]}} for k, e in entries.items()}
+    assert "backend choice" not in geomean_line("f.json", {"entries": one}, "used")
+
+
 def test_show_by_device_key_or_name_reads_the_shipped_files_without_that_device(capsys):
     # the shipped H200 files, asked for on a CPU machine by key and by name; geomean split by kv_dtype
     import math
