@@ -274,17 +274,13 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
         chosen = backend
     elif backend is not None:
         chosen = registry.select(op.name, backend, device=q.device)
-    else:
-        accept = lambda b: supports(b, **feats) is None  # noqa: E731
-        tuned = _tuned_backend(op.name, bucket, q.device) if bucket else None
-        if tuned is not None:
-            try:
-                b = registry.select(op.name, tuned, device=q.device)
-                if accept(b):
-                    return b
-            except (KeyError, RuntimeError):  # the tuned winner is not usable here: fall back
-                pass
-        return registry.select(op.name, None, device=q.device, accept=accept)
+    else:  # the choice depends only on these keys: made once each (a tuned winner not installed here costs a
+        # raised error each time it is asked for)
+        key = (op.name, tuple(sorted((bucket or {}).items())), str(q.device), tuple(sorted(feats.items())))
+        chosen = _SELECTED.get(key)
+        if chosen is None:
+            chosen = _SELECTED[key] = _auto_select(op, q.device, bucket, feats)
+        return chosen
     why = supports(chosen, **feats)
     if why and feats["replayed"] and chosen.options.get("host_plan"):
         raise RuntimeError(f"{op.name} backend {chosen.name!r} cannot run in the decode CUDA graphs: {why}. Serve "
@@ -298,6 +294,21 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
     return chosen
 
 
+def _auto_select(op: Op, device: torch.device, bucket: Mapping[str, Any] | None, feats: dict) -> Backend:
+    """The tuned winner of the nearest bucket if it runs here and supports `feats`, else the registry's choice."""
+    accept = lambda b: supports(b, **feats) is None  # noqa: E731
+    tuned = _tuned_backend(op.name, bucket, device) if bucket else None
+    if tuned is not None:
+        try:
+            b = registry.select(op.name, tuned, device=device)
+            if accept(b):
+                return b
+        except (KeyError, RuntimeError):  # the tuned winner is not usable here: fall back
+            pass
+    return registry.select(op.name, None, device=device, accept=accept)
+
+
+_SELECTED: dict[tuple, Backend] = {}
 _CONFIG_CACHE: dict[tuple, tuple[dict, str]] = {}
 _BACKEND_CACHE: dict[tuple, str | None] = {}
 
@@ -349,6 +360,7 @@ def clear_config_cache() -> None:
     """Forget resolved configs and tuned backend choices (after writing new tuned files)."""
     _CONFIG_CACHE.clear()
     _BACKEND_CACHE.clear()
+    _SELECTED.clear()
 
 
 def _as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -334,6 +334,7 @@ def test_flashinfer_is_never_taken_into_replayed_decode_graphs(monkeypatch):
     monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
     _fake_flashinfer(monkeypatch, "keyword")
     monkeypatch.setitem(registry._PROBE_CACHE, ("mla_decode", "flashinfer", registry.detect_arch()), None)  # "usable"
+    monkeypatch.setattr(ops, "_SELECTED", {})  # choices made here stay here
     p = decode_problem([9, 30], heads=16, q_len=1, page=16, dtype=torch.bfloat16, poison=False)
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, 0.2)
     flash = registry.get_backend("mla_decode", "flashinfer")
