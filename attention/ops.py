@@ -244,10 +244,14 @@ def replayed_graph_capture() -> Iterator[None]:
 
 
 def supports(b: Backend, *, page_size: int, kv_dtype: str, q_dtype: str, q_len: int | None,
-             replayed: bool = False) -> str | None:
+             replayed: bool = False, arch: str | None = None) -> str | None:
     """None if backend `b` supports these features (per its `options`), else why not. replayed: the call is
-    captured into a CUDA graph replayed on other metadata (`replayed_graph_capture`)."""
+    captured into a CUDA graph replayed on other metadata (`replayed_graph_capture`); arch: the device's (checked
+    against options `kv_dtype_archs`, e.g. flashinfer's fp8 cache on sm90 only; None skips that check)."""
     opts = b.options
+    kv_archs = opts.get("kv_dtype_archs", {}).get(kv_dtype)
+    if arch is not None and kv_archs is not None and arch not in kv_archs:
+        return f"kv cache dtype {kv_dtype} runs on {', '.join(kv_archs)} only, not {arch}"
     if replayed and opts.get("host_plan"):
         return ("it plans on the host from the step's sequence lengths, so a CUDA graph replayed on other lengths "
                 "would run a stale plan")
@@ -269,7 +273,7 @@ def kv_dtype_name(kv_cache: torch.Tensor) -> str:
 def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: torch.Tensor,
             q_len: int | None, bucket: Mapping[str, Any] | None = None) -> Backend:
     feats = dict(page_size=kv_cache.shape[1], kv_dtype=kv_dtype_name(kv_cache), q_dtype=dtype_name(q.dtype),
-                 q_len=q_len, replayed=_REPLAYED_CAPTURE[0])
+                 q_len=q_len, replayed=_REPLAYED_CAPTURE[0], arch=registry.detect_arch(q.device))
     if isinstance(backend, Backend):  # explicit object: the caller vouches that it runs here
         chosen = backend
     elif backend is not None:

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             for name in usable:
                 b = registry.get_backend(op.name, name)
                 why = supports(b, page_size=page, kv_dtype=kv_dtype, q_dtype="bf16" if dtype == torch.bfloat16
-                               else "fp16", q_len=q_len)
+                               else "fp16", q_len=q_len, arch=registry.detect_arch(device))
                 for cfg in (configs if b.config_space else [None]):
                     row = dict(base, backend=name)
                     if why:

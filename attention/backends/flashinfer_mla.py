@@ -5,6 +5,9 @@ Two API generations, detected at run time: releases with `flashinfer.mla.MLAPlan
 canonical CSR metadata by keyword, with the natural-log LSE fixed at plan time, and run on the packed query
 [n, H, 576] and cache [pages, page, 576] (`query=`, `kv_cache=`); older ones take the flat positional plan and the
 split run(q_nope, q_pe, ckv, kpe) (the newer releases still accept that form, with deprecation warnings).
+fp8 pools (uint8 e4m3 bytes, one kv_scale for the whole row) are read by the newer releases on sm90 with bf16
+queries: the pool viewed as float8_e4m3fn, scale mode "kv-per-tensor", ckv_scale = kpe_scale = kv_scale (flashinfer
+converts each tile to bf16 and multiplies by the scale rounded to bf16).
 
 `plan()` does host work (and a sync), so it runs once per step and every layer of the step reuses
 it: the plan is keyed by the identity and version counter of the step's metadata tensors
@@ -73,10 +76,14 @@ def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_hea
     kv_indptr, kv_indices = _csr_pages(block_table, seqlens, page_size)
     metadata_cls = getattr(fmla, "MLAPlanMetadata", None)
     if metadata_cls is not None:
+        fp8 = dict(scale_mode="kv-per-tensor") if kv_dtype == FP8 else {}
         wrapper.plan(metadata=metadata_cls.csr(qo_indptr, kv_indptr, kv_indices, seqlens),
                      num_heads=num_heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page_size, causal=causal,
                      sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, query_layout="packed",
-                     kv_cache_layout="packed", lse_mode="basee")
+                     kv_cache_layout="packed", lse_mode="basee", **fp8)
+    elif kv_dtype == FP8:
+        raise RuntimeError("flashinfer takes an fp8 MLA cache from release 0.7 (MLAPlanMetadata) on; this one is "
+                           "older: upgrade flashinfer-python or use another backend for fp8 pools")
     else:
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, seqlens, num_heads, 512, 64, page_size, causal, sm_scale,
                      q_dtype, kv_dtype)
@@ -95,11 +102,13 @@ def _csr_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int)
     return kv_indptr, block_table[used].to(torch.int32)
 
 
-def _run(plan: _Plan, q3, kv_cache):
-    """q3 [n, H, 576] and kv_cache [pages, page, 576] → (out [n, H, 512], lse [n, H] fp32, natural log)."""
+def _run(plan: _Plan, q3, kv_cache, kv_scale=None):
+    """q3 [n, H, 576] and kv_cache [pages, page, 576] (bf16 | fp16, or float8_e4m3fn with kv_scale, the per-tensor
+    dequantisation scale as a float) → (out [n, H, 512], lse [n, H] fp32, natural log)."""
     wrapper = plan.wrapper
     if plan.keyword_api:
-        return wrapper.run(query=q3, kv_cache=kv_cache, return_lse=True, return_lse_base_on_e=True)
+        scales = {} if kv_scale is None else dict(ckv_scale=kv_scale, kpe_scale=kv_scale)
+        return wrapper.run(query=q3, kv_cache=kv_cache, return_lse=True, return_lse_base_on_e=True, **scales)
     q_nope, q_pe = q3[..., :512], q3[..., 512:]
     ckv, kpe = kv_cache[..., :512], kv_cache[..., 512:]
     params = inspect.signature(wrapper.run).parameters
@@ -110,8 +119,28 @@ def _run(plan: _Plan, q3, kv_cache):
     return out, lse * math.log(2.0)  # older releases return log2
 
 
-_OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16", "fp16"), "q_dtypes": ("bf16", "fp16"),
-            "host_plan": True}
+# fp8 pools (e4m3 bytes + one kv_scale): flashinfer ≥ 0.7 on sm90, bf16 queries
+_OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16", "fp16", "fp8"),
+            "q_dtypes": ("bf16", "fp16"), "host_plan": True, "kv_dtype_archs": {"fp8": ("sm90",)}}
+FP8 = torch.float8_e4m3fn
+_SCALES: dict[int, tuple] = {}
+
+
+def _fp8_view(q, kv_cache, kv_scale):
+    """(kv_cache as float8_e4m3fn, kv_scale as a float) for a uint8 pool, else (kv_cache, None). A kv_scale tensor
+    is read on the host once per tensor and version (a CUDA graph of one step captures after the eager calls)."""
+    if kv_cache.dtype != torch.uint8:
+        return kv_cache, None
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"flashinfer reads an fp8 cache with bf16 queries only, got {q.dtype}: use another backend")
+    if isinstance(kv_scale, torch.Tensor):
+        hit = _SCALES.get(id(kv_scale))
+        if hit is None or hit[0]() is not kv_scale or hit[1] != kv_scale._version:
+            hit = _SCALES[id(kv_scale)] = (weakref.ref(kv_scale), kv_scale._version, float(kv_scale.reshape(-1)[0]))
+        scale = hit[2]
+    else:
+        scale = 1.0 if kv_scale is None else float(kv_scale)
+    return kv_cache.view(FP8), scale
 _UNIFORM_QO: dict[tuple, torch.Tensor] = {}
 
 
@@ -124,9 +153,10 @@ def mla_decode_flashinfer(q, kv_cache, block_table, seqlens, softmax_scale, *, k
     qo = _UNIFORM_QO.get(key)
     if qo is None:
         qo = _UNIFORM_QO[key] = torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sq
+    kv_cache, scale = _fp8_view(q, kv_cache, kv_scale)
     plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo, H, kv_cache.shape[1], Sq > 1,
                     softmax_scale)
-    out, lse = _run(plan, q.reshape(B * Sq, H, 576), kv_cache)
+    out, lse = _run(plan, q.reshape(B * Sq, H, 576), kv_cache, scale)
     return out.view(B, Sq, H, 512), lse.view(B, Sq, H).transpose(1, 2).contiguous()
 
 
@@ -136,17 +166,18 @@ def mla_prefill_flashinfer(q, kv_cache, block_table, seqlens, qo_indptr, softmax
                            max_q_len=None, config=None):
     """BatchMLAPagedAttentionWrapper causal extend over the paged cache (ragged); a batch over the scheduler's
     capacity runs in parts (`_prefill_in_parts`)."""
+    fp8_cache, scale = _fp8_view(q, kv_cache, kv_scale)
     try:
-        plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
+        plan = plan_for(q.dtype, fp8_cache.dtype, q.device, seqlens, block_table, qo_indptr, q.shape[1],
                         kv_cache.shape[1], True, softmax_scale)
     except Exception as exc:  # flashinfer's own error type is private: recognised by its message
         if "work items" not in str(exc) or q.shape[0] < 2:
             raise
-        return _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale)
-    return _run(plan, q, kv_cache)
+        return _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, kv_scale)
+    return _run(plan, q, fp8_cache, scale)
 
 
-def _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale):
+def _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, kv_scale=None):
     """The extend of q [T, H, 576] as two calls over query rows [0, T/2) and [T/2, T) (each may split again).
     A part holding rows r0 … r1 - 1 of sequence b (n_b new rows, seqlens[b] tokens in all) attends to its first
     seqlens[b] - (n_b - r1) tokens, causally: the same rows of the same result. Returns (out [T, H, 512],
@@ -166,7 +197,8 @@ def _prefill_in_parts(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scal
         part_qo = torch.tensor([0] + counts, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
         part_lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
         part_table = block_table[torch.tensor(rows, dtype=torch.int64, device=dev)]
-        out, lse = mla_prefill_flashinfer(q[a:b], kv_cache, part_table, part_lens, part_qo, softmax_scale)
+        out, lse = mla_prefill_flashinfer(q[a:b], kv_cache, part_table, part_lens, part_qo, softmax_scale,
+                                          kv_scale=kv_scale)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -180,14 +180,17 @@ def _fake_flashinfer(monkeypatch, api: str):
 
         if api == "keyword":
             def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
-                     q_data_type, kv_data_type, query_layout="packed", kv_cache_layout="packed", lse_mode="none"):
+                     q_data_type, kv_data_type, query_layout="packed", kv_cache_layout="packed", lse_mode="none",
+                     scale_mode="default"):
                 m = metadata
                 log["plans"].append((m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_len_arr, num_heads, head_dim_ckv,
                                      head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type))
-                log["layouts"] = (query_layout, kv_cache_layout, lse_mode)
+                log["layouts"] = (query_layout, kv_cache_layout, lse_mode, scale_mode)
 
-            def run(self, *, query, kv_cache, return_lse=False, return_lse_base_on_e=False):
-                log["runs"].append(dict(query=query, kv_cache=kv_cache, lse=return_lse, e=return_lse_base_on_e))
+            def run(self, *, query, kv_cache, return_lse=False, return_lse_base_on_e=False, ckv_scale=None,
+                    kpe_scale=None):
+                log["runs"].append(dict(query=query, kv_cache=kv_cache, lse=return_lse, e=return_lse_base_on_e,
+                                        scales=(ckv_scale, kpe_scale)))
                 return torch.zeros(*query.shape[:2], 512, dtype=query.dtype), torch.ones(query.shape[:2])
         else:
             def plan(self, *args):
@@ -229,7 +232,8 @@ def test_flashinfer_decode_plans_once_per_step(monkeypatch, api):
     r = log["runs"][0]
     assert r["lse"] is True
     if api == "keyword":  # packed tensors, zero-copy: the query rows are the caller's, the cache is the pool itself
-        assert log["layouts"] == ("packed", "packed", "basee") and r["e"] is True
+        assert log["layouts"] == ("packed", "packed", "basee", "default") and r["e"] is True
+        assert r["scales"] == (None, None)
         assert r["query"].shape == (4, 16, 576) and r["query"].data_ptr() == p.q.data_ptr()
         assert r["kv_cache"] is p.kv_cache
     else:
@@ -245,6 +249,47 @@ def test_flashinfer_decode_plans_once_per_step(monkeypatch, api):
     mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, 0.2, backend=b)
     mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, 0.2, backend=b)
     assert len(log["plans"]) == 2 and len(log["init"]) == 1
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "float"])
+def test_flashinfer_fp8_pool_is_read_as_e4m3_with_the_per_tensor_scale(monkeypatch, scale_kind):
+    """An fp8 pool (uint8 e4m3 bytes + kv_scale) goes to flashinfer as a float8_e4m3fn view of the same memory,
+    planned in the kv-per-tensor scale mode, with kv_scale as both ckv_scale and kpe_scale; a kv_scale tensor is read
+    on the host once per version (so a graph captured after the eager calls never syncs)."""
+    from pdlab.attention.backends import flashinfer_mla
+
+    monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
+    monkeypatch.setattr(registry, "detect_arch", lambda device=None: "sm90")  # the fp8 cache is offered on sm90
+    log = _fake_flashinfer(monkeypatch, "keyword")
+    b = registry.get_backend("mla_decode", "flashinfer")
+    p = decode_problem([9, 30], heads=16, q_len=1, page=16, dtype=torch.bfloat16, kv_dtype="fp8", poison=False)
+    assert p.kv_cache.dtype == torch.uint8
+    kv_scale = torch.tensor([0.375]) if scale_kind == "tensor" else 0.375
+    for _layer in range(2):
+        mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, 0.2, kv_scale=kv_scale, backend=b)
+    plan = log["plans"][0]
+    assert len(log["plans"]) == 1 and plan[-1] == torch.float8_e4m3fn and plan[-2] == torch.bfloat16
+    assert log["layouts"][3] == "kv-per-tensor"
+    for r in log["runs"]:
+        assert r["kv_cache"].dtype == torch.float8_e4m3fn and r["kv_cache"].data_ptr() == p.kv_cache.data_ptr()
+        assert r["scales"] == (0.375, 0.375)
+    if scale_kind == "tensor":  # a new value in place: read again
+        kv_scale.fill_(0.5)
+        mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, 0.2, kv_scale=kv_scale, backend=b)
+        assert log["runs"][-1]["scales"] == (0.5, 0.5)
+    # fp16 queries cannot read an fp8 cache in flashinfer: a clear error, not a vendor traceback
+    with pytest.raises(ValueError, match="bf16 queries only"):
+        mla_decode(p.q.half(), p.kv_cache, p.block_table, p.seqlens, 0.2, kv_scale=kv_scale, backend=b)
+
+
+def test_flashinfer_fp8_cache_is_offered_on_sm90_only():
+    from pdlab.attention.ops import supports
+
+    b = registry.get_backend("mla_decode", "flashinfer")
+    kw = dict(page_size=64, q_dtype="bf16", q_len=1)
+    assert supports(b, kv_dtype="fp8", arch="sm90", **kw) is None
+    assert "sm90 only, not sm100" in supports(b, kv_dtype="fp8", arch="sm100", **kw)
+    assert supports(b, kv_dtype="bf16", arch="sm100", **kw) is None
 
 
 @pytest.mark.parametrize("api", ["keyword", "legacy_e"])

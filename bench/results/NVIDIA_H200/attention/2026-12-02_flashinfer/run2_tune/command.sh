@@ -3,4 +3,4 @@
 # corrected to 4cbcd7c and 0.7.2.post1 in the shipped file, nothing else was changed)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 python3 -m pip install -q --no-deps --no-build-isolation -e .
-PYTHONUNBUFFERED=1 timeout 560 bash bench/gpu/flashinfer_tune.sh
+PREFILL_PARTS=1 DECODE_ROWS=0 PYTHONUNBUFFERED=1 timeout 560 bash bench/gpu/flashinfer_tune.sh
