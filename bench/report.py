@@ -21,6 +21,10 @@ from pdlab.kernels.arch import DeviceFacts
 
 
 def git_commit() -> str:
+    """Short commit of this checkout (+ "-dirty" with uncommitted changes); $PDLAB_COMMIT wins, for a working tree
+    copied onto another machine beside a .git that is not its own (git there would name an older commit)."""
+    if os.environ.get("PDLAB_COMMIT"):
+        return os.environ["PDLAB_COMMIT"]
     try:
         here = Path(__file__).resolve().parent.parent
         out = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -50,3 +50,14 @@ def test_default_out_dir(monkeypatch, tmp_path):
     from pdlab.kernels.arch import device_facts
 
     assert report.default_out_dir("quantize") == tmp_path / device_facts().key / "quantize"
+
+
+def test_git_commit_names_pdlab_commit_when_set(monkeypatch):
+    """A working tree copied onto another machine beside an older .git names its own commit through PDLAB_COMMIT;
+    without it, the checkout's git answers (a short hash, possibly -dirty)."""
+    from pdlab.bench import report
+
+    monkeypatch.setenv("PDLAB_COMMIT", "abc1234")
+    assert report.git_commit() == "abc1234" and report.provenance()["commit"] == "abc1234"
+    monkeypatch.delenv("PDLAB_COMMIT")
+    assert report.git_commit() != "abc1234"
