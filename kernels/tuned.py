@@ -235,6 +235,15 @@ def running_versions(packages: list[str] | None = None) -> dict[str, str | None]
     return out
 
 
+def version_differences(recorded: Mapping[str, str | None]) -> dict[str, tuple[str | None, str | None]]:
+    """{package: (tuned, here)} for the recorded versions that differ here: torch and triton always; a vendor
+    package only where it is installed both here and where the file was tuned (installed on one side only, its
+    backend's entries are unused here or it was not searched: the other entries stay as measured)."""
+    now = running_versions(list(recorded))
+    return {k: (v, now.get(k)) for k, v in recorded.items()
+            if now.get(k) != v and (k in ("torch", "triton") or (v is not None and now.get(k) is not None))}
+
+
 def device_identity(device=None) -> tuple[str, str, str]:
     """(device name, device key, arch) of `device`, e.g. ("NVIDIA H200", "NVIDIA_H200", "sm90")."""
     return _device(device)
@@ -320,9 +329,7 @@ def _load(path: Path, device_name: str) -> dict | None:
                        f"device is {device_name!r}")
             data = None
         else:
-            recorded = meta.get("versions", {})
-            now = running_versions(list(recorded))
-            diff = {k: (v, now.get(k)) for k, v in recorded.items() if now.get(k) != v}
+            diff = version_differences(meta.get("versions", {}))
             if diff:
                 text = ", ".join(f"{k} {a} (tuned) vs {b} (here)" for k, (a, b) in sorted(diff.items()))
                 _warn_once(("versions", str(path)), f"using {path} measured with other versions: {text}; "

@@ -30,9 +30,7 @@ def file_status(path, device_name: str) -> str:
         return f"skipped: format {data.get('format')!r} (this pdlab reads {tuned.FORMAT_VERSION})"
     if meta.get("device") != device_name:
         return f"skipped: tuned on {meta.get('device')!r}, this device is {device_name!r}"
-    recorded = meta.get("versions", {})
-    now = tuned.running_versions(list(recorded))
-    diff = [f"{k} {v}→{now.get(k)}" for k, v in sorted(recorded.items()) if now.get(k) != v]
+    diff = [f"{k} {a}→{b}" for k, (a, b) in sorted(tuned.version_differences(meta.get("versions", {})).items())]
     return "used" + (f" (versions differ: {', '.join(diff)})" if diff else "")
 
 

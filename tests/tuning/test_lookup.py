@@ -129,6 +129,20 @@ def test_metadata_other_versions_used_with_one_warning(toy, isolated, caplog):
     assert len(warns) == 1 and "torch 0.0.1 (tuned)" in warns[0] and "triton 0.0.2" in warns[0]
 
 
+def test_vendor_package_on_one_side_only_is_no_version_difference(monkeypatch):
+    """A store tuned with flashinfer read where it is missing (or the other way round) warns of nothing: those
+    entries are unused here, or the backend was not searched; installed on both sides in other versions, or torch /
+    triton differing, still warns."""
+    from pdlab.kernels import tuned
+
+    here = {"torch": "2.1", "triton": "3.6", "flashinfer-python": None, "deep_ep": "1.2"}
+    monkeypatch.setattr(tuned, "running_versions", lambda names=None: {k: here.get(k) for k in names})
+    assert tuned.version_differences({"torch": "2.1", "triton": "3.6", "flashinfer-python": "0.7.2"}) == {}
+    assert tuned.version_differences({"torch": "2.1", "deep_ep": None}) == {}
+    assert tuned.version_differences({"deep_ep": "1.1", "triton": None}) == {"deep_ep": ("1.1", "1.2"),
+                                                                            "triton": (None, "3.6")}
+
+
 def test_stale_or_broken_files_fall_back(toy, isolated, caplog):
     bucket = {"m": 16, "k": 256, "dtype": "fp32"}
     path = _write(isolated / "configs", [(bucket, {"BLOCK_K": 128, "skip_last": False})])
