@@ -6,11 +6,7 @@
 # The flashinfer files: see flashinfer_env.sh.
 set -u
 OUT=${OUT:-/tmp/pdlab_flashinfer}
-mkdir -p "$OUT"
-export PDLAB_RESULTS_DIR="$OUT"
 PY=${PY:-python3}
-. "$(dirname "$0")/provenance.sh"
-record_provenance "$OUT"
 . "$(dirname "$0")/flashinfer_env.sh"
 { echo "CUDA_HOME=${CUDA_HOME:-unset}"; nvcc --version 2>&1 | tail -2
   $PY -c 'import flashinfer, tvm_ffi, torch; print("flashinfer", flashinfer.__version__, "torch", torch.__version__)'

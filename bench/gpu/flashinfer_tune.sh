@@ -7,11 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/pdlab_flashinfer_tune}
 KV=${KV:-bf16}
-mkdir -p "$OUT"
-export PDLAB_RESULTS_DIR="$OUT"
 PY=${PY:-python3}
-. "$(dirname "$0")/provenance.sh"
-record_provenance "$OUT"
 . "$(dirname "$0")/flashinfer_env.sh"
 timeout ${TTEST:-150} $PY -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_flashinfer_gpu.py -rA \
   > "$OUT/gpu_tests.txt" 2>&1
