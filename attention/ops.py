@@ -299,7 +299,9 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
 
 
 def _auto_select(op: Op, device: torch.device, bucket: Mapping[str, Any] | None, feats: dict) -> Backend:
-    """The tuned winner of the nearest bucket if it runs here and supports `feats`, else the registry's choice."""
+    """The tuned winner of the nearest bucket if it runs here and supports `feats`, else the registry's choice
+    among the backends that support them and are preferred for this cache dtype without a measurement (options
+    `auto_kv_dtypes`: flashinfer reads fp8 pools, but 1.7–5.3× slower than pdlab's kernels on H200)."""
     accept = lambda b: supports(b, **feats) is None  # noqa: E731
     tuned = _tuned_backend(op.name, bucket, device) if bucket else None
     if tuned is not None:
@@ -309,7 +311,9 @@ def _auto_select(op: Op, device: torch.device, bucket: Mapping[str, Any] | None,
                 return b
         except (KeyError, RuntimeError):  # the tuned winner is not usable here: fall back
             pass
-    return registry.select(op.name, None, device=device, accept=accept)
+    unmeasured = lambda b: accept(b) and feats["kv_dtype"] in b.options.get(  # noqa: E731
+        "auto_kv_dtypes", (feats["kv_dtype"],))
+    return registry.select(op.name, None, device=device, accept=unmeasured)
 
 
 _SELECTED: dict[tuple, Backend] = {}

@@ -119,9 +119,11 @@ def _run(plan: _Plan, q3, kv_cache, kv_scale=None):
     return out, lse * math.log(2.0)  # older releases return log2
 
 
-# fp8 pools (e4m3 bytes + one kv_scale): flashinfer ≥ 0.7 on sm90, bf16 queries
+# fp8 pools (e4m3 bytes + one kv_scale): flashinfer ≥ 0.7 on sm90, bf16 queries; taken for them only when named or
+# when a tuned store chose it (1.7–5.3× slower than pdlab's fp8 kernels on H200: auto_kv_dtypes)
 _OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16", "fp16", "fp8"),
-            "q_dtypes": ("bf16", "fp16"), "host_plan": True, "kv_dtype_archs": {"fp8": ("sm90",)}}
+            "q_dtypes": ("bf16", "fp16"), "host_plan": True, "kv_dtype_archs": {"fp8": ("sm90",)},
+            "auto_kv_dtypes": ("bf16", "fp16")}
 FP8 = torch.float8_e4m3fn
 _SCALES: dict[int, tuple] = {}
 

@@ -282,6 +282,24 @@ def test_flashinfer_fp8_pool_is_read_as_e4m3_with_the_per_tensor_scale(monkeypat
         mla_decode(p.q.half(), p.kv_cache, p.block_table, p.seqlens, 0.2, kv_scale=kv_scale, backend=b)
 
 
+def test_flashinfer_is_not_chosen_unmeasured_for_an_fp8_pool(monkeypatch):
+    """Without a tuned entry, an fp8 pool goes to a backend preferred for fp8 (pdlab's kernels were 1.7-5.3x faster
+    than flashinfer's fp8 path on H200), a bf16 pool to flashinfer by preference; named, flashinfer reads fp8."""
+    from pdlab.attention import ops
+
+    monkeypatch.setattr(registry, "detect_arch", lambda device=None: "sm90")
+    monkeypatch.setitem(registry._PROBE_CACHE, ("mla_decode", "flashinfer", "sm90"), None)
+    monkeypatch.setitem(registry._PROBE_CACHE, ("mla_decode", "triton", "sm90"), None)
+    monkeypatch.setattr(ops, "_SELECTED", {})
+    monkeypatch.setattr(ops, "_tuned_backend", lambda *a: None)
+    bf16 = decode_problem([9, 30], heads=16, q_len=1, page=16, dtype=torch.bfloat16, poison=False)
+    fp8 = decode_problem([9, 30], heads=16, q_len=1, page=16, dtype=torch.bfloat16, kv_dtype="fp8", poison=False)
+    assert ops._select(ops.MLA_DECODE, None, bf16.q, bf16.kv_cache, q_len=1, bucket={"b": 1}).name == "flashinfer"
+    assert ops._select(ops.MLA_DECODE, None, fp8.q, fp8.kv_cache, q_len=1, bucket={"b": 1}).name == "triton"
+    flash = registry.get_backend("mla_decode", "flashinfer")
+    assert ops._select(ops.MLA_DECODE, flash, fp8.q, fp8.kv_cache, q_len=1).name == "flashinfer"
+
+
 def test_flashinfer_fp8_cache_is_offered_on_sm90_only():
     from pdlab.attention.ops import supports
 
