@@ -138,6 +138,8 @@ def _fp8_view(q, kv_cache, kv_scale):
     if isinstance(kv_scale, torch.Tensor):
         hit = _SCALES.get(id(kv_scale))
         if hit is None or hit[0]() is not kv_scale or hit[1] != kv_scale._version:
+            if len(_SCALES) > 64:  # a pool keeps one scale tensor: many mean short-lived ones
+                _SCALES.clear()
             hit = _SCALES[id(kv_scale)] = (weakref.ref(kv_scale), kv_scale._version, float(kv_scale.reshape(-1)[0]))
         scale = hit[2]
     else:
