@@ -145,6 +145,8 @@ def _fp8_view(q, kv_cache, kv_scale):
     else:
         scale = 1.0 if kv_scale is None else float(kv_scale)
     return kv_cache.view(FP8), scale
+
+
 _UNIFORM_QO: dict[tuple, torch.Tensor] = {}
 
 
