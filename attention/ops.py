@@ -16,7 +16,7 @@ that runs here and supports the page size / kv dtype / S_q, or the one named), r
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -132,7 +132,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         max_seqlen: optional host-known bound of seqlens, checked against the pages given.
     Returns:
         out: [B, S_q, H, 512] q.dtype; lse: [B, H, S_q] fp32 (natural log of the softmax denominator).
-    Graph-safe for the triton backend (no host sync, no host-dependent shapes)."""
+    Graph-safe for the triton backend (no host sync, no host-dependent shapes); flashinfer (which plans on the host)
+    inside `replayed_graph_capture(seqlens)`, whose `replan` re-plans it before each replay."""
     dims = MLA_DECODE.check(backend_name(backend), q=q, kv_cache=kv_cache, block_table=block_table,
                             seqlens=seqlens)
     _check_pool(MLA_DECODE, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
@@ -227,34 +228,80 @@ def backend_name(backend: str | Backend | None) -> str | None:
     return backend.name if isinstance(backend, Backend) else backend
 
 
-_REPLAYED_CAPTURE = [False]
+class ReplayedCapture:
+    """One decode graph's capture: calls inside are captured into a CUDA graph that is replayed on other sequence
+    lengths and block tables (the runtime's decode graphs).
+
+    seqlens: [B] int32 host tensor, the lengths the calls inside run on (the warm-up and capture step), or None.
+    A backend that plans on the host from the step's lengths (options `host_plan`, e.g. flashinfer) would replay a
+    stale plan: with seqlens None selection skips it and naming it raises; with seqlens given, one that can re-plan
+    into fixed buffers (options `graph_replan`) plans for them, registers its re-plan here, and the graph's owner
+    calls `replan(seqlens)` with each step's host lengths before the replay."""
+
+    def __init__(self, seqlens: torch.Tensor | None = None):
+        if seqlens is not None and (seqlens.device.type != "cpu" or seqlens.dtype != torch.int32 or seqlens.dim() != 1):
+            raise ValueError(f"ReplayedCapture seqlens must be a [B] int32 host tensor, got {seqlens.dtype} "
+                             f"{tuple(seqlens.shape)} on {seqlens.device}")
+        self.seqlens = seqlens
+        self._replans: dict[object, Callable[[torch.Tensor], None]] = {}
+
+    @property
+    def can_replan(self) -> bool:
+        return self.seqlens is not None
+
+    def register(self, key: object, replan: Callable[[torch.Tensor], None]) -> bool:
+        """Add `replan(seqlens [B] int32 host)` under `key` (one per planned object, however many layers call it);
+        False when that key was already registered."""
+        if key in self._replans:
+            return False
+        self._replans[key] = replan
+        return True
+
+    def replan(self, seqlens: torch.Tensor) -> None:
+        """Before a replay: re-plan every host-planned backend captured here for the step's lengths, [B] int32 on
+        the host (padding rows included: the graph runs them too)."""
+        for fn in self._replans.values():
+            fn(seqlens)
+
+    def __len__(self) -> int:
+        return len(self._replans)
+
+
+_REPLAYED_CAPTURE: list[ReplayedCapture | None] = [None]
 
 
 @contextmanager
-def replayed_graph_capture() -> Iterator[None]:
-    """Calls inside are captured into CUDA graphs that are replayed on other sequence lengths and block tables
-    (the runtime's decode graphs): a backend that plans on the host from the step's lengths (options
-    `host_plan`, e.g. flashinfer) would replay a stale plan, so selection skips it and naming it raises."""
+def replayed_graph_capture(seqlens: torch.Tensor | None = None) -> Iterator[ReplayedCapture]:
+    """Calls inside are captured into CUDA graphs that are replayed on other sequence lengths and block tables.
+    seqlens: the [B] int32 host lengths the calls inside run on; given, host-planned backends that can re-plan
+    (flashinfer) are captured too and the yielded `ReplayedCapture` re-plans them before each replay; None, selection
+    skips every host-planned backend and naming one raises."""
     before = _REPLAYED_CAPTURE[0]
-    _REPLAYED_CAPTURE[0] = True
+    cap = _REPLAYED_CAPTURE[0] = ReplayedCapture(seqlens)
     try:
-        yield
+        yield cap
     finally:
         _REPLAYED_CAPTURE[0] = before
 
 
+def current_replayed_capture() -> ReplayedCapture | None:
+    """The replayed-graph capture the caller runs in (`replayed_graph_capture`), else None."""
+    return _REPLAYED_CAPTURE[0]
+
+
 def supports(b: Backend, *, page_size: int, kv_dtype: str, q_dtype: str, q_len: int | None,
-             replayed: bool = False, arch: str | None = None) -> str | None:
+             replayed: bool = False, arch: str | None = None, replan: bool = False) -> str | None:
     """None if backend `b` supports these features (per its `options`), else why not. replayed: the call is
-    captured into a CUDA graph replayed on other metadata (`replayed_graph_capture`); arch: the device's (checked
-    against options `kv_dtype_archs`, e.g. flashinfer's fp8 cache on sm90 only; None skips that check)."""
+    captured into a CUDA graph replayed on other metadata (`replayed_graph_capture`); replan: that capture re-plans
+    host-planned backends before each replay (it knows the host lengths); arch: the device's (checked against
+    options `kv_dtype_archs`, e.g. flashinfer's fp8 cache on sm90 only; None skips that check)."""
     opts = b.options
     kv_archs = opts.get("kv_dtype_archs", {}).get(kv_dtype)
     if arch is not None and kv_archs is not None and arch not in kv_archs:
         return f"kv cache dtype {kv_dtype} runs on {', '.join(kv_archs)} only, not {arch}"
-    if replayed and opts.get("host_plan"):
+    if replayed and opts.get("host_plan") and not (replan and opts.get("graph_replan")):
         return ("it plans on the host from the step's sequence lengths, so a CUDA graph replayed on other lengths "
-                "would run a stale plan")
+                "would run a stale plan" + ("" if opts.get("graph_replan") else " (it cannot re-plan before a replay)"))
     if "page_sizes" in opts and page_size not in opts["page_sizes"]:
         return f"page size {page_size} not in {tuple(opts['page_sizes'])}"
     if "kv_dtypes" in opts and kv_dtype not in opts["kv_dtypes"]:
@@ -272,8 +319,10 @@ def kv_dtype_name(kv_cache: torch.Tensor) -> str:
 
 def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: torch.Tensor,
             q_len: int | None, bucket: Mapping[str, Any] | None = None) -> Backend:
+    cap = _REPLAYED_CAPTURE[0]
     feats = dict(page_size=kv_cache.shape[1], kv_dtype=kv_dtype_name(kv_cache), q_dtype=dtype_name(q.dtype),
-                 q_len=q_len, replayed=_REPLAYED_CAPTURE[0], arch=registry.detect_arch(q.device))
+                 q_len=q_len, replayed=cap is not None, replan=cap is not None and cap.can_replan,
+                 arch=registry.detect_arch(q.device))
     if isinstance(backend, Backend):  # explicit object: the caller vouches that it runs here
         chosen = backend
     elif backend is not None:
@@ -287,9 +336,10 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
         return chosen
     why = supports(chosen, **feats)
     if why and feats["replayed"] and chosen.options.get("host_plan"):
-        raise RuntimeError(f"{op.name} backend {chosen.name!r} cannot run in the decode CUDA graphs: {why}. Serve "
-                           "with --disable-cuda-graph to use it, or leave the attention backend unset (graphs then "
-                           "take one that plans on the device).")
+        raise RuntimeError(f"{op.name} backend {chosen.name!r} cannot run in these CUDA graphs: {why}. Capture under "
+                           "replayed_graph_capture(seqlens) so that it re-plans before each replay, serve with "
+                           "--disable-cuda-graph, or leave the attention backend unset (graphs then take one that "
+                           "plans on the device).")
     if why:
         raise ShapeError(op.name, chosen.name, "q" if why.startswith(("q ", "S_q")) else "kv_cache",
                          f"is not supported by this backend ({why})", "a supported configuration",

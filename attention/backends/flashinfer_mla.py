@@ -15,9 +15,15 @@ it: the plan is keyed by the identity and version counter of the step's metadata
 size, causality and scale. Each sequence lists the first ceil(kv_len / page) pages of its block-table row
 (kv_indptr, kv_indices: releases from 0.7 on reject any other count); kv_len_arr = seqlens.
 
-The plan is host work over the step's lengths, so a CUDA graph captured with it is valid only for those lengths:
-the backend is registered with `host_plan`, and the runtime's decode graphs (replayed on other lengths) never
-take it (`pdlab.attention.ops.replayed_graph_capture`). Graphs of a fixed step (bench, tune) are fine.
+The plan is host work over the step's lengths, so a CUDA graph captured with it is valid only for those lengths
+(graphs of a fixed step, as bench and tune time them, are fine). The runtime's decode graphs are replayed on other
+lengths: there decode runs in flashinfer's CUDA-graph mode (`_GraphPlan`). Its CSR metadata lives in fixed buffers
+and its schedule in a fixed integer workspace; the graph writes the step's page ids itself, from the block table
+and lengths on the device (`fill_pages`). Before each replay the capture's `replan` plans the step's host lengths
+into those buffers (`pdlab.attention.ops.replayed_graph_capture(seqlens)`, options `host_plan` + `graph_replan`).
+The launch a graph holds depends on the plan only through flashinfer's plan info (cluster size, number of
+clusters, workspace offsets), which is the same for every decode batch of one shape; a re-plan that changed it is
+an error, not a stale replay.
 
 flashinfer's fa3/fa2 scheduler has a fixed number of work items (16384 tiles of 64·cluster query rows × heads,
 KV splits included); a prefill batch that needs more (e.g. 32k new tokens at 128 heads) is run in parts, split by
@@ -151,19 +157,152 @@ _UNIFORM_QO: dict[tuple, torch.Tensor] = {}
 
 
 @register_backend("mla_decode", "flashinfer", archs=("cuda",), packages=("flashinfer",), priority=80,
-                  options={**_OPTIONS, "q_lens": (1, 2, 4)})
+                  options={**_OPTIONS, "q_lens": (1, 2, 4), "graph_replan": True})
 def mla_decode_flashinfer(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_scale=None, config=None):
-    """BatchMLAPagedAttentionWrapper decode: S_q tokens per request, causal among them when S_q > 1."""
+    """BatchMLAPagedAttentionWrapper decode: S_q tokens per request, causal among them when S_q > 1. Inside a
+    replayed-graph capture that knows its host lengths, flashinfer's CUDA-graph mode (`_GraphPlan`)."""
+    from pdlab.attention.ops import current_replayed_capture
+
     B, Sq, H, _ = q.shape
-    key = (q.device, B, Sq)
-    qo = _UNIFORM_QO.get(key)
-    if qo is None:
-        qo = _UNIFORM_QO[key] = torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sq
     kv_cache, scale = _fp8_view(q, kv_cache, kv_scale)
-    plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo, H, kv_cache.shape[1], Sq > 1,
-                    softmax_scale)
+    cap = current_replayed_capture()
+    if cap is not None:
+        plan = graph_plan_for(cap, q.dtype, kv_cache.dtype, q.device, B, Sq, H, block_table.shape[1],
+                              kv_cache.shape[1], softmax_scale)
+        plan.fill_pages(block_table, seqlens, cap)
+    else:
+        key = (q.device, B, Sq)
+        qo = _UNIFORM_QO.get(key)
+        if qo is None:
+            qo = _UNIFORM_QO[key] = torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sq
+        plan = plan_for(q.dtype, kv_cache.dtype, q.device, seqlens, block_table, qo, H, kv_cache.shape[1], Sq > 1,
+                        softmax_scale)
     out, lse = _run(plan, q.reshape(B * Sq, H, 576), kv_cache, scale)
     return out.view(B, Sq, H, 512), lse.view(B, Sq, H).transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# decode in replayed CUDA graphs
+
+_GRAPH_PLANS: dict[tuple, "_GraphPlan"] = {}
+_GRAPH_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+class _GraphPlan:
+    """A wrapper in flashinfer's CUDA-graph mode for one captured decode shape: batch B, S_q, heads, block-table
+    width, page size, dtypes and scale. Its CSR metadata sits in fixed int32 buffers (qo_indptr [B + 1],
+    kv_indptr [B + 1], kv_len [B], kv_indices [B · max_pages + 1], the last entry a sink for unused table
+    entries) and its schedule in a fixed integer workspace, so a graph captured around `run` replays whatever the
+    last `plan` wrote. The graphs on one device share one float workspace (one replays at a time, in stream
+    order)."""
+
+    def __init__(self, fmla, device, B, Sq, H, max_pages, page, q_dtype, kv_dtype, sm_scale):
+        self.B, self.Sq, self.H, self.max_pages, self.page = B, Sq, H, max_pages, page
+        self.q_dtype, self.kv_dtype, self.sm_scale = q_dtype, kv_dtype, sm_scale
+        i32 = dict(dtype=torch.int32, device=device)
+        self.qo_indptr = torch.arange(B + 1, **i32) * Sq
+        self.kv_indptr = torch.zeros(B + 1, **i32)
+        self.kv_len = torch.ones(B, **i32)
+        self.kv_indices = torch.zeros(B * max_pages + 1, **i32)
+        self._cols = torch.arange(max_pages, dtype=torch.int64, device=device)
+        self._pin = device.type == "cuda"
+        self.qo_host = self.qo_indptr.cpu()
+        if self._pin:
+            self.qo_host = self.qo_host.pin_memory()  # a non_blocking copy source each plan: never modified
+        ws = _GRAPH_WORKSPACES.get(device)
+        if ws is None:
+            ws = _GRAPH_WORKSPACES[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = fmla.BatchMLAPagedAttentionWrapper(
+            ws, use_cuda_graph=True, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+            kv_len_arr=self.kv_len, backend=_backend_name(device))
+        self._metadata_cls = getattr(fmla, "MLAPlanMetadata", None)
+        self.keyword_api = self._metadata_cls is not None
+        self.plan_info = None
+        self._filled: tuple | None = None
+
+    def plan(self, seqlens: torch.Tensor) -> None:
+        """Plan the step's lengths, seqlens [B] int32 on the host (every row the graph runs, padding included):
+        host work and non-blocking copies into the fixed buffers, no device sync. Raises if flashinfer's plan
+        info (what the captured launch holds) differs from the capture's."""
+        lens = seqlens.to(torch.int32)
+        if lens.device.type != "cpu" or tuple(lens.shape) != (self.B,):
+            raise ValueError(f"a flashinfer graph plan takes the step's [B={self.B}] int32 lengths on the host, got "
+                             f"{tuple(lens.shape)} on {lens.device}")
+        pages = (lens.to(torch.int64) + self.page - 1) // self.page
+        if self.B and (int(pages.max()) > self.max_pages or int(lens.min()) < self.Sq):
+            raise ValueError(f"lengths {lens.tolist()[:8]}... do not fit the captured decode shape: 1 <= pages <= "
+                             f"{self.max_pages} of {self.page} tokens and at least S_q={self.Sq} tokens per row")
+        kv_indptr = torch.zeros(self.B + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(pages, 0)
+        if self._pin:
+            kv_indptr, lens = kv_indptr.pin_memory(), lens.pin_memory()
+        kv_indices = self.kv_indices[:int(kv_indptr[-1])]  # written by the graph itself (`fill_pages`)
+        if self._metadata_cls is not None:
+            fp8 = dict(scale_mode="kv-per-tensor") if self.kv_dtype == FP8 else {}
+            self.wrapper.plan(metadata=self._metadata_cls.csr(self.qo_host, kv_indptr, kv_indices, lens),
+                              num_heads=self.H, head_dim_ckv=512, head_dim_kpe=64, page_size=self.page,
+                              causal=self.Sq > 1, sm_scale=self.sm_scale, q_data_type=self.q_dtype,
+                              kv_data_type=self.kv_dtype, query_layout="packed", kv_cache_layout="packed",
+                              lse_mode="basee", **fp8)
+        else:
+            self.wrapper.plan(self.qo_host, kv_indptr, kv_indices, lens, self.H, 512, 64, self.page, self.Sq > 1,
+                              self.sm_scale, self.q_dtype, self.kv_dtype)
+        info = _plan_info(self.wrapper)
+        if self.plan_info is None:
+            self.plan_info = info
+        elif info != self.plan_info:
+            raise RuntimeError(f"flashinfer's plan info changed between plans of one captured decode shape "
+                               f"({self.plan_info} -> {info}): the graph holds the first launch, so replaying it would "
+                               "run a stale schedule. Serve with --disable-cuda-graph or another attention backend.")
+
+    def fill_pages(self, block_table: torch.Tensor, seqlens: torch.Tensor, cap=None) -> None:
+        """The step's page ids, in CSR order, into kv_indices: row b's first ceil(seqlens[b] / page) entries of
+        block_table [B, max_pages] int32 at offset Σ_{b' < b} pages (what `plan` puts in kv_indptr from the same
+        lengths on the host), from seqlens [B] int32. Device work of fixed shapes (graph-safe); once per step,
+        however many layers call: skipped when these tensors, unchanged, were filled in the same capture `cap`
+        and the same mode (a fill run eagerly is not in the graph being captured)."""
+        capturing = block_table.is_cuda and torch.cuda.is_current_stream_capturing()
+        f = self._filled
+        if f is not None and f[0]() is block_table and f[1]() is seqlens and f[2] == (
+                block_table._version, seqlens._version) and f[3]() is cap and f[4] == capturing:
+            return
+        pages = torch.clamp((seqlens.to(torch.int64) + self.page - 1) // self.page, max=self.max_pages)
+        start = torch.cumsum(pages, 0) - pages
+        cols = self._cols[None, :]
+        dest = torch.where(cols < pages[:, None], start[:, None] + cols, self.kv_indices.numel() - 1)
+        self.kv_indices.scatter_(0, dest.reshape(-1), block_table.reshape(-1).to(torch.int32))
+        self._filled = (weakref.ref(block_table), weakref.ref(seqlens), (block_table._version, seqlens._version),
+                        weakref.ref(cap) if cap is not None else (lambda: None), capturing)
+
+
+def _plan_info(wrapper) -> tuple | None:
+    """flashinfer's plan info of the wrapper's last plan (0.7: on the planned backend; older: on the wrapper) as a
+    tuple of ints, or None where this release keeps it elsewhere."""
+    info = getattr(getattr(wrapper, "_planned_backend", None), "_plan_info", None)
+    if info is None:
+        info = getattr(wrapper, "_plan_info", None)
+    try:
+        return None if info is None else tuple(int(x) for x in info)
+    except TypeError:
+        return None
+
+
+def graph_plan_for(cap, q_dtype, kv_dtype, device, B, Sq, H, max_pages, page_size, sm_scale) -> _GraphPlan:
+    """The graph-mode plan of this decode shape, planned for the capture's host lengths the first time the capture
+    `cap` (a `pdlab.attention.ops.ReplayedCapture`) meets it and registered there for its re-plans."""
+    import flashinfer.mla as fmla
+
+    if not cap.can_replan:
+        raise RuntimeError("flashinfer decode in a replayed CUDA graph needs the capture's host lengths: capture "
+                           "under replayed_graph_capture(seqlens)")
+    key = (device, B, Sq, H, max_pages, page_size, q_dtype, kv_dtype, sm_scale)
+    plan = _GRAPH_PLANS.get(key)
+    if plan is None:
+        plan = _GRAPH_PLANS[key] = _GraphPlan(fmla, device, B, Sq, H, max_pages, page_size, q_dtype, kv_dtype,
+                                              sm_scale)
+    if cap.register(plan, plan.plan):
+        plan.plan(cap.seqlens)
+    return plan
 
 
 @register_backend("mla_prefill", "flashinfer", archs=("cuda",), packages=("flashinfer",), priority=80,

@@ -315,8 +315,10 @@ def describe_ops(device: torch.device) -> list[str]:
                 source = (tuned_summary(op, b.name, device) or "no tuned file for this device") + f", else {source}"
             except Exception as exc:
                 source = f"{source} (tuned lookup failed: {exc})"
-        plan = "; not in CUDA-graph decode (plans on the host): graphs take the next backend" \
-            if b.options.get("host_plan") and op == "mla_decode" else ""
+        plan = ""
+        if b.options.get("host_plan") and op == "mla_decode":
+            plan = ("; plans on the host: CUDA-graph decode re-plans it before each replay" if b.options.get(
+                "graph_replan") else "; not in CUDA-graph decode (plans on the host): graphs take the next backend")
         lines.append(f"op {op}: backend {b.name}, config {source}{plan}")
     return lines
 

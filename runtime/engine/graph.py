@@ -2,7 +2,9 @@
 captured size >= its size, padded with rows that point at the dummy page-table row (page 0).
 
 Static buffers (max captured size): input_ids, positions, rows [max_bs] int64; the graph itself
-gathers the block table and computes slots from them, so a replay is three small copies.
+gathers the block table and computes slots from them, so a replay is three small copies. An attention backend
+that plans on the host (flashinfer) is captured under `replayed_graph_capture(seqlens)` and re-planned for each
+replay's host lengths before it (its schedule and metadata live in fixed buffers the graph reads).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import torch
 
-from pdlab.attention.ops import replayed_graph_capture
+from pdlab.attention.ops import ReplayedCapture, replayed_graph_capture
 from pdlab.runtime.core import Req
 
 log = logging.getLogger("pdlab.runtime")
@@ -39,6 +41,7 @@ class GraphRunner:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=d)
         self.rows = torch.full((max_bs,), engine.page_table.dummy_row, dtype=torch.int64, device=d)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replans: dict[int, ReplayedCapture] = {}  # per batch size: host-planned backends to re-plan
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
@@ -52,9 +55,10 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.engine.device)
         # the graphs are replayed on other lengths and block tables: the warm-up and the capture choose the same
-        # attention backends, none that plans on the host
-        with replayed_graph_capture():
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
+        # attention backends, and one that plans on the host plans the capture's lengths (positions 0: one token
+        # per row) and is re-planned before each replay
+        for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
+            with replayed_graph_capture(torch.ones(bs, dtype=torch.int32)) as cap:
                 args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
@@ -66,10 +70,13 @@ class GraphRunner:
                     args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
                     self.outputs[bs] = self.engine.model.forward(*args)
                 self.graphs[bs] = g
+            if len(cap):
+                self.replans[bs] = cap
         torch.cuda.synchronize()
         free1 = torch.cuda.mem_get_info(self.engine.device)[0]
-        log.info("captured %d decode graphs in %.1f s (free memory %.2f -> %.2f GiB)", len(self.graphs),
-                 time.perf_counter() - t0, free0 / 2**30, free1 / 2**30)
+        log.info("captured %d decode graphs in %.1f s (free memory %.2f -> %.2f GiB)%s", len(self.graphs),
+                 time.perf_counter() - t0, free0 / 2**30, free1 / 2**30,
+                 f"; {len(self.replans)} re-planned on the host before each replay" if self.replans else "")
 
     def replay(self, reqs: list[Req], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decode step of `reqs` in a captured graph; returns logits [len(reqs), V] (a view).
@@ -92,5 +99,8 @@ class GraphRunner:
         if not self.capture:
             args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
             return self.engine.model.forward(*args)[:n]
+        cap = self.replans.get(bs)
+        if cap is not None:  # the step's lengths, padding rows included (position 0: one token)
+            cap.replan((host[1] + 1).to(torch.int32))
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

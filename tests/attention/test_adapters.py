@@ -388,27 +388,6 @@ def test_flashinfer_prefill_over_capacity_runs_in_parts_with_the_same_result(mon
     assert len(plans) == (1 if capacity >= 64 else 2 if capacity >= 32 else 16)
 
 
-def test_flashinfer_is_never_taken_into_replayed_decode_graphs(monkeypatch):
-    """flashinfer plans on the host from the step's lengths: inside the runtime's decode-graph capture the op picks
-    another backend, and naming flashinfer there is an error that says what to do."""
-    from pdlab.attention import ops
-    from pdlab.attention.backends import flashinfer_mla
-
-    monkeypatch.setattr(flashinfer_mla, "_WRAPPERS", {})
-    _fake_flashinfer(monkeypatch, "keyword")
-    monkeypatch.setitem(registry._PROBE_CACHE, ("mla_decode", "flashinfer", registry.detect_arch()), None)  # "usable"
-    monkeypatch.setattr(ops, "_SELECTED", {})  # choices made here stay here
-    p = decode_problem([9, 30], heads=16, q_len=1, page=16, dtype=torch.bfloat16, poison=False)
-    args = (p.q, p.kv_cache, p.block_table, p.seqlens, 0.2)
-    flash = registry.get_backend("mla_decode", "flashinfer")
-    assert ops._select(ops.MLA_DECODE, None, p.q, p.kv_cache, q_len=1).name == "flashinfer"  # preferred otherwise
-    with ops.replayed_graph_capture():
-        assert ops._select(ops.MLA_DECODE, None, p.q, p.kv_cache, q_len=1).name != "flashinfer"
-        with pytest.raises(RuntimeError, match="disable-cuda-graph"):
-            mla_decode(*args, backend=flash)
-    assert ops._select(ops.MLA_DECODE, None, p.q, p.kv_cache, q_len=1).name == "flashinfer"  # restored on exit
-
-
 def test_adapters_are_listed_unavailable_with_reasons():
     rows = {(r["op"], r["backend"]): r for r in registry.matrix()}
     for key in [("mla_decode", "flashmla"), ("mla_decode", "trtllm_mla"), ("mla_decode", "flashinfer")]:

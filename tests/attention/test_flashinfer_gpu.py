@@ -89,3 +89,33 @@ def test_flashinfer_prefill_fp8_cache(seed):
     out, lse = mla_prefill(*args, kv_scale=scale, backend="flashinfer")
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (128, 2)])
+def test_flashinfer_decode_replayed_graph_follows_each_steps_lengths_and_pages(heads, q_len, seed):
+    """Decode captured once into a CUDA graph under replayed_graph_capture(seqlens), as the runtime captures it,
+    then replayed on other steps (other lengths up to 4096, other pages, other queries, NaN past every length)
+    after the capture's replan: each replay equals the fp32 reference of its own step."""
+    from pdlab.attention.ops import replayed_graph_capture
+
+    rng = random.Random(seed)
+    B = 24
+    steps = [decode_problem(_lens(B, 4096, q_len, rng), heads, q_len, 64, torch.bfloat16, device=DEV, capacity=4096,
+                            seed=seed + i) for i in range(4)]
+    p = steps[0]
+    q, kv, table, lens = (t.clone() for t in (p.q, p.kv_cache, p.block_table, p.seqlens))
+    with replayed_graph_capture(lens.cpu()) as cap:
+        mla_decode(q, kv, table, lens, p.softmax_scale, backend="flashinfer")  # warm-up: JIT, first plan
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = mla_decode(q, kv, table, lens, p.softmax_scale, backend="flashinfer")
+    assert len(cap) == 1
+    for s in steps[1:] + steps[:1]:
+        for dst, src in zip((q, kv, table, lens), (s.q, s.kv_cache, s.block_table, s.seqlens)):
+            dst.copy_(src)
+        cap.replan(s.seqlens.cpu())
+        graph.replay()
+        ref = mla_decode(s.q, s.kv_cache, s.block_table, s.seqlens, s.softmax_scale, backend="torch")
+        assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+            (s.seqlens.tolist()[:6], cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
