@@ -10,7 +10,9 @@ if [[ -n ${OUT:-} ]]; then
   . "$(dirname "${BASH_SOURCE[0]}")/provenance.sh"
   record_provenance "$OUT"
 fi
-SITE=${SITE:-/tmp/site}
+# a folder of its own: scripts that run first without flashinfer and then with it must not find it in the
+# folder the device wheels are installed to
+SITE=${FI_SITE:-/tmp/pdlab_flashinfer_site}
 FI_TAR=${FI_TAR:-.whl/flashinfer_trim.tar.xz}
 mkdir -p "$SITE" && tar xJf "$FI_TAR" -C "$SITE"
 export PYTHONPATH=$SITE:${PYTHONPATH:-}
