@@ -2,7 +2,7 @@
 # Sourced by the GPU scripts that run flashinfer on a machine without a package index: unpacks FI_TAR (a tar.xz of
 # the flashinfer package: the wheel's Python files plus the headers and MLA sources its JIT needs,
 # data/{include,cutlass/include,cutlass/tools/util/include,cccl,spdlog/include} and data/csrc/batch_mla*) into SITE,
-# puts SITE on PYTHONPATH (apache-tvm-ffi comes as a wheel installed there too) and finds nvcc for the JIT. With OUT
+# puts SITE on PYTHONPATH (apache-tvm-ffi comes as a wheel, installed with the device wheels) and finds nvcc for the JIT. With OUT
 # set: creates it, records the provenance there and makes it bench's results folder.
 if [[ -n ${OUT:-} ]]; then
   mkdir -p "$OUT"
