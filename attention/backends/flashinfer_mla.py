@@ -35,6 +35,7 @@ import inspect
 import math
 import weakref
 
+import numpy as np
 import torch
 
 from pdlab.kernels.registry import register_backend
@@ -224,19 +225,25 @@ class _GraphPlan:
         """Plan the step's lengths, seqlens [B] int32 on the host (every row the graph runs, padding included):
         host work and non-blocking copies into the fixed buffers, no device sync. Raises if flashinfer's plan
         info (what the captured launch holds) differs from the capture's."""
-        lens = seqlens.to(torch.int32)
-        if lens.device.type != "cpu" or tuple(lens.shape) != (self.B,):
+        if seqlens.device.type != "cpu" or tuple(seqlens.shape) != (self.B,):
             raise ValueError(f"a flashinfer graph plan takes the step's [B={self.B}] int32 lengths on the host, got "
-                             f"{tuple(lens.shape)} on {lens.device}")
-        pages = (lens.to(torch.int64) + self.page - 1) // self.page
-        if self.B and (int(pages.max()) > self.max_pages or int(lens.min()) < self.Sq):
-            raise ValueError(f"lengths {lens.tolist()[:8]}... do not fit the captured decode shape: 1 <= pages <= "
+                             f"{tuple(seqlens.shape)} on {seqlens.device}")
+        lens_np = seqlens.numpy().astype(np.int64)
+        pages = (lens_np + self.page - 1) // self.page
+        if self.B and (int(pages.max()) > self.max_pages or int(lens_np.min()) < self.Sq):
+            raise ValueError(f"lengths {lens_np.tolist()[:8]}... do not fit the captured decode shape: 1 <= pages <= "
                              f"{self.max_pages} of {self.page} tokens and at least S_q={self.Sq} tokens per row")
-        kv_indptr = torch.zeros(self.B + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(pages, 0)
-        if self._pin:
-            kv_indptr, lens = kv_indptr.pin_memory(), lens.pin_memory()
-        kv_indices = self.kv_indices[:int(kv_indptr[-1])]  # written by the graph itself (`fill_pages`)
+        # [kv_indptr (B + 1) | kv_len (B)] in one host tensor, pinned where the copies into the fixed buffers are
+        # asynchronous (a fresh one per plan: a replay queued behind may still read the last one's copy)
+        host = torch.empty(2 * self.B + 1, dtype=torch.int32, pin_memory=self._pin)
+        h = host.numpy()
+        h[0] = 0
+        h[1:self.B + 1] = np.cumsum(pages)
+        h[self.B + 1:] = lens_np
+        kv_indptr, lens = host[:self.B + 1], host[self.B + 1:]
+        if self.plan_info is not None and self._fast_plan(kv_indptr, lens):
+            return
+        kv_indices = self.kv_indices[:int(h[self.B])]  # written by the graph itself (`fill_pages`)
         if self._metadata_cls is not None:
             fp8 = dict(scale_mode="kv-per-tensor") if self.kv_dtype == FP8 else {}
             self.wrapper.plan(metadata=self._metadata_cls.csr(self.qo_host, kv_indptr, kv_indices, lens),
@@ -247,7 +254,30 @@ class _GraphPlan:
         else:
             self.wrapper.plan(self.qo_host, kv_indptr, kv_indices, lens, self.H, 512, 64, self.page, self.Sq > 1,
                               self.sm_scale, self.q_dtype, self.kv_dtype)
-        info = _plan_info(self.wrapper)
+        self._check_info(_plan_info(self.wrapper))
+
+    def _fast_plan(self, kv_indptr: torch.Tensor, lens: torch.Tensor) -> bool:
+        """A re-plan straight through the planned backend's generated module (what the wrapper's plan calls after
+        its checks, which cost milliseconds of host time per step), then the copies of kv_indptr [B + 1] and
+        kv_len [B] (int32 host) into the fixed buffers. Taken when this release exposes those parts (flashinfer
+        0.7's FA backends) and the batch cannot reach the scheduler's 16384 work items (at most one per 64 query
+        rows of each request plus one per cluster); False, having done nothing, otherwise."""
+        be = getattr(self.wrapper, "_planned_backend", None)
+        fn = getattr(getattr(be, "_cached_module", None), "plan_with_staged_workspace_bytes", None)
+        parts = ("_float_workspace_buffer", "_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
+        if fn is None or not all(hasattr(be, a) for a in parts):
+            return False
+        if self.B * -(-self.Sq * self.H // 64) + 1024 > 16384:
+            return False
+        info, _ = fn(be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
+                     self.qo_host, kv_indptr, lens, self.H, 512, self.Sq > 1)
+        self.kv_indptr.copy_(kv_indptr, non_blocking=True)
+        self.kv_len.copy_(lens, non_blocking=True)
+        be._plan_info = info
+        self._check_info(tuple(int(x) for x in info))
+        return True
+
+    def _check_info(self, info: tuple | None) -> None:
         if self.plan_info is None:
             self.plan_info = info
         elif info != self.plan_info:

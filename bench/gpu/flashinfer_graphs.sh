@@ -4,7 +4,8 @@
 #           graph) and the runtime's (graph decode against eager, retraction), then the same runtime tests without it;
 #   perf    decode steps through the graphs, batch $SIZES over a $CONTEXT-token context, plain and overlap schedule,
 #           synthetic DeepSeek-R1-shaped model (full width, 4 layers): without flashinfer (pdlab's kernels in the
-#           graphs), then with it (flashinfer where the shipped store or the preference picks it).
+#           graphs), then with it (flashinfer where the shipped store or the preference picks it);
+#   cost    the host time of one re-plan before a replay (bench/gpu/flashinfer_plan_cost.py).
 # Results: $OUT.
 set -u
 PART=${1:-tests}
@@ -36,5 +37,9 @@ case $PART in
     perf graphs_without_flashinfer
     . "$(dirname "$0")/flashinfer_env.sh"
     perf graphs_with_flashinfer ;;
-  *) echo "PART is tests or perf, not $PART" >&2; exit 2 ;;
+  cost)
+    . "$(dirname "$0")/flashinfer_env.sh"
+    $PY -m pdlab.bench.gpu.flashinfer_plan_cost --out "$OUT/plan_cost" > "$OUT/plan_cost.txt" 2>&1
+    echo "cost rc=$?"; cat "$OUT/plan_cost/plan_cost.csv" ;;
+  *) echo "PART is tests, perf or cost, not $PART" >&2; exit 2 ;;
 esac

@@ -15,9 +15,22 @@ from pdlab.attention.workloads import decode_problem
 from pdlab.kernels import registry
 
 
-def _graph_fake_flashinfer(monkeypatch, info_of=None):
-    """Install the fake; info_of(plan_number, num_heads) → plan info (default: from the shape only)."""
-    log = {"plans": [], "wrappers": []}
+def _graph_fake_flashinfer(monkeypatch, info_of=None, fast=False):
+    """Install the fake; info_of(plan_number, num_heads) → plan info (default: from the shape only). fast: the
+    planned wrapper exposes its backend's generated module as flashinfer 0.7 does (`_planned_backend`), whose
+    plan the adapter may call directly for re-plans (logged under "module_plans")."""
+    log = {"plans": [], "wrappers": [], "module_plans": []}
+
+    class Module:  # the generated module: plans from host metadata, returns the plan info
+        def plan_with_staged_workspace_bytes(self, fws, iws, pinned, qo, kv_indptr, kv_len, num_heads, dckv, causal):
+            assert qo.device.type == kv_indptr.device.type == kv_len.device.type == "cpu"
+            log["module_plans"].append([t.tolist() for t in (qo, kv_indptr, kv_len)] + [num_heads, dckv, causal])
+            return [2 if num_heads > 64 else 1, 132, 0, 64], 1024
+
+    class PlannedBackend:
+        def __init__(self):
+            self._cached_module = Module()
+            self._float_workspace_buffer = self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = None
 
     class MLAPlanMetadata:
         @classmethod
@@ -45,7 +58,12 @@ def _graph_fake_flashinfer(monkeypatch, info_of=None):
             n = len(log["plans"])
             log["plans"].append([t.tolist() for t in (qo, kv_indptr, kv_len)])
             self.meta = (causal, sm_scale)
-            self._plan_info = info_of(n, num_heads) if info_of else [2 if num_heads > 64 else 1, 132, 0, 64]
+            info = info_of(n, num_heads) if info_of else [2 if num_heads > 64 else 1, 132, 0, 64]
+            if fast:
+                self._planned_backend = PlannedBackend()
+                self._planned_backend._plan_info = info
+            else:
+                self._plan_info = info
 
         def run(self, *, query, kv_cache, return_lse, return_lse_base_on_e):
             qo, kv_indptr, kv_indices, kv_len = (t.tolist() for t in self.bufs)  # read at run time: a replay
@@ -93,12 +111,15 @@ def _poison_past(p, lens):
             p.kv_cache[p.block_table[b, pos // page], pos % page] = float("nan")
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (16, 2)])
-def test_replanned_graph_decode_equals_the_reference_on_new_lengths_and_tables(monkeypatch, fresh, heads, q_len):
+def test_replanned_graph_decode_equals_the_reference_on_new_lengths_and_tables(monkeypatch, fresh, heads, q_len,
+                                                                               fast):
     """Captured on the capture's lengths, replayed on others (longer, shorter, other pages): after `replan` the
     captured device step reads the new pages and lengths and equals the torch reference; pages past each new
-    length (NaN) are never read. One plan and one page fill per step, however many layers call."""
-    log = _graph_fake_flashinfer(monkeypatch)
+    length (NaN) are never read. One plan and one page fill per step, however many layers call. fast: the
+    re-plan goes straight to the generated module (flashinfer 0.7) and the adapter fills the fixed buffers."""
+    log = _graph_fake_flashinfer(monkeypatch, fast=fast)
     flash = registry.get_backend("mla_decode", "flashinfer")
     p = decode_problem([9, 30, 5], heads=heads, q_len=q_len, page=16, dtype=torch.bfloat16, capacity=64,
                        poison=False, seed=1)
@@ -127,7 +148,11 @@ def test_replanned_graph_decode_equals_the_reference_on_new_lengths_and_tables(m
     _poison_past(p, new)
     p.q.copy_(torch.randn(p.q.shape).to(p.q.dtype))
     cap.replan(torch.tensor(new, dtype=torch.int32))
-    assert log["plans"][-1][1] == [0, 3, 4, 7] and log["plans"][-1][2] == new  # ceil(47/16), ceil(2/16)...
+    replan = log["module_plans"][-1] if fast else log["plans"][-1]
+    assert len(log["plans"]) == (1 if fast else 2) and len(log["module_plans"]) == (1 if fast else 0)
+    assert replan[1] == [0, 3, 4, 7] and replan[2] == new  # ceil(47/16), ceil(2/16), ceil(33/16) pages
+    if fast:
+        assert replan[0] == [q_len * i for i in range(4)] and replan[3:] == [heads, 512, q_len > 1]
     plan = next(iter(fresh._GRAPH_PLANS.values()))
     kv = p.kv_cache
     plan.fill_pages(p.block_table, p.seqlens, cap)  # the captured device step, in order
