@@ -257,20 +257,37 @@ class _GraphPlan:
         self._check_info(_plan_info(self.wrapper))
 
     def _fast_plan(self, kv_indptr: torch.Tensor, lens: torch.Tensor) -> bool:
-        """A re-plan straight through the planned backend's generated module (what the wrapper's plan calls after
-        its checks, which cost milliseconds of host time per step), then the copies of kv_indptr [B + 1] and
-        kv_len [B] (int32 host) into the fixed buffers. Taken when this release exposes those parts (flashinfer
-        0.7's FA backends) and the batch cannot reach the scheduler's 16384 work items (at most one per 64 query
-        rows of each request plus one per cluster); False, having done nothing, otherwise."""
+        """A re-plan below the wrapper, whose checks cost about a millisecond of host time per step: the planned
+        backend's compiled plan writes the schedule into a pinned buffer of a small ring (`_pinned_slot`) and its
+        staged bytes go to the integer workspace by one asynchronous copy (flashinfer's own module wrapper copies
+        them into a fresh pinned buffer first, on the host), then kv_indptr [B + 1] and kv_len [B] (int32 host) go
+        into the fixed buffers. Where a release exposes only the module wrapper, that; where neither (or the batch
+        could reach the scheduler's 16384 work items: at most one per 64 query rows of each request plus one per
+        cluster), False, having done nothing."""
         be = getattr(self.wrapper, "_planned_backend", None)
-        fn = getattr(getattr(be, "_cached_module", None), "plan_with_staged_workspace_bytes", None)
+        gen = getattr(be, "_cached_module", None)
+        raw = getattr(getattr(gen, "_module", None), "plan", None)
+        staged_fn = getattr(gen, "plan_with_staged_workspace_bytes", None)
         parts = ("_float_workspace_buffer", "_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
-        if fn is None or not all(hasattr(be, a) for a in parts):
+        if (raw is None and staged_fn is None) or not all(hasattr(be, a) for a in parts):
             return False
         if self.B * -(-self.Sq * self.H // 64) + 1024 > 16384:
             return False
-        info, _ = fn(be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
-                     self.qo_host, kv_indptr, lens, self.H, 512, self.Sq > 1)
+        args = (self.qo_host, kv_indptr, lens, self.H, 512, self.Sq > 1)
+        if raw is not None:
+            iws = be._int_workspace_buffer
+            slot, done = _pinned_slot(iws)
+            info, staged = raw(be._float_workspace_buffer, iws, slot, *args)
+            staged = int(staged)
+            if not 0 <= staged <= iws.numel() * iws.element_size():
+                raise RuntimeError(f"flashinfer's MLA plan staged {staged} bytes for an integer workspace of "
+                                   f"{iws.numel() * iws.element_size()}")
+            iws.view(torch.uint8)[:staged].copy_(slot.view(torch.uint8)[:staged], non_blocking=True)
+            if done is not None:
+                done.record()
+        else:
+            info, _ = staged_fn(be._float_workspace_buffer, be._int_workspace_buffer,
+                                be._pin_memory_int_workspace_buffer, *args)
         self.kv_indptr.copy_(kv_indptr, non_blocking=True)
         self.kv_len.copy_(lens, non_blocking=True)
         be._plan_info = info
@@ -303,6 +320,28 @@ class _GraphPlan:
         self.kv_indices.scatter_(0, dest.reshape(-1), block_table.reshape(-1).to(torch.int32))
         self._filled = (weakref.ref(block_table), weakref.ref(seqlens), (block_table._version, seqlens._version),
                         weakref.ref(cap) if cap is not None else (lambda: None), capturing)
+
+
+_PINNED_RINGS: dict[tuple, list] = {}
+RING_SLOTS = 3
+
+
+def _pinned_slot(like: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """The next buffer of a ring (per device and size) of RING_SLOTS host buffers shaped like `like` (pinned on a
+    GPU), once the copy last queued from it has run, with the event to record after the next one (None on CPU).
+    Re-plans run one after another on the host, so 3 slots leave two plans' copies in flight before a wait."""
+    key = (like.device, like.dtype, like.numel())
+    ring = _PINNED_RINGS.get(key)
+    if ring is None:
+        cuda = like.device.type == "cuda"
+        ring = _PINNED_RINGS[key] = [0] + [
+            (torch.empty(like.numel(), dtype=like.dtype, pin_memory=cuda), torch.cuda.Event() if cuda else None)
+            for _ in range(RING_SLOTS)]
+    ring[0] = i = ring[0] % RING_SLOTS + 1
+    buf, event = ring[i]
+    if event is not None:
+        event.synchronize()  # long done unless the GPU lags the host by RING_SLOTS steps
+    return buf, event
 
 
 def _plan_info(wrapper) -> tuple | None:

@@ -21,16 +21,30 @@ def _graph_fake_flashinfer(monkeypatch, info_of=None, fast=False):
     plan the adapter may call directly for re-plans (logged under "module_plans")."""
     log = {"plans": [], "wrappers": [], "module_plans": []}
 
-    class Module:  # the generated module: plans from host metadata, returns the plan info
-        def plan_with_staged_workspace_bytes(self, fws, iws, pinned, qo, kv_indptr, kv_len, num_heads, dckv, causal):
-            assert qo.device.type == kv_indptr.device.type == kv_len.device.type == "cpu"
-            log["module_plans"].append([t.tolist() for t in (qo, kv_indptr, kv_len)] + [num_heads, dckv, causal])
-            return [2 if num_heads > 64 else 1, 132, 0, 64], 1024
+    def compiled_plan(fws, iws, pinned, qo, kv_indptr, kv_len, num_heads, dckv, causal):
+        """The compiled plan: host metadata in, the schedule written into the pinned buffer, (info, staged bytes)."""
+        assert qo.device.type == kv_indptr.device.type == kv_len.device.type == "cpu"
+        log["module_plans"].append([t.tolist() for t in (qo, kv_indptr, kv_len)] + [num_heads, dckv, causal])
+        pinned[:8] = torch.tensor(kv_indptr.tolist()[:8] + [0] * (8 - min(8, kv_indptr.numel())), dtype=torch.uint8)
+        return [2 if num_heads > 64 else 1, 132, 0, 64], 8
+
+    class Module:  # the generated module's wrapper (and, with fast == "raw", the compiled module under it)
+        def __init__(self):
+            if fast == "raw":
+                self._module = types.SimpleNamespace(plan=compiled_plan)
+
+        def plan_with_staged_workspace_bytes(self, fws, iws, pinned, *args):
+            info, staged = compiled_plan(fws, iws, pinned, *args)
+            iws[:staged].copy_(pinned[:staged])
+            return info, staged
 
     class PlannedBackend:
         def __init__(self):
             self._cached_module = Module()
-            self._float_workspace_buffer = self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = None
+            self._float_workspace_buffer = None
+            self._int_workspace_buffer = torch.zeros(64, dtype=torch.uint8)
+            self._pin_memory_int_workspace_buffer = torch.zeros(64, dtype=torch.uint8)
+            log["int_workspace"] = self._int_workspace_buffer
 
     class MLAPlanMetadata:
         @classmethod
@@ -96,7 +110,7 @@ def _graph_fake_flashinfer(monkeypatch, info_of=None, fast=False):
 def fresh(monkeypatch):
     from pdlab.attention.backends import flashinfer_mla
 
-    for name in ("_WRAPPERS", "_GRAPH_PLANS", "_GRAPH_WORKSPACES"):
+    for name in ("_WRAPPERS", "_GRAPH_PLANS", "_GRAPH_WORKSPACES", "_PINNED_RINGS"):
         monkeypatch.setattr(flashinfer_mla, name, {})
     monkeypatch.setattr(ops, "_SELECTED", {})
     monkeypatch.setitem(registry._PROBE_CACHE, ("mla_decode", "flashinfer", registry.detect_arch()), None)
@@ -111,14 +125,16 @@ def _poison_past(p, lens):
             p.kv_cache[p.block_table[b, pos // page], pos % page] = float("nan")
 
 
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("fast", [False, "module", "raw"])
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (16, 2)])
 def test_replanned_graph_decode_equals_the_reference_on_new_lengths_and_tables(monkeypatch, fresh, heads, q_len,
                                                                                fast):
     """Captured on the capture's lengths, replayed on others (longer, shorter, other pages): after `replan` the
     captured device step reads the new pages and lengths and equals the torch reference; pages past each new
     length (NaN) are never read. One plan and one page fill per step, however many layers call. fast: the
-    re-plan goes straight to the generated module (flashinfer 0.7) and the adapter fills the fixed buffers."""
+    re-plan goes below the wrapper (flashinfer 0.7): through the generated module's wrapper ("module") or the
+    compiled plan ("raw", its schedule copied from a pinned ring buffer into the integer workspace), and the
+    adapter fills the fixed buffers."""
     log = _graph_fake_flashinfer(monkeypatch, fast=fast)
     flash = registry.get_backend("mla_decode", "flashinfer")
     p = decode_problem([9, 30, 5], heads=heads, q_len=q_len, page=16, dtype=torch.bfloat16, capacity=64,
@@ -153,6 +169,7 @@ def test_replanned_graph_decode_equals_the_reference_on_new_lengths_and_tables(m
     assert replan[1] == [0, 3, 4, 7] and replan[2] == new  # ceil(47/16), ceil(2/16), ceil(33/16) pages
     if fast:
         assert replan[0] == [q_len * i for i in range(4)] and replan[3:] == [heads, 512, q_len > 1]
+        assert log["int_workspace"][:8].tolist() == [0, 3, 4, 7, 0, 0, 0, 0]  # the staged schedule arrived
     plan = next(iter(fresh._GRAPH_PLANS.values()))
     kv = p.kv_cache
     plan.fill_pages(p.block_table, p.seqlens, cap)  # the captured device step, in order
