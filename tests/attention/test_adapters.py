@@ -6,6 +6,7 @@ import inspect
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from pdlab.attention import mla_decode, mla_prefill
 from pdlab.attention.workloads import decode_problem, prefill_problem
 from pdlab.kernels import registry
 from pdlab.kernels.contracts import ShapeError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flashinfer_fakes import CsrMetadata, attend  # noqa: E402
 
 
 def _install(monkeypatch, name, **attrs):
@@ -329,13 +333,6 @@ def _attending_fake_flashinfer(monkeypatch, capacity_rows: int):
     scheduler refuses more work items than it has."""
     plans = []
 
-    class MLAPlanMetadata:
-        @classmethod
-        def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
-            m = cls()
-            m.t = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
-            return m
-
     class BatchMLAPagedAttentionWrapper:
         def __init__(self, workspace, backend="auto"):
             pass
@@ -349,24 +346,11 @@ def _attending_fake_flashinfer(monkeypatch, capacity_rows: int):
 
         def run(self, *, query, kv_cache, return_lse, return_lse_base_on_e):
             qo, kv_indptr, kv_indices, kv_len, causal, scale, page = self.meta
-            out = torch.zeros(query.shape[0], query.shape[1], 512)
-            lse = torch.zeros(query.shape[0], query.shape[1])
-            for s in range(len(kv_len)):
-                pages = kv_indices[kv_indptr[s]:kv_indptr[s + 1]]
-                kv = kv_cache[pages].reshape(-1, 576)[:kv_len[s]].float()
-                q = query[qo[s]:qo[s + 1]].float()  # [n, H, 576]
-                n = q.shape[0]
-                logits = torch.einsum("nhd,ld->nhl", q, kv) * scale
-                if causal:
-                    last = kv_len[s] - n + torch.arange(n)  # row i sees positions <= last[i]
-                    logits = logits.masked_fill(torch.arange(kv_len[s])[None, None, :] > last[:, None, None], -torch.inf)
-                lse[qo[s]:qo[s + 1]] = torch.logsumexp(logits, -1)
-                out[qo[s]:qo[s + 1]] = torch.softmax(logits, -1) @ kv[:, :512]
-            return out.to(query.dtype), lse
+            return attend(query, kv_cache, qo, kv_indptr, kv_indices, kv_len, causal, scale)
 
     _install(monkeypatch, "flashinfer")
     _install(monkeypatch, "flashinfer.mla", BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper,
-             MLAPlanMetadata=MLAPlanMetadata)
+             MLAPlanMetadata=CsrMetadata)
     return plans
 
 

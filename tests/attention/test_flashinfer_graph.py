@@ -6,6 +6,7 @@ fill and run) again on the same tensors after the capture's `replan`."""
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 from pdlab.attention import mla_decode, ops
 from pdlab.attention.workloads import decode_problem
 from pdlab.kernels import registry
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flashinfer_fakes import CsrMetadata, attend  # noqa: E402
 
 
 def _graph_fake_flashinfer(monkeypatch, info_of=None, fast=False):
@@ -46,13 +50,6 @@ def _graph_fake_flashinfer(monkeypatch, info_of=None, fast=False):
             self._pin_memory_int_workspace_buffer = torch.zeros(64, dtype=torch.uint8)
             log["int_workspace"] = self._int_workspace_buffer
 
-    class MLAPlanMetadata:
-        @classmethod
-        def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
-            m = cls()
-            m.t = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
-            return m
-
     class BatchMLAPagedAttentionWrapper:
         def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
                      kv_len_arr=None, backend="auto"):
@@ -81,24 +78,10 @@ def _graph_fake_flashinfer(monkeypatch, info_of=None, fast=False):
 
         def run(self, *, query, kv_cache, return_lse, return_lse_base_on_e):
             qo, kv_indptr, kv_indices, kv_len = (t.tolist() for t in self.bufs)  # read at run time: a replay
-            causal, scale = self.meta
-            out = torch.zeros(query.shape[0], query.shape[1], 512)
-            lse = torch.zeros(query.shape[0], query.shape[1])
-            for s in range(len(kv_len)):
-                kv = kv_cache[kv_indices[kv_indptr[s]:kv_indptr[s + 1]]].reshape(-1, 576)[:kv_len[s]].float()
-                q = query[qo[s]:qo[s + 1]].float()
-                logits = torch.einsum("nhd,ld->nhl", q, kv) * scale
-                if causal:
-                    n = q.shape[0]
-                    last = kv_len[s] - n + torch.arange(n)
-                    logits = logits.masked_fill(torch.arange(kv_len[s])[None, None, :] > last[:, None, None],
-                                                -torch.inf)
-                lse[qo[s]:qo[s + 1]] = torch.logsumexp(logits, -1)
-                out[qo[s]:qo[s + 1]] = torch.softmax(logits, -1) @ kv[:, :512]
-            return out.to(query.dtype), lse
+            return attend(query, kv_cache, qo, kv_indptr, kv_indices, kv_len, *self.meta)
 
     for name, attrs in (("flashinfer", {}), ("flashinfer.mla", dict(
-            BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper, MLAPlanMetadata=MLAPlanMetadata))):
+            BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper, MLAPlanMetadata=CsrMetadata))):
         mod = types.ModuleType(name)
         for k, v in attrs.items():
             setattr(mod, k, v)
