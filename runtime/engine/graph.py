@@ -42,6 +42,7 @@ class GraphRunner:
         self.rows = torch.full((max_bs,), engine.page_table.dummy_row, dtype=torch.int64, device=d)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replans: dict[int, ReplayedCapture] = {}  # per batch size: host-planned backends to re-plan
+        self.replan_errors: dict[int, str] = {}  # per batch size: the last re-plan that failed (the step ran eagerly)
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
@@ -83,7 +84,7 @@ class GraphRunner:
         input_ids: optional [len(reqs)] int64 device tensor of input tokens (else read from reqs)."""
         n = len(reqs)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        host = torch.empty((3, bs), dtype=torch.int64, pin_memory=self.capture)
+        host = torch.empty((3, bs), dtype=torch.int64, pin_memory=self.engine.device.type == "cuda")
         host[0, :n] = 0 if input_ids is not None else torch.tensor([r.token_at(r.cached_len) for r in reqs])
         host[1, :n] = torch.tensor([r.cached_len for r in reqs])
         host[2, :n] = torch.tensor([r.table_row for r in reqs])
@@ -96,11 +97,17 @@ class GraphRunner:
         self.rows[:bs].copy_(dev[2])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)
-        if not self.capture:
+        cap = self.replans.get(bs) if self.capture else None
+        if cap is not None:  # the step's lengths, padding rows included (position 0: one token)
+            try:
+                cap.replan((host[1] + 1).to(torch.int32))
+            except (RuntimeError, ValueError) as exc:  # the graph would replay a stale plan: this step runs eagerly
+                if bs not in self.replan_errors:
+                    log.warning("re-planning the batch-%d decode graph failed (%s); such steps run eagerly", bs, exc)
+                self.replan_errors[bs] = f"{type(exc).__name__}: {exc}"
+                cap = False
+        if not self.capture or cap is False:
             args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
             return self.engine.model.forward(*args)[:n]
-        cap = self.replans.get(bs)
-        if cap is not None:  # the step's lengths, padding rows included (position 0: one token)
-            cap.replan((host[1] + 1).to(torch.int32))
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

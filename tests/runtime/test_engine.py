@@ -178,6 +178,42 @@ def test_graph_runner_buffers_and_padding_on_cpu(monkeypatch):
     assert [r["token_ids"] for r in res[0]] == [r["token_ids"] for r in res[1]]
 
 
+def test_a_failed_replan_runs_the_step_eagerly_not_a_stale_graph(monkeypatch, caplog):
+    """A host-planned backend in a decode graph is re-planned before each replay with the step's host lengths
+    (padding rows: one token). If that re-plan fails, the graph is not replayed (it would run a stale plan): the
+    step runs eagerly, with the same greedy tokens, the failure is logged once per batch size and kept."""
+    from pdlab.attention.ops import ReplayedCapture
+    from pdlab.runtime.engine.graph import GraphRunner
+
+    prompts = ["alpha", "beta gamma", "delta epsilon zeta"]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    m, tok, cfg = load_toy(max_position_embeddings=128)
+    kw = dict(device="cpu", page_size=4, max_total_tokens=512, max_context_len=128, max_running_requests=8)
+    eager = LLM(model=m, tokenizer=tok, model_config=cfg, **kw).generate(prompts, sp)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, **kw)
+    runner = llm.engine.graphs = GraphRunner(llm.engine, [4], capture=False)
+    seen = []
+
+    def stale(lens):
+        seen.append(lens.tolist())
+        raise RuntimeError("plan info changed")
+
+    class NotReplayed:
+        def replay(self):
+            raise AssertionError("a graph whose re-plan failed was replayed")
+
+    runner.capture = True  # as captured: one graph of batch 4 holding a host-planned backend
+    runner.replans[4] = ReplayedCapture(torch.ones(4, dtype=torch.int32))
+    runner.replans[4].register("backend", stale)
+    runner.graphs[4] = NotReplayed()
+    with caplog.at_level("WARNING", logger="pdlab.runtime"):
+        got = llm.generate(prompts, sp)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in eager]
+    assert len(seen) >= 5 and all(len(x) == 4 and x[3] == 1 and min(x[:3]) > 1 for x in seen)  # 3 rows + 1 pad
+    assert "plan info changed" in runner.replan_errors[4]
+    assert sum("re-planning the batch-4 decode graph failed" in r.message for r in caplog.records) == 1
+
+
 def test_synthetic_loader_path_with_a_small_shape(monkeypatch):
     """The synthetic loader's calls into the model package (RandomSource, build_model, NVFP4 experts),
     checked at the tiny shape so the full-width GPU run does not discover an API mismatch."""
