@@ -82,9 +82,20 @@ def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_hea
         wrapper = BatchMLAPagedAttentionWrapper(ws, backend=_backend_name(device))
     kv_indptr, kv_indices = _csr_pages(block_table, seqlens, page_size)
     metadata_cls = getattr(fmla, "MLAPlanMetadata", None)
+    _plan_wrapper(wrapper, metadata_cls, qo_indptr, kv_indptr, kv_indices, seqlens, num_heads, page_size, causal,
+                  sm_scale, q_dtype, kv_dtype)
+    plan = _WRAPPERS[slot] = _Plan(wrapper, tuple(weakref.ref(t) for t in tensors), key, metadata_cls is not None)
+    return plan
+
+
+def _plan_wrapper(wrapper, metadata_cls, qo_indptr, kv_indptr, kv_indices, kv_len, num_heads, page_size, causal,
+                  sm_scale, q_dtype, kv_dtype) -> None:
+    """wrapper.plan in the API generation this flashinfer speaks: with `metadata_cls` (flashinfer.mla.MLAPlanMetadata,
+    0.7 on) canonical CSR metadata by keyword, packed query and cache, natural-log LSE, fp8 as kv-per-tensor; else the
+    flat positional plan (no fp8). qo_indptr [B + 1], kv_indptr [B + 1], kv_indices [Σ pages], kv_len [B]: int32."""
     if metadata_cls is not None:
         fp8 = dict(scale_mode="kv-per-tensor") if kv_dtype == FP8 else {}
-        wrapper.plan(metadata=metadata_cls.csr(qo_indptr, kv_indptr, kv_indices, seqlens),
+        wrapper.plan(metadata=metadata_cls.csr(qo_indptr, kv_indptr, kv_indices, kv_len),
                      num_heads=num_heads, head_dim_ckv=512, head_dim_kpe=64, page_size=page_size, causal=causal,
                      sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, query_layout="packed",
                      kv_cache_layout="packed", lse_mode="basee", **fp8)
@@ -92,21 +103,34 @@ def plan_for(q_dtype, kv_dtype, device, seqlens, block_table, qo_indptr, num_hea
         raise RuntimeError("flashinfer takes an fp8 MLA cache from release 0.7 (MLAPlanMetadata) on; this one is "
                            "older: upgrade flashinfer-python or use another backend for fp8 pools")
     else:
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, seqlens, num_heads, 512, 64, page_size, causal, sm_scale,
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len, num_heads, 512, 64, page_size, causal, sm_scale,
                      q_dtype, kv_dtype)
-    plan = _WRAPPERS[slot] = _Plan(wrapper, tuple(weakref.ref(t) for t in tensors), key, metadata_cls is not None)
-    return plan
+
+
+def _scatter_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int, out: torch.Tensor,
+                   cols: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence b's first ceil(seqlens[b] / page_size) entries of block_table [B, max_pages] int32, in order, into
+    out[: Σ pages] (int32, at least B · max_pages + 1 long; unused table entries go to its last element). Fixed
+    shapes, no host sync (graph-safe). cols: arange(max_pages) int64 on the device, if cached. Returns the pages
+    per sequence, [B] int64."""
+    max_pages = block_table.shape[1]
+    pages = torch.clamp((seqlens.to(torch.int64) + page_size - 1) // page_size, 0, max_pages)
+    start = torch.cumsum(pages, 0) - pages
+    cols = (torch.arange(max_pages, device=block_table.device) if cols is None else cols)[None, :]
+    dest = torch.where(cols < pages[:, None], start[:, None] + cols, out.numel() - 1)
+    out.scatter_(0, dest.reshape(-1), block_table.reshape(-1).to(torch.int32))
+    return pages
 
 
 def _csr_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int):
     """block_table [B, max_pages] int32, seqlens [B] int32 → (kv_indptr [B + 1] int32, kv_indices [Σ pages] int32):
     sequence b's first ceil(seqlens[b] / page_size) pages, in order (one device sync, as the plan has anyway)."""
     B, max_pages = block_table.shape
-    pages = torch.clamp((seqlens.to(torch.int64) + page_size - 1) // page_size, 0, max_pages)
+    out = torch.empty(B * max_pages + 1, dtype=torch.int32, device=block_table.device)
+    pages = _scatter_pages(block_table, seqlens, page_size, out)
     kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=block_table.device)
     kv_indptr[1:] = torch.cumsum(pages, 0)
-    used = torch.arange(max_pages, device=block_table.device)[None, :] < pages[:, None]
-    return kv_indptr, block_table[used].to(torch.int32)
+    return kv_indptr, out[:int(kv_indptr[-1])]
 
 
 def _run(plan: _Plan, q3, kv_cache, kv_scale=None):
@@ -219,6 +243,7 @@ class _GraphPlan:
         self._metadata_cls = getattr(fmla, "MLAPlanMetadata", None)
         self.keyword_api = self._metadata_cls is not None
         self.plan_info = None
+        self._fast: tuple | None = None  # `_fast_parts`, once the wrapper has planned
         self._filled: tuple | None = None
 
     def plan(self, seqlens: torch.Tensor) -> None:
@@ -241,38 +266,38 @@ class _GraphPlan:
         h[1:self.B + 1] = np.cumsum(pages)
         h[self.B + 1:] = lens_np
         kv_indptr, lens = host[:self.B + 1], host[self.B + 1:]
-        if self.plan_info is not None and self._fast_plan(kv_indptr, lens):
+        if self._fast is not None:
+            self._fast_plan(kv_indptr, lens)
             return
         kv_indices = self.kv_indices[:int(h[self.B])]  # written by the graph itself (`fill_pages`)
-        if self._metadata_cls is not None:
-            fp8 = dict(scale_mode="kv-per-tensor") if self.kv_dtype == FP8 else {}
-            self.wrapper.plan(metadata=self._metadata_cls.csr(self.qo_host, kv_indptr, kv_indices, lens),
-                              num_heads=self.H, head_dim_ckv=512, head_dim_kpe=64, page_size=self.page,
-                              causal=self.Sq > 1, sm_scale=self.sm_scale, q_data_type=self.q_dtype,
-                              kv_data_type=self.kv_dtype, query_layout="packed", kv_cache_layout="packed",
-                              lse_mode="basee", **fp8)
-        else:
-            self.wrapper.plan(self.qo_host, kv_indptr, kv_indices, lens, self.H, 512, 64, self.page, self.Sq > 1,
-                              self.sm_scale, self.q_dtype, self.kv_dtype)
+        _plan_wrapper(self.wrapper, self._metadata_cls, self.qo_host, kv_indptr, kv_indices, lens, self.H, self.page,
+                      self.Sq > 1, self.sm_scale, self.q_dtype, self.kv_dtype)
         self._check_info(_plan_info(self.wrapper))
+        self._fast = self._fast_parts()
 
-    def _fast_plan(self, kv_indptr: torch.Tensor, lens: torch.Tensor) -> bool:
-        """A re-plan below the wrapper, whose checks cost about a millisecond of host time per step: the planned
-        backend's compiled plan writes the schedule into a pinned buffer of a small ring (`_pinned_slot`) and its
-        staged bytes go to the integer workspace by one asynchronous copy (flashinfer's own module wrapper copies
-        them into a fresh pinned buffer first, on the host), then kv_indptr [B + 1] and kv_len [B] (int32 host) go
-        into the fixed buffers. Where a release exposes only the module wrapper, that; where neither (or the batch
-        could reach the scheduler's 16384 work items: at most one per 64 query rows of each request plus one per
-        cluster), False, having done nothing."""
+    def _fast_parts(self) -> tuple | None:
+        """What a re-plan below the wrapper needs, found once after the wrapper's plan: (planned backend, its
+        compiled plan or None, its module wrapper's plan), or None where this release exposes neither (or keeps
+        no plan info to check), or where the batch could reach the scheduler's 16384 work items (at most one per 64
+        query rows of each request plus one per cluster): then every re-plan goes through the wrapper."""
         be = getattr(self.wrapper, "_planned_backend", None)
         gen = getattr(be, "_cached_module", None)
         raw = getattr(getattr(gen, "_module", None), "plan", None)
         staged_fn = getattr(gen, "plan_with_staged_workspace_bytes", None)
         parts = ("_float_workspace_buffer", "_int_workspace_buffer", "_pin_memory_int_workspace_buffer")
-        if (raw is None and staged_fn is None) or not all(hasattr(be, a) for a in parts):
-            return False
+        if (raw is None and staged_fn is None) or not all(hasattr(be, a) for a in parts) or self.plan_info is None:
+            return None
         if self.B * -(-self.Sq * self.H // 64) + 1024 > 16384:
-            return False
+            return None
+        return be, raw, staged_fn
+
+    def _fast_plan(self, kv_indptr: torch.Tensor, lens: torch.Tensor) -> None:
+        """A re-plan below the wrapper, whose checks cost about a millisecond of host time per step: the planned
+        backend's compiled plan writes the schedule into a pinned buffer of a small ring (`_pinned_slot`) and its
+        staged bytes go to the integer workspace by one asynchronous copy (flashinfer's own module wrapper copies
+        them into a fresh pinned buffer first, on the host; used where a release exposes only that), then
+        kv_indptr [B + 1] and kv_len [B] (int32 host) go into the fixed buffers."""
+        be, raw, staged_fn = self._fast
         args = (self.qo_host, kv_indptr, lens, self.H, 512, self.Sq > 1)
         if raw is not None:
             iws = be._int_workspace_buffer
@@ -292,7 +317,6 @@ class _GraphPlan:
         self.kv_len.copy_(lens, non_blocking=True)
         be._plan_info = info
         self._check_info(tuple(int(x) for x in info))
-        return True
 
     def _check_info(self, info: tuple | None) -> None:
         if self.plan_info is None:
@@ -313,11 +337,7 @@ class _GraphPlan:
         if f is not None and f[0]() is block_table and f[1]() is seqlens and f[2] == (
                 block_table._version, seqlens._version) and f[3]() is cap and f[4] == capturing:
             return
-        pages = torch.clamp((seqlens.to(torch.int64) + self.page - 1) // self.page, max=self.max_pages)
-        start = torch.cumsum(pages, 0) - pages
-        cols = self._cols[None, :]
-        dest = torch.where(cols < pages[:, None], start[:, None] + cols, self.kv_indices.numel() - 1)
-        self.kv_indices.scatter_(0, dest.reshape(-1), block_table.reshape(-1).to(torch.int32))
+        _scatter_pages(block_table, seqlens, self.page, self.kv_indices, self._cols)
         self._filled = (weakref.ref(block_table), weakref.ref(seqlens), (block_table._version, seqlens._version),
                         weakref.ref(cap) if cap is not None else (lambda: None), capturing)
 

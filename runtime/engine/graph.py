@@ -97,16 +97,16 @@ class GraphRunner:
         self.rows[:bs].copy_(dev[2])
         if input_ids is not None:
             self.input_ids[:n].copy_(input_ids)
-        cap = self.replans.get(bs) if self.capture else None
-        if cap is not None:  # the step's lengths, padding rows included (position 0: one token)
+        eager = not self.capture
+        if not eager and bs in self.replans:  # the step's lengths, padding rows included (position 0: one token)
             try:
-                cap.replan((host[1] + 1).to(torch.int32))
+                self.replans[bs].replan((host[1] + 1).to(torch.int32))
             except (RuntimeError, ValueError) as exc:  # the graph would replay a stale plan: this step runs eagerly
                 if bs not in self.replan_errors:
                     log.warning("re-planning the batch-%d decode graph failed (%s); such steps run eagerly", bs, exc)
                 self.replan_errors[bs] = f"{type(exc).__name__}: {exc}"
-                cap = False
-        if not self.capture or cap is False:
+                eager = True
+        if eager:
             args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
             return self.engine.model.forward(*args)[:n]
         self.graphs[bs].replay()

@@ -170,14 +170,6 @@ def _fake_flashinfer(monkeypatch, api: str):
     return_lse_base_on_e), "legacy_log2" (flat plan, split run returning log2 LSE)."""
     log = {"plans": [], "runs": [], "init": []}
 
-    class MLAPlanMetadata:
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
-
-        @classmethod
-        def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
-            return cls(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr)
-
     class BatchMLAPagedAttentionWrapper:
         def __init__(self, workspace, backend="auto"):
             log["init"].append((workspace, backend))
@@ -186,9 +178,8 @@ def _fake_flashinfer(monkeypatch, api: str):
             def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
                      q_data_type, kv_data_type, query_layout="packed", kv_cache_layout="packed", lse_mode="none",
                      scale_mode="default"):
-                m = metadata
-                log["plans"].append((m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_len_arr, num_heads, head_dim_ckv,
-                                     head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type))
+                log["plans"].append((*metadata.t, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+                                     q_data_type, kv_data_type))
                 log["layouts"] = (query_layout, kv_cache_layout, lse_mode, scale_mode)
 
             def run(self, *, query, kv_cache, return_lse=False, return_lse_base_on_e=False, ckv_scale=None,
@@ -210,7 +201,7 @@ def _fake_flashinfer(monkeypatch, api: str):
                 return torch.zeros(q_nope.shape, dtype=q_nope.dtype), torch.ones(q_nope.shape[:2])
 
     _install(monkeypatch, "flashinfer")
-    extra = {"MLAPlanMetadata": MLAPlanMetadata} if api == "keyword" else {}
+    extra = {"MLAPlanMetadata": CsrMetadata} if api == "keyword" else {}
     _install(monkeypatch, "flashinfer.mla", BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper, **extra)
     return log
 

@@ -181,6 +181,9 @@ def test_fill_pages_is_the_csr_of_the_block_table():
     indptr, indices = _csr_pages(table, lens, page)
     assert plan.kv_indices[: indices.numel()].tolist() == indices.tolist()
     assert plan.kv_indices[indices.numel():-1].eq(-7).all()  # untouched past the live pages
+    # both share one fill: against the CSR written out by hand (pages 1, 6, 3, 1, 2)
+    expected = [row[:-(-n // page)] for row, n in zip(table.tolist(), lens.tolist())]
+    assert indices.tolist() == sum(expected, []) and indptr.tolist() == [0, 1, 7, 10, 11, 13]
 
 
 def test_a_changed_plan_info_is_an_error_not_a_stale_replay(monkeypatch, fresh):
