@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from pdlab.kernels.graphs import capture_graph
+
 
 def rank_device(rank: int) -> torch.device:
     import torch.distributed as dist
@@ -110,7 +112,7 @@ def low_latency_graph(rank: int, world: int, *, payload: str = "nvfp4", tokens_p
         step()  # warm-up on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         captured = step()
     graph.replay()
     torch.cuda.synchronize()

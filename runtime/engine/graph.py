@@ -16,6 +16,7 @@ import time
 import torch
 
 from pdlab.attention.ops import ReplayedCapture, replayed_graph_capture
+from pdlab.kernels.graphs import capture_graph
 from pdlab.runtime.core import Req
 
 log = logging.getLogger("pdlab.runtime")
@@ -67,7 +68,7 @@ class GraphRunner:
                         self.engine.model.forward(*args)
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with capture_graph(g, pool=pool):  # a failed capture leaves the process usable eagerly
                     args = self.engine.decode_tensors(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], bs)
                     self.outputs[bs] = self.engine.model.forward(*args)
                 self.graphs[bs] = g

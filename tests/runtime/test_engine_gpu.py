@@ -2,11 +2,13 @@
 tokens as eager decode, with the embedded model; retraction with page 64 + fp8 KV on the GPU."""
 
 import pytest
+import torch
 
 from pdlab.attention import ops
 from pdlab.bench.gpu.check_served_decode import compare, fp8_retraction_pools, served_llm
 from pdlab.bench.harness import reference_checked
 from pdlab.runtime.core import SamplingParams
+from pdlab.runtime.engine.engine import Engine
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +30,29 @@ def test_cuda_graph_decode_matches_eager():
     o = over.generate(PROMPTS[:3], SP)
     assert over.scheduler.num_chained > 0
     assert [x["token_ids"] for x in o] == [x["token_ids"] for x in e]
+
+
+def test_a_failed_graph_capture_serves_eagerly_and_leaves_the_process_usable(monkeypatch):
+    # a decode step that syncs with the host cannot be captured: the engine serves eagerly (the same tokens), and
+    # the failed capture leaves neither its capture stream current nor the CUDA generator in capture mode
+    real = Engine.decode_tensors
+
+    def syncing(self, *args):
+        out = real(self, *args)
+        if torch.cuda.is_current_stream_capturing():
+            out[1].sum().item()  # a host sync inside the capture
+        return out
+
+    monkeypatch.setattr(Engine, "decode_tensors", syncing)
+    stream = torch.cuda.current_stream()
+    failed = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4])
+    assert failed.engine.graphs is None and failed.engine.graph_error
+    assert torch.cuda.current_stream() == stream
+    torch.randn(64, device="cuda")  # fails with "Offset increment outside graph capture" when not reset
+    got = failed.generate(PROMPTS[:3], SP)
+    monkeypatch.undo()
+    eager = served_llm(max_total_tokens=8192, disable_cuda_graph=True)
+    assert [x["token_ids"] for x in got] == [x["token_ids"] for x in eager.generate(PROMPTS[:3], SP)]
 
 
 def _one_decode_config(monkeypatch):
