@@ -33,9 +33,14 @@ def _sync(device: torch.device) -> None:
 
 def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20, warmup: int = 3,
                       overlap: bool = False, on_row=None, profiler=None) -> list[dict]:
-    """Rows: batch, context, overlap, step_ms (median), tok_per_s, gpu_ms, host_share, sched_share.
-    host_share = 1 - GPU time of forward+sampling / step wall time (the part of a step the GPU idles).
-    profiler: a cProfile.Profile enabled around each measured step (where the host time goes)."""
+    """Rows: batch, context, overlap, step_ms, tok_per_s, gpu_ms, host_share, sched_share.
+    step_ms: plain schedule, the median of the steps, each between two device syncs (the host waits for every
+    step there anyway); overlap schedule, the wall time of all measured steps run back to back without a sync,
+    divided by their number (a sync after each step would keep the next step's launch, and the host work before
+    it, from overlapping the step running). gpu_ms: the median GPU time of forward+sampling (CUDA events).
+    host_share = 1 - gpu_ms / step_ms (the part of a step the GPU idles).
+    profiler: a cProfile.Profile enabled around each measured step (where the host time goes); each step is
+    then timed between syncs in either schedule."""
     sched, eng = llm.scheduler, llm.engine
     sched.overlap = overlap
     vocab = eng.vocab_size
@@ -56,13 +61,18 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
             sched.decode.add(r)
             reqs.append(r)
         walls, gpus, hosts = [], [], []
+        pipelined = overlap and profiler is None
         for k in range(warmup + steps):
-            _sync(eng.device)
+            if not pipelined or k == warmup:
+                _sync(eng.device)
+            if k == warmup:
+                t_run = time.perf_counter()
             t0 = time.perf_counter()
             if profiler is not None and k >= warmup:
                 profiler.enable()
             sched.step()
-            _sync(eng.device)
+            if not pipelined:
+                _sync(eng.device)
             if profiler is not None and k >= warmup:
                 profiler.disable()
             wall = (time.perf_counter() - t0) * 1e3
@@ -71,11 +81,13 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
                 gpus.append(eng.last_gpu_ms)
                 ls = sched.last_step
                 hosts.append(ls["schedule_ms"] + ls["process_ms"])
+        _sync(eng.device)  # overlap: the last step launched (each step launches one and processes the one before)
+        run_ms = (time.perf_counter() - t_run) * 1e3
         for r in reqs:
             sched.abort(r.rid)
         while sched.has_work:  # a launched step of aborted requests
             sched.step()
-        step = statistics.median(walls)
+        step = run_ms / steps if pipelined else statistics.median(walls)
         gpu = statistics.median(gpus)
         rows.append({"batch": bs, "context": context, "overlap": overlap, "step_ms": step, "tok_per_s": bs / step * 1e3,
                      "gpu_ms": gpu, "host_share": max(0.0, 1.0 - gpu / step) if eng.profile else None,

@@ -120,15 +120,22 @@ def test_embedded_model_greedy_identical_under_pressure(monkeypatch):
     assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
 
 
-def test_perf_helpers_run_and_leave_no_pages():
+def test_perf_helpers_run_and_leave_no_pages(monkeypatch):
     from pdlab.runtime.engine import perf
     m, tok, cfg = load_toy(max_position_embeddings=128)
     llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=1024,
               max_context_len=128, max_running_requests=4)
     rows = perf.decode_throughput(llm, [1, 3], context=20, steps=2, warmup=1)
+    chained = llm.scheduler.num_chained
+    syncs = []
+    real_sync = perf._sync
+    monkeypatch.setattr(perf, "_sync", lambda d: (syncs.append(d), real_sync(d)))
     rows += perf.decode_throughput(llm, [3], context=20, steps=3, warmup=1, overlap=True)
+    assert len(syncs) == 2  # overlap: one sync before the measured steps, one after; none between them
     assert [r["batch"] for r in rows] == [1, 3, 3] and all(r["tok_per_s"] > 0 for r in rows)
-    assert llm.scheduler.num_chained > 0
+    # overlap: each measured step launched the next one before processing its own (the time divides a pipelined
+    # run by its steps, so a step that did not chain would make it look faster)
+    assert llm.scheduler.num_chained - chained >= 3
     t = perf.ttft(llm, 40, repeats=1)
     assert t["ttft_ms"] > 0
     assert llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity and not llm.scheduler.by_rid
