@@ -29,3 +29,10 @@ done; done
 python3 -m pdlab.bench.gpu.graph_step_profile --batch 8 --steps 20 --out $OUT/without
 python3 -m pdlab.bench.gpu.graph_step_profile --batch 8 --steps 20 --overlap --out $OUT/without
 python3 -m pdlab.bench.gpu.graph_step_profile --batch 64 --steps 20 --out $OUT/without
+
+# at 39e7973 (perf times the overlap schedule as a pipelined run): three pairs, D2 with flashinfer first (perf_pipelined/)
+for i in 1 2 3; do for w in without with; do
+  PYTHONPATH=$([ $w = with ] && echo $FI_SITE:)$PYTHONPATH python3 -m pdlab.runtime.engine.perf \
+    --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 8,32,64,128 --context 8192 --steps 40 \
+    --ttft-lens "" --overlap-too --out $OUT/${w}_$i
+done; done
