@@ -98,3 +98,17 @@ def test_reference_checked_compares_each_call_and_keeps_the_backends_result(tmp_
     assert calls[0]["errors"][0] < 1e-12 and calls[1]["errors"][0] > 0.1 and calls[1]["errors"][1] < 1e-12
     assert "dump" not in calls[0] and torch.load(calls[1]["dump"])["kwargs"] == {"scale": 2.0}
     assert get_backend(op, "fast").impl is fast  # unwrapped after the block
+
+
+@pytest.mark.gpu
+def test_graph_timing_of_an_uncapturable_call_leaves_the_next_trials_working():
+    # the tuner times each trial in a CUDA graph and falls back to eager timing when the call cannot be captured;
+    # the failed capture must not break what comes after it (new random inputs, the next graph timing)
+    x = torch.ones(1024, device="cuda")
+    with pytest.raises(RuntimeError):
+        bench(lambda: (x * 2).sum().item(), device="cuda", warmup=1, repeats=3, cuda_graph=True, graph_calls=2)
+    eager = bench(lambda: (x * 2).sum().item(), device="cuda", warmup=1, repeats=3)
+    assert eager.median_ms > 0
+    y = torch.randn(1 << 16, device="cuda")  # a random input of the next trial
+    t = bench(lambda: torch.mul(y, 2), device="cuda", warmup=1, repeats=3, cuda_graph=True, graph_calls=2)
+    assert t.kind == "cuda-graph" and t.median_ms > 0

@@ -36,3 +36,6 @@ for i in 1 2 3; do for w in without with; do
     --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 8,32,64,128 --context 8192 --steps 40 \
     --ttft-lens "" --overlap-too --out $OUT/${w}_$i
 done; done
+
+# the harness case (harness_tests.txt), at the tree of the commit that adds it
+python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/bench/test_harness.py tests/kernels/test_graphs_gpu.py
