@@ -39,3 +39,7 @@ done; done
 
 # the harness case (harness_tests.txt), at the tree of the commit that adds it
 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/bench/test_harness.py tests/kernels/test_graphs_gpu.py
+
+# the decode goal row at context 1024, without flashinfer, twice (perf_ctx1k/)
+python3 -m pdlab.runtime.engine.perf --model-path synthetic:deepseek-r1:4 --device cuda --batch-sizes 64,256 \
+  --context 1024 --steps 40 --ttft-lens "" --overlap-too --out $OUT/ctx1k_$i
