@@ -65,7 +65,7 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
         for k in range(warmup + steps):
             if not pipelined or k == warmup:
                 _sync(eng.device)
-            if k == warmup:
+            if pipelined and k == warmup:
                 t_run = time.perf_counter()
             t0 = time.perf_counter()
             if profiler is not None and k >= warmup:
@@ -81,8 +81,9 @@ def decode_throughput(llm, batch_sizes: list[int], context: int, steps: int = 20
                 gpus.append(eng.last_gpu_ms)
                 ls = sched.last_step
                 hosts.append(ls["schedule_ms"] + ls["process_ms"])
-        _sync(eng.device)  # overlap: the last step launched (each step launches one and processes the one before)
-        run_ms = (time.perf_counter() - t_run) * 1e3
+        if pipelined:  # the last step launched (each step launches one and processes the one before)
+            _sync(eng.device)
+            run_ms = (time.perf_counter() - t_run) * 1e3
         for r in reqs:
             sched.abort(r.rid)
         while sched.has_work:  # a launched step of aborted requests
