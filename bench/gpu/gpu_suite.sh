@@ -15,7 +15,7 @@ T=${GROUP_TIMEOUT:-480}
 if [[ -f ${FI_TAR:-.whl/flashinfer_trim.tar.xz} ]]; then
   . "$(dirname "${BASH_SOURCE[0]}")/flashinfer_env.sh"
 fi
-{ date -u +%Y-%m-%dT%H:%M:%SZ; git rev-parse --short HEAD 2>/dev/null || echo "${PDLAB_COMMIT:-unknown}"
+{ date -u +%Y-%m-%dT%H:%M:%SZ; [[ -n ${PDLAB_COMMIT:-} ]] && echo "$PDLAB_COMMIT" || git rev-parse --short HEAD
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1; } > "$OUT/device.txt" 2>&1
