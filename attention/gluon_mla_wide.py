@@ -60,6 +60,7 @@ BLOCK_N = 64  # tokens per tile
 STAGES = 2  # tiles in the TMA ring (q + 2 tiles = 216 KB of shared memory)
 PAGES = (64, 128)  # page sizes whose pages hold whole tiles
 WARPS = 8
+CONV_GROUPS = (1, 3, 9)  # fp8 pools: column blocks of a tile converted between two barriers (nine blocks a tile)
 
 
 def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -119,26 +120,31 @@ if HAVE_GLUON:
             blk.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _convert(src, dst, CL: gl.constexpr):
-        """One [64, 64] block of an fp8 tile (e4m3 bytes) → its fp16 values in the MMAs' tile, made visible to the
-        wgmma that reads it next."""
-        dst.store(_to_f16(src.load(CL)))
-        fence_async_shared()
-        _cta_barrier()
+    def _block(nope, pe, c: gl.constexpr):
+        """Column block c of a tile: the latent's [64, 64] block c < 8, the rope block for c = 8."""
+        if c < 8:
+            return nope.slice(c * 64, 64, dim=1)
+        else:
+            return pe
 
     @gluon.jit
-    def _qk_fp8(qn_smem, qp_smem, nope8, pe8, nope16, pe16, s_zero, CL: gl.constexpr):
-        """Issue s = q · K^T of an fp8 tile, converting it block by block into the fp16 tile: each block's wgmma is in
-        flight while the next block is converted."""
-        _convert(nope8.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1), CL)
-        s = warpgroup_mma(qn_smem.slice(0, 64, dim=1), nope16.slice(0, 64, dim=1).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
-        for c in gl.static_range(1, 8):
-            _convert(nope8.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1), CL)
-            s = warpgroup_mma(qn_smem.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1).permute((1, 0)), s,
-                              is_async=True)
-        _convert(pe8, pe16, CL)
-        return warpgroup_mma(qp_smem, pe16.permute((1, 0)), s, is_async=True)
+    def _qk_fp8(qn_smem, qp_smem, nope8, pe8, nope16, pe16, s_zero, CL: gl.constexpr, GROUP: gl.constexpr):
+        """Issue s = q · K^T of an fp8 tile, converting it into the fp16 tile GROUP column blocks (of nine: eight
+        latent, one rope) at a time, each group made visible to wgmma by one fence and one barrier: a group's
+        wgmmas are in flight while the next group is converted."""
+        s = s_zero
+        for g in gl.static_range(9 // GROUP):
+            for c in gl.static_range(g * GROUP, (g + 1) * GROUP):
+                _block(nope16, pe16, c).store(_to_f16(_block(nope8, pe8, c).load(CL)))
+            fence_async_shared()
+            _cta_barrier()
+            for c in gl.static_range(g * GROUP, (g + 1) * GROUP):
+                if c < 8:
+                    s = warpgroup_mma(qn_smem.slice(c * 64, 64, dim=1), nope16.slice(c * 64, 64, dim=1).permute((1, 0)),
+                                      s, use_acc=c > 0, is_async=True)
+                else:
+                    s = warpgroup_mma(qp_smem, pe16.permute((1, 0)), s, is_async=True)
+        return s
 
     @gluon.jit
     def _qk(qn_smem, qp_smem, k_nope, k_pe, s_zero):
@@ -169,7 +175,8 @@ if HAVE_GLUON:
                          stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
                          H, num_splits,
                          Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr,
-                         FINAL: gl.constexpr, FP8: gl.constexpr, SCALE_FROM_PTR: gl.constexpr):
+                         FINAL: gl.constexpr, FP8: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
+                         CONV_GROUP: gl.constexpr = 1):
         """Grid (head blocks, splits, batch). Program row r: query token j = r // BLOCK_H of the sequence, head
         hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         dt: gl.constexpr = gl.float16 if FP8 else kv_desc.dtype  # what the MMAs take
@@ -250,7 +257,7 @@ if HAVE_GLUON:
             mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
             if FP8:
                 # the bytes → the 16-bit tile block by block under q·k; the slot then goes back to the TMA
-                s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, s_zero, CL)
+                s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, s_zero, CL, CONV_GROUP)
                 ahead = i + _STAGES
                 _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
                 page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
@@ -345,7 +352,8 @@ def _box_layout(dtype: torch.dtype):
 def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
-           q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None) -> None:
+           q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None,
+           conv_group: int = 1) -> None:
     """Launch `_mla_wide_decode` over grid (head blocks, splits, B).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q a multiple of 64; the cache's dtype over a 16-bit pool);
@@ -363,6 +371,9 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     if q3.stride(-1) != 1 or not kv_cache.is_contiguous():
         raise ValueError("mla gluon (wide): q needs a contiguous last dimension and the cache must be contiguous "
                          "(it is read by TMA as one [pages · page, 576] tensor)")
+    if conv_group not in CONV_GROUPS:
+        raise ValueError(f"mla gluon (wide): conv_group={conv_group}: an fp8 tile's nine column blocks are converted "
+                         f"{' / '.join(map(str, CONV_GROUPS))} at a time")
     block_h = ROWS // q_per_seq
     from_ptr = kv_scale_ptr is not None
     _mla_wide_decode[(H // block_h, splits, B)](
@@ -371,7 +382,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
         q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
         *part_strides, H, splits,
         Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,
-        FP8=kv_cache.dtype == torch.uint8, SCALE_FROM_PTR=from_ptr, num_warps=WARPS)
+        FP8=kv_cache.dtype == torch.uint8, SCALE_FROM_PTR=from_ptr, CONV_GROUP=conv_group, num_warps=WARPS)
 
 
 def programs_per_sm() -> int:

@@ -48,26 +48,29 @@ def _check(rows, heads, q_len, page, dtype, cfg, seqlens, seed, kv="same"):
     print(json.dumps(rec), flush=True)
 
 
-def correctness(variants, quick: bool) -> list[dict]:
+def correctness(variants, quick: bool, fp8_only: bool = False) -> list[dict]:
     rows: list[dict] = []
     ragged = [1, 63, 64, 65, 127, 128, 129, 1000, 2047, 4096, 8192, 5, 777]  # raised to S_q below
     shapes = [(128, 1), (64, 1), (128, 2), (32, 2), (16, 4), (128, 4)]
     if quick:
         shapes = shapes[:3]
     seed = 0
-    for cfg in variants:
+    for cfg in [] if fp8_only else variants:
         for heads, q_len in shapes:
             for page in (64, 128):
                 for splits in (0, 1, 3, 16):
                     seed += 1
                     _check(rows, heads, q_len, page, torch.bfloat16, {**cfg, "kernel": "gluon", "num_splits": splits},
                            [max(q_len, n) for n in ragged], seed)
-    for heads, q_len in shapes:  # fp8 pools
-        for page in (64, 128):
-            for splits in (0, 3):
-                seed += 1
-                _check(rows, heads, q_len, page, torch.bfloat16, {"kernel": "gluon", "num_splits": splits},
-                       [max(q_len, n) for n in ragged], seed, kv="fp8")
+    for cfg in variants:  # fp8 pools
+        for heads, q_len in shapes:
+            for page in (64, 128):
+                for splits in (0, 3):
+                    seed += 1
+                    _check(rows, heads, q_len, page, torch.bfloat16, {**cfg, "kernel": "gluon", "num_splits": splits},
+                           [max(q_len, n) for n in ragged], seed, kv="fp8")
+    if fp8_only:
+        return rows
     seed += 1
     _check(rows, 128, 1, 64, torch.float16, {"kernel": "gluon"}, ragged, seed)
     # the tail of a split inside the first tile, empty splits
@@ -83,6 +86,12 @@ FP8_16_SHAPES = [(128, 8192, 16, 1, "bf16"), (128, 8192, 16, 1, "fp8"), (64, 163
                  (32, 8192, 16, 1, "bf16"), (32, 8192, 16, 1, "fp8"), (128, 8192, 16, 2, "fp8")]
 
 
+# the 64-row kernel over fp8 pools only
+WIDE_FP8_SHAPES = [(128, 8192, 128, 1, "fp8"), (128, 16384, 128, 1, "fp8"), (128, 4096, 128, 1, "fp8"),
+                   (128, 1024, 128, 1, "fp8"), (64, 8192, 128, 1, "fp8"), (32, 8192, 128, 1, "fp8"),
+                   (8, 4096, 128, 1, "fp8"), (128, 8192, 128, 2, "fp8")]
+
+
 def timing(variants, quick: bool, shape_set: str = "wide") -> list[dict]:
     from pdlab.attention import mla_decode
     from pdlab.attention.workloads import decode_cost
@@ -96,6 +105,8 @@ def timing(variants, quick: bool, shape_set: str = "wide") -> list[dict]:
               (128, 8192, 128, 2, "fp8"), (128, 8192, 64, 1, "bf16"), (128, 8192, 16, 4, "bf16")]
     if shape_set == "fp8_16":
         shapes = FP8_16_SHAPES
+    elif shape_set == "wide_fp8":
+        shapes = WIDE_FP8_SHAPES
     if quick:
         shapes = shapes[:2]
     for batch, seqlen, heads, q_len, kv in shapes:
@@ -142,8 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=['{}', '{"num_splits": 1}', '{"num_splits": 2}'],
                     help="configs of the wide kernel to time (JSON, merged over the default)")
     ap.add_argument("--skip-correctness", action="store_true")
-    ap.add_argument("--shape-set", choices=["wide", "fp8_16"], default="wide",
-                    help="wide: the 64-row kernel's shapes; fp8_16: the 16-head fp8 goal's (the variants then "
+    ap.add_argument("--fp8-only", action="store_true", help="check only the fp8 pools, once per variant")
+    ap.add_argument("--shape-set", choices=["wide", "wide_fp8", "fp8_16"], default="wide",
+                    help="wide: the 64-row kernel's shapes; wide_fp8: its fp8 ones only; fp8_16: the 16-head fp8 goal's (the variants then "
                          "configure the fp8 Gluon kernel, timed against the bf16 `_mla_fwd`)")
     args = ap.parse_args(argv)
     import pandas as pd
@@ -153,7 +165,7 @@ def main(argv=None) -> int:
     variants = [json.loads(v) for v in args.variants]
     ok = True
     if not args.skip_correctness:
-        rows = correctness([{}], args.quick)
+        rows = correctness(variants if args.fp8_only else [{}], args.quick, args.fp8_only)
         pd.DataFrame(rows).to_csv(out / "wide_correctness.csv", index=False)
         ok = all(r["ok"] for r in rows)
         print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} ok", flush=True)
