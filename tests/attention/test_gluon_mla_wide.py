@@ -120,6 +120,9 @@ def test_launch_refuses_what_it_cannot_take():
         go(_q(dtype=torch.float32), torch.zeros(4, 64, 576, dtype=torch.float32))
     with pytest.raises(ValueError, match="must be contiguous"):
         go(_q(), torch.zeros(4, 64, 1152, dtype=torch.bfloat16)[:, :, :576])
+    with pytest.raises(ValueError, match=r"conv_group=2: .* 1 / 3 / 9 at a time"):
+        W.launch(_q(), torch.zeros(4, 64, 576, dtype=torch.uint8), bt, sl, out, lse, out, lse, (H, 1, 1), (0,) * 5, 1.0,
+                 q_per_seq=1, splits=1, conv_group=2)
 
 
 _COMPILE = r"""
@@ -135,7 +138,8 @@ ptrs = {"Q": "*bf16", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp
         "LSE_PART": "*fp32", "KV_SCALE_PTR": "*i32",
         "kv_desc": f"tensordesc<{'u8' if fp8 else 'bf16'}[64, 64],{desc.layout!r}>"}
 sig = {n: ptrs.get(n, "fp32" if n in ("qk_scale", "kv_scale") else "i32") for n in names}
-consts = {"Q_PER_SEQ": 1, "BLOCK_H": 64, "PAGE": 64, "FINAL": final, "FP8": fp8, "SCALE_FROM_PTR": False}
+consts = {"Q_PER_SEQ": 1, "BLOCK_H": 64, "PAGE": 64, "FINAL": final, "FP8": fp8, "SCALE_FROM_PTR": False,
+          "CONV_GROUP": int(sys.argv[3])}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if sig[n].startswith("*") or n.startswith("stride")}
 sig.update({k: "constexpr" for k in consts})
@@ -153,14 +157,15 @@ print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "op
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("final,fp8", [(True, False), (False, False), (True, True)])
-def test_compiles_for_sm90_one_program_per_sm(final, fp8):
+@pytest.mark.parametrize("final,fp8,group", [(True, False, 1), (False, False, 1), (True, True, 1), (True, True, 3),
+                                             (True, True, 9)])
+def test_compiles_for_sm90_one_program_per_sm(final, fp8, group):
     # compiled for sm90 on any machine (its own process): q·k as 32 + 4 wgmma of 64×32 per warpgroup (one chain per
     # tile), p·v as 4 wgmma of 64×256 with p from registers, the tiles by TMA (9 boxes, issued where the ring is
     # filled and refilled), no spills; q and two tiles fit one SM's shared memory. Over an fp8 pool each thread
-    # converts its 144 bytes of a tile once (72 e4m3x2 conversions) into the MMAs' fp16 tile
+    # converts its 144 bytes of a tile once (72 e4m3x2 conversions) into the MMAs' fp16 tile, in any conversion group
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8))], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8)), str(group)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
