@@ -25,9 +25,12 @@ range in tiles of 64 tokens:
   in the tests): their scores are masked and their V rows zeroed in shared memory before p·v, so nothing read
   past a length reaches the output. Pages past a sequence's length are never read.
 - fp8 pools: the ring holds the e4m3 bytes (36 KB a tile) and one fp16 tile [64, 576] the MMAs read. Each tile is
-  converted block by block (64 columns, one `cvt.rn.f16x2.e4m3x2` per two values), each block's q·k wgmma in flight
-  while the next block is converted; its ring slot then goes back to the TMA (the last tile's V rows past the split
-  end are zeroed in the fp16 tile, as in the 16-bit path). q is
+  converted (one `cvt.rn.f16x2.e4m3x2` per two values) in groups of CONV_GROUP of its nine 64-column blocks, each
+  group made visible to wgmma by one fence and one barrier, a group's q·k wgmmas in flight while the next group is
+  converted; its ring slot then goes back to the TMA (the last tile's V rows past the split end are zeroed in the
+  fp16 tile, as in the 16-bit path). The default converts the whole tile behind one barrier (9): on an H200 at
+  128 heads 4-6 % faster than one block per barrier (B=128, 8k: 0.90 → 0.85 ms), 1 % at B=8, 3 in between
+  (bench/results/NVIDIA_H200/attention/2026-12-02_conv_group). q is
   stored in fp16 divided per row by a power of two that keeps it below 2^14 (exact; no fp16 overflow), the factor
   and the pool's scale folded into the scores, the scale into the output.
 
@@ -61,6 +64,7 @@ STAGES = 2  # tiles in the TMA ring (q + 2 tiles = 216 KB of shared memory)
 PAGES = (64, 128)  # page sizes whose pages hold whole tiles
 WARPS = 8
 CONV_GROUPS = (1, 3, 9)  # fp8 pools: column blocks of a tile converted between two barriers (nine blocks a tile)
+CONV_GROUP = 9  # the default: the whole tile
 
 
 def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -176,7 +180,7 @@ if HAVE_GLUON:
                          H, num_splits,
                          Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr,
                          FINAL: gl.constexpr, FP8: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
-                         CONV_GROUP: gl.constexpr = 1):
+                         CONV_GROUP: gl.constexpr = CONV_GROUP):
         """Grid (head blocks, splits, batch). Program row r: query token j = r // BLOCK_H of the sequence, head
         hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         dt: gl.constexpr = gl.float16 if FP8 else kv_desc.dtype  # what the MMAs take
@@ -353,7 +357,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
            q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None,
-           conv_group: int = 1) -> None:
+           conv_group: int = CONV_GROUP) -> None:
     """Launch `_mla_wide_decode` over grid (head blocks, splits, B).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q a multiple of 64; the cache's dtype over a 16-bit pool);
@@ -361,7 +365,8 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     block_table [B, max_pages] int32; seqlens [B] int32; out3 [B·S_q, H, 512] (written with splits == 1), lse
     through lse_strides; with splits > 1 the fp32 partials o_part [B·S_q, H, splits, 512] and lse_part
     [B·S_q, H, splits] (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e);
-    kv_scale: an fp8 pool's scale, or read from kv_scale_ptr [1] fp32 when given. Graph-safe (no host sync; the
+    kv_scale: an fp8 pool's scale, or read from kv_scale_ptr [1] fp32 when given. conv_group: an fp8 tile's column
+    blocks converted per barrier (CONV_GROUPS). Graph-safe (no host sync; the
     descriptor holds the pool's address and shape, which a captured graph keeps)."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]

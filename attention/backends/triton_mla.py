@@ -43,7 +43,8 @@ the actual lengths — a long sequence gets more programs than a short one, gluo
 ignores num_splits and waves; "auto", the default, is balanced from gluon_mla.BALANCED_MIN_BATCH sequences. On an
 H200 at 16 heads: 32 sequences of 256–32k tokens 0.179 → 0.121 ms, one 32k sequence among 127 of 1k 0.504 →
 0.265 ms, uniform lengths within ±1 % from B=64 (B=32 3–4 % slower): bench/results/NVIDIA_H200/attention/
-2026-12-01_fp8_balanced).
+2026-12-01_fp8_balanced); conv_group (the wide kernel over an fp8 pool: column blocks of a tile converted per
+barrier, 1 / 3 / 9; 9, the whole tile, is the default, the fastest at every shape measured).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
@@ -76,7 +77,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
                   "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto",
-                  "schedule": "auto", "conv_group": 1}
+                  "schedule": "auto", "conv_group": 9}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}

@@ -216,7 +216,8 @@ def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
 @pytest.mark.parametrize("heads,q_len,page,cfg,q_dtype", [
     (128, 1, 64, {}, torch.bfloat16), (128, 1, 64, {"num_splits": 3}, torch.bfloat16),
     (128, 2, 128, {}, torch.bfloat16), (16, 4, 64, {"num_splits": 2}, torch.float16), (64, 1, 64, {}, torch.float16),
-    (128, 1, 64, {"num_splits": 64}, torch.bfloat16),
+    (128, 1, 64, {"num_splits": 64}, torch.bfloat16), (128, 1, 64, {"conv_group": 1}, torch.bfloat16),
+    (128, 2, 128, {"conv_group": 3, "num_splits": 3}, torch.float16),
 ])
 def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg, q_dtype, seed):
     why = _gpu_reason()
