@@ -29,7 +29,7 @@ range in tiles of 64 tokens:
   group made visible to wgmma by one fence and one barrier, a group's q·k wgmmas in flight while the next group is
   converted; its ring slot then goes back to the TMA (the last tile's V rows past the split end are zeroed in the
   fp16 tile, as in the 16-bit path). The default converts the whole tile behind one barrier (9): on an H200 at
-  128 heads 4-6 % faster than one block per barrier (B=128, 8k: 0.90 → 0.85 ms), 1 % at B=8, 3 in between
+  128 heads 4–6 % faster than one block per barrier (B=128, 8k: 0.90 → 0.85 ms), 1 % at B=8, 3 in between
   (bench/results/NVIDIA_H200/attention/2026-12-02_conv_group). q is
   stored in fp16 divided per row by a power of two that keeps it below 2^14 (exact; no fp16 overflow), the factor
   and the pool's scale folded into the scores, the scale into the output.
@@ -260,7 +260,7 @@ if HAVE_GLUON:
             start = lo + i * 64
             mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
             if FP8:
-                # the bytes → the 16-bit tile block by block under q·k; the slot then goes back to the TMA
+                # the bytes → the 16-bit tile (CONV_GROUP blocks per barrier) under q·k; the slot goes back to the TMA
                 s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, s_zero, CL, CONV_GROUP)
                 ahead = i + _STAGES
                 _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)

@@ -3,6 +3,7 @@ reference on ragged, NaN-poisoned problems, then timings at the goal shapes agai
 
     python3 bench/gpu/wide_mla.py --out DIR [--quick] [--skip-correctness] [--variants '{"num_splits": 2}' ...]
                                   [--shape-set fp8_16]   # the 16-head fp8 kernel's goal shapes instead
+                                  [--shape-set wide_fp8 --fp8-only]   # its fp8 shapes, each variant checked over fp8
 
 Writes DIR/wide_correctness.csv, DIR/wide_timing.csv and prints both tables. GPU only (sm90).
 """
@@ -155,8 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--fp8-only", action="store_true", help="check only the fp8 pools, once per variant")
     ap.add_argument("--shape-set", choices=["wide", "wide_fp8", "fp8_16"], default="wide",
-                    help="wide: the 64-row kernel's shapes; wide_fp8: its fp8 ones only; fp8_16: the 16-head fp8 goal's (the variants then "
-                         "configure the fp8 Gluon kernel, timed against the bf16 `_mla_fwd`)")
+                    help="wide: the 64-row kernel's shapes; wide_fp8: its fp8 ones only; fp8_16: the 16-head fp8 "
+                         "goal's (the variants then configure the fp8 Gluon kernel, timed against the bf16 `_mla_fwd`)")
     args = ap.parse_args(argv)
     import pandas as pd
 

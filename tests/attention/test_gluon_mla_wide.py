@@ -165,8 +165,8 @@ def test_compiles_for_sm90_one_program_per_sm(final, fp8, group):
     # filled and refilled), no spills; q and two tiles fit one SM's shared memory. Over an fp8 pool each thread
     # converts its 144 bytes of a tile once (72 e4m3x2 conversions) into the MMAs' fp16 tile, in any conversion group
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8)), str(group)], capture_output=True,
-                       text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8)), str(group)],
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
