@@ -105,13 +105,20 @@ if HAVE_GLUON:
     _TILE16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     @gluon.jit
-    def _issue(kv_desc, nope, pe, bars, slot, page, start, pred, PAGE: gl.constexpr, BOX_BYTES: gl.constexpr):
-        """TMA of the tile at `start` (in page `page`) into ring slot `slot`: nine [64, 64] boxes, one mbarrier."""
+    def _issue(kv_desc, lat_desc, nope, pe, bars, slot, page, start, pred, PAGE: gl.constexpr,
+               BOX_BYTES: gl.constexpr, TMA3: gl.constexpr):
+        """TMA of the tile at `start` (in page `page`) into ring slot `slot`, one mbarrier: the latent as eight
+        [64, 64] boxes, or (TMA3) as one [8, 64, 64] box of `lat_desc` (the same bytes: the slot's eight 64-column
+        panels lie one after the other), then the rope block."""
         bar = bars.index(slot)
         row = page * PAGE + start % PAGE
         mbarrier.expect(bar, 9 * BOX_BYTES, pred=pred)
-        for c in gl.static_range(8):
-            _tma_load(kv_desc, [row, c * 64], bar, nope.index(slot).slice(c * 64, 64, dim=1), pred=pred)
+        if TMA3:
+            panels = nope.index(slot)._reinterpret(nope.dtype, [8, 64, 64], lat_desc.layout)
+            _tma_load(lat_desc, [0, row, 0], bar, panels, pred=pred)
+        else:
+            for c in gl.static_range(8):
+                _tma_load(kv_desc, [row, c * 64], bar, nope.index(slot).slice(c * 64, 64, dim=1), pred=pred)
         _tma_load(kv_desc, [row, 512], bar, pe.index(slot), pred=pred)
 
     @gluon.jit
@@ -173,14 +180,14 @@ if HAVE_GLUON:
         return p, alpha, m_new
 
     @gluon.jit(do_not_specialize=["num_splits"])
-    def _mla_wide_decode(Q, kv_desc, BT, SEQLENS, O, LSE, O_PART, LSE_PART, qk_scale, kv_scale, KV_SCALE_PTR,
+    def _mla_wide_decode(Q, kv_desc, lat_desc, BT, SEQLENS, O, LSE, O_PART, LSE_PART, qk_scale, kv_scale, KV_SCALE_PTR,
                          stride_q_t, stride_q_h, stride_bt_b, stride_o_t, stride_o_h,
                          stride_lse_t, stride_lse_j, stride_lse_h,
                          stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
                          H, num_splits,
                          Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr,
                          FINAL: gl.constexpr, FP8: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
-                         CONV_GROUP: gl.constexpr = CONV_GROUP):
+                         CONV_GROUP: gl.constexpr = CONV_GROUP, TMA3: gl.constexpr = False):
         """Grid (head blocks, splits, batch). Program row r: query token j = r // BLOCK_H of the sequence, head
         hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         dt: gl.constexpr = gl.float16 if FP8 else kv_desc.dtype  # what the MMAs take
@@ -217,7 +224,7 @@ if HAVE_GLUON:
             start = lo + i * 64
             ok = i < n_tiles
             page = gl.load(bt_row + start // PAGE, mask=ok, other=0)
-            _issue(kv_desc, nope, pe, bars, i, page, start, ok, PAGE, BOX_BYTES)
+            _issue(kv_desc, lat_desc, nope, pe, bars, i, page, start, ok, PAGE, BOX_BYTES, TMA3)
         page_ahead = gl.load(bt_row + (lo + _STAGES * 64) // PAGE, mask=_STAGES < n_tiles, other=0)
 
         # ---- q [64 rows, 576] into shared memory (once); over an fp8 pool in fp16, each row divided by a power of
@@ -263,7 +270,8 @@ if HAVE_GLUON:
                 # the bytes → the 16-bit tile (CONV_GROUP blocks per barrier) under q·k; the slot goes back to the TMA
                 s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, s_zero, CL, CONV_GROUP)
                 ahead = i + _STAGES
-                _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
+                _issue(kv_desc, lat_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE,
+                       BOX_BYTES, TMA3)
                 page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
                 k_nope = nope16
             else:
@@ -284,7 +292,8 @@ if HAVE_GLUON:
             _cta_barrier()  # both warpgroups are done with the tile
             if not FP8:
                 ahead = i + _STAGES
-                _issue(kv_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE, BOX_BYTES)
+                _issue(kv_desc, lat_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE,
+                       BOX_BYTES, TMA3)
                 page_ahead = gl.load(bt_row + (lo + (ahead + 1) * 64) // PAGE, mask=ahead + 1 < n_tiles, other=0)
         for i in gl.static_range(_STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -346,18 +355,28 @@ def kv_descriptor(kv_cache: torch.Tensor):
     return TensorDescriptor.from_tensor(flat, [64, 64], _box_layout(kv_cache.dtype))
 
 
+def latent_descriptor(kv_cache: torch.Tensor):
+    """The TMA descriptor of a [P, page, 576] pool's latent columns seen as [8, P·page, 64] (64-column block,
+    token, column; strides 64, 576, 1) with [8, 64, 64] boxes: one box is a tile's whole latent, landing as the
+    eight [64, 64] panels the MMAs read."""
+    flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
+    blocks = flat.as_strided((8, flat.shape[0], 64), (64, 576, 1))
+    return TensorDescriptor.from_tensor(blocks, [8, 64, 64], _box_layout(kv_cache.dtype, 3))
+
+
 @functools.lru_cache(maxsize=None)
-def _box_layout(dtype: torch.dtype):
-    """The shared layout of a [64, 64] TMA box of the pool's element type (fixed per dtype; asked every call)."""
+def _box_layout(dtype: torch.dtype, rank: int = 2):
+    """The shared layout of a [64, 64] TMA box (rank 2) or of eight of them (rank 3) of the pool's element type
+    (fixed per dtype; asked every call)."""
     elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([64, 64], elem)
+    return gl.NVMMASharedLayout.get_default_for([8, 64, 64][-rank:], elem)
 
 
 def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
            q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None,
-           conv_group: int = CONV_GROUP) -> None:
+           conv_group: int = CONV_GROUP, tma3: bool = False) -> None:
     """Launch `_mla_wide_decode` over grid (head blocks, splits, B).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q a multiple of 64; the cache's dtype over a 16-bit pool);
@@ -382,12 +401,13 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     block_h = ROWS // q_per_seq
     from_ptr = kv_scale_ptr is not None
     _mla_wide_decode[(H // block_h, splits, B)](
-        q3, kv_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale, kv_scale,
+        q3, kv_descriptor(kv_cache), latent_descriptor(kv_cache) if tma3 else kv_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale, kv_scale,
         kv_scale_ptr if from_ptr else seqlens,
         q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
         *part_strides, H, splits,
         Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,
-        FP8=kv_cache.dtype == torch.uint8, SCALE_FROM_PTR=from_ptr, CONV_GROUP=conv_group, num_warps=WARPS)
+        FP8=kv_cache.dtype == torch.uint8, SCALE_FROM_PTR=from_ptr, CONV_GROUP=conv_group, TMA3=bool(tma3),
+        num_warps=WARPS)
 
 
 def programs_per_sm() -> int:

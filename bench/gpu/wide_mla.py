@@ -93,12 +93,13 @@ WIDE_FP8_SHAPES = [(128, 8192, 128, 1, "fp8"), (128, 16384, 128, 1, "fp8"), (128
                    (8, 4096, 128, 1, "fp8"), (128, 8192, 128, 2, "fp8")]
 
 
-def timing(variants, quick: bool, shape_set: str = "wide") -> list[dict]:
+def timing(variants, quick: bool, shape_set: str = "wide", shapes=None, baseline: bool = True) -> list[dict]:
     from pdlab.attention import mla_decode
     from pdlab.attention.workloads import decode_cost
     from pdlab.bench.harness import bench
 
     rows = []
+    given = shapes
     shapes = [(128, 8192, 128, 1, "bf16"), (128, 8192, 128, 1, "fp8"), (128, 16384, 128, 1, "bf16"),
               (128, 4096, 128, 1, "bf16"), (128, 1024, 128, 1, "bf16"), (128, 1024, 128, 1, "fp8"),
               (64, 8192, 128, 1, "bf16"), (32, 8192, 128, 1, "bf16"), (32, 8192, 128, 1, "fp8"),
@@ -108,6 +109,8 @@ def timing(variants, quick: bool, shape_set: str = "wide") -> list[dict]:
         shapes = FP8_16_SHAPES
     elif shape_set == "wide_fp8":
         shapes = WIDE_FP8_SHAPES
+    if given:
+        shapes = given
     if quick:
         shapes = shapes[:2]
     for batch, seqlen, heads, q_len, kv in shapes:
@@ -118,7 +121,8 @@ def timing(variants, quick: bool, shape_set: str = "wide") -> list[dict]:
 
         fp8_16 = shape_set == "fp8_16"
         cands = []
-        if not (fp8_16 and kv == "fp8"):  # `_mla_fwd` over fp8 at 16 heads is the slow path the fp8 kernel replaced
+        # (`_mla_fwd` over fp8 at 16 heads is the slow path the fp8 kernel replaced)
+        if baseline and not (fp8_16 and kv == "fp8"):
             bucket = {"batch": batch, "seqlen": seqlen, "heads": heads, "kv_dtype": kv, "q_len": q_len}
             tuned, src = resolve_config("mla_decode", registry.get_backend("mla_decode", "triton"), bucket,
                                         torch.device("cuda"), None)
@@ -155,6 +159,10 @@ def main(argv=None) -> int:
                     help="configs of the wide kernel to time (JSON, merged over the default)")
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--fp8-only", action="store_true", help="check only the fp8 pools, once per variant")
+    ap.add_argument("--check-variants", action="store_true", help="check every variant (16-bit and fp8 pools)")
+    ap.add_argument("--shapes", default="", help="timed shapes instead of the set's: 'B,S,H,Q,KV;...' "
+                    "(e.g. '128,8192,128,1,fp8;64,8192,128,1,bf16')")
+    ap.add_argument("--no-baseline", action="store_true", help="time the variants only (not `_mla_fwd`)")
     ap.add_argument("--shape-set", choices=["wide", "wide_fp8", "fp8_16"], default="wide",
                     help="wide: the 64-row kernel's shapes; wide_fp8: its fp8 ones only; fp8_16: the 16-head fp8 "
                          "goal's (the variants then configure the fp8 Gluon kernel, timed against the bf16 `_mla_fwd`)")
@@ -166,11 +174,13 @@ def main(argv=None) -> int:
     variants = [json.loads(v) for v in args.variants]
     ok = True
     if not args.skip_correctness:
-        rows = correctness(variants if args.fp8_only else [{}], args.quick, args.fp8_only)
+        checked = variants if args.fp8_only or args.check_variants else [{}]
+        rows = correctness(checked, args.quick, args.fp8_only)
         pd.DataFrame(rows).to_csv(out / "wide_correctness.csv", index=False)
         ok = all(r["ok"] for r in rows)
         print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} ok", flush=True)
-    rows = timing(variants, args.quick, args.shape_set)
+    shapes = [(*map(int, x.split(",")[:4]), x.split(",")[4]) for x in args.shapes.split(";") if x]
+    rows = timing(variants, args.quick, args.shape_set, shapes, not args.no_baseline)
     df = pd.DataFrame(rows)
     df.to_csv(out / ("wide_timing.csv" if args.shape_set == "wide" else f"{args.shape_set}_timing.csv"), index=False)
     print(df.to_string(index=False))
