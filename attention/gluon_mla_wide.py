@@ -65,6 +65,7 @@ PAGES = (64, 128)  # page sizes whose pages hold whole tiles
 WARPS = 8
 CONV_GROUPS = (1, 3, 9)  # fp8 pools: column blocks of a tile converted between two barriers (nine blocks a tile)
 CONV_GROUP = 9  # the default: the whole tile
+TMA3 = True  # a tile's latent as one [8, 64, 64] TMA box (False: eight [64, 64] boxes)
 
 
 def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -104,6 +105,17 @@ if HAVE_GLUON:
     _STAGES = gl.constexpr(STAGES)
     _TILE16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # public from Triton 3.7 on
+        @gluon.jit
+        def _as_panels(buf, layout: gl.constexpr):
+            """A ring slot's [64, 512] latent as its eight [64, 64] panels, [8, 64, 64] (the same bytes)."""
+            return buf.reinterpret(buf.dtype, [8, 64, 64], layout)
+    else:
+        @gluon.jit
+        def _as_panels(buf, layout: gl.constexpr):
+            """A ring slot's [64, 512] latent as its eight [64, 64] panels, [8, 64, 64] (the same bytes)."""
+            return buf._reinterpret(buf.dtype, [8, 64, 64], layout)
+
     @gluon.jit
     def _issue(kv_desc, lat_desc, nope, pe, bars, slot, page, start, pred, PAGE: gl.constexpr,
                BOX_BYTES: gl.constexpr, TMA3: gl.constexpr):
@@ -114,7 +126,7 @@ if HAVE_GLUON:
         row = page * PAGE + start % PAGE
         mbarrier.expect(bar, 9 * BOX_BYTES, pred=pred)
         if TMA3:
-            panels = nope.index(slot)._reinterpret(nope.dtype, [8, 64, 64], lat_desc.layout)
+            panels = _as_panels(nope.index(slot), gl.constexpr(lat_desc.layout))
             _tma_load(lat_desc, [0, row, 0], bar, panels, pred=pred)
         else:
             for c in gl.static_range(8):
@@ -187,7 +199,7 @@ if HAVE_GLUON:
                          H, num_splits,
                          Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr,
                          FINAL: gl.constexpr, FP8: gl.constexpr, SCALE_FROM_PTR: gl.constexpr,
-                         CONV_GROUP: gl.constexpr = CONV_GROUP, TMA3: gl.constexpr = False):
+                         CONV_GROUP: gl.constexpr = CONV_GROUP, TMA3: gl.constexpr = TMA3):
         """Grid (head blocks, splits, batch). Program row r: query token j = r // BLOCK_H of the sequence, head
         hb·BLOCK_H + r % BLOCK_H; module docstring for the rest."""
         dt: gl.constexpr = gl.float16 if FP8 else kv_desc.dtype  # what the MMAs take
@@ -267,7 +279,7 @@ if HAVE_GLUON:
             start = lo + i * 64
             mbarrier.wait(bars.index(slot), (i // _STAGES) & 1)
             if FP8:
-                # the bytes → the 16-bit tile (CONV_GROUP blocks per barrier) under q·k; the slot goes back to the TMA
+                # the bytes → the 16-bit tile (CONV_GROUP blocks a barrier) under q·k; the slot goes back to the TMA
                 s = _qk_fp8(qn_smem, qp_smem, nope.index(slot), pe.index(slot), nope16, pe16, s_zero, CL, CONV_GROUP)
                 ahead = i + _STAGES
                 _issue(kv_desc, lat_desc, nope, pe, bars, slot, page_ahead, lo + ahead * 64, ahead < n_tiles, PAGE,
@@ -376,7 +388,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
            out3: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
            q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None,
-           conv_group: int = CONV_GROUP, tma3: bool = False) -> None:
+           conv_group: int = CONV_GROUP, tma3: bool = TMA3) -> None:
     """Launch `_mla_wide_decode` over grid (head blocks, splits, B).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q a multiple of 64; the cache's dtype over a 16-bit pool);
@@ -400,9 +412,10 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
                          f"{' / '.join(map(str, CONV_GROUPS))} at a time")
     block_h = ROWS // q_per_seq
     from_ptr = kv_scale_ptr is not None
+    desc = kv_descriptor(kv_cache)
     _mla_wide_decode[(H // block_h, splits, B)](
-        q3, kv_descriptor(kv_cache), latent_descriptor(kv_cache) if tma3 else kv_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale, kv_scale,
-        kv_scale_ptr if from_ptr else seqlens,
+        q3, desc, latent_descriptor(kv_cache) if tma3 else desc, block_table, seqlens, out3, lse, o_part, lse_part,
+        qk_scale, kv_scale, kv_scale_ptr if from_ptr else seqlens,
         q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
         *part_strides, H, splits,
         Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,

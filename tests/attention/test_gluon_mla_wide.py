@@ -131,15 +131,19 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage, sass_opcodes
 from pdlab.attention import gluon_mla_wide as W
-final, fp8 = sys.argv[1] == "1", sys.argv[2] == "1"
+final, fp8, tma3 = sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[4] == "1"
 names = W._mla_wide_decode.arg_names
-desc = W.kv_descriptor(torch.zeros(8, 64, 576, dtype=torch.uint8 if fp8 else torch.bfloat16))
+kv = torch.zeros(8, 64, 576, dtype=torch.uint8 if fp8 else torch.bfloat16)
+desc, lat = W.kv_descriptor(kv), W.latent_descriptor(kv)
+elem = 'u8' if fp8 else 'bf16'
 ptrs = {"Q": "*bf16", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32", "O_PART": "*fp32",
         "LSE_PART": "*fp32", "KV_SCALE_PTR": "*i32",
-        "kv_desc": f"tensordesc<{'u8' if fp8 else 'bf16'}[64, 64],{desc.layout!r}>"}
+        "kv_desc": f"tensordesc<{elem}[64, 64],{desc.layout!r}>",
+        "lat_desc": (f"tensordesc<{elem}[8, 64, 64],{lat.layout!r}>" if tma3
+                     else f"tensordesc<{elem}[64, 64],{desc.layout!r}>")}
 sig = {n: ptrs.get(n, "fp32" if n in ("qk_scale", "kv_scale") else "i32") for n in names}
 consts = {"Q_PER_SEQ": 1, "BLOCK_H": 64, "PAGE": 64, "FINAL": final, "FP8": fp8, "SCALE_FROM_PTR": False,
-          "CONV_GROUP": int(sys.argv[3])}
+          "CONV_GROUP": int(sys.argv[3]), "TMA3": tma3}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if sig[n].startswith("*") or n.startswith("stride")}
 sig.update({k: "constexpr" for k in consts})
@@ -149,7 +153,8 @@ regs, spill = _ptxas_usage(k.asm["ptx"], 90)
 sass = _disassemble(k.asm["cubin"])
 ops = {}
 for line in sass.splitlines():
-    for name in ("HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "UTMALDG.2D", "F2FP.F16.E4M3.UNPACK_B"):
+    for name in ("HGMMA.64x32x16.F32", "HGMMA.64x256x16.F32", "UTMALDG.2D", "UTMALDG.3D",
+                 "F2FP.F16.E4M3.UNPACK_B"):
         if name in line:
             ops[name] = ops.get(name, 0) + 1
 print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "ops": ops}))
@@ -157,22 +162,27 @@ print(json.dumps({"shared": k.metadata.shared, "regs": regs, "spill": spill, "op
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("final,fp8,group", [(True, False, 1), (False, False, 1), (True, True, 1), (True, True, 3),
-                                             (True, True, 9)])
-def test_compiles_for_sm90_one_program_per_sm(final, fp8, group):
+@pytest.mark.parametrize("final,fp8,group,tma3", [(True, False, 9, True), (False, False, 9, True),
+                                                  (True, False, 9, False), (True, True, 1, True), (True, True, 3, False),
+                                                  (True, True, 9, True)])
+def test_compiles_for_sm90_one_program_per_sm(final, fp8, group, tma3):
     # compiled for sm90 on any machine (its own process): q·k as 32 + 4 wgmma of 64×32 per warpgroup (one chain per
-    # tile), p·v as 4 wgmma of 64×256 with p from registers, the tiles by TMA (9 boxes, issued where the ring is
-    # filled and refilled), no spills; q and two tiles fit one SM's shared memory. Over an fp8 pool each thread
-    # converts its 144 bytes of a tile once (72 e4m3x2 conversions) into the MMAs' fp16 tile, in any conversion group
+    # tile), p·v as 4 wgmma of 64×256 with p from registers, the tiles by TMA (9 boxes, or the latent as one 3-D
+    # box and the rope block, issued where the ring is filled and refilled), no spills; q and two tiles fit one SM's
+    # shared memory. Over an fp8 pool each thread converts its 144 bytes of a tile once (72 e4m3x2 conversions)
+    # into the MMAs' fp16 tile, in any conversion group
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8)), str(group)],
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(int(fp8)), str(group), str(int(tma3))],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     ops = got["ops"]
     assert ops["HGMMA.64x32x16.F32"] == 36 and ops["HGMMA.64x256x16.F32"] == 4, ops
     assert ops.get("F2FP.F16.E4M3.UNPACK_B", 0) == (72 if fp8 else 0), ops
-    assert ops["UTMALDG.2D"] >= 9 and ops["UTMALDG.2D"] % 9 == 0, ops
+    if tma3:  # one 3-D box and one 2-D box per fill
+        assert ops["UTMALDG.3D"] == ops["UTMALDG.2D"] >= 1, ops
+    else:
+        assert ops["UTMALDG.2D"] >= 9 and ops["UTMALDG.2D"] % 9 == 0 and "UTMALDG.3D" not in ops, ops
     assert got["spill"] == 0, got
     assert W.shared_bytes(fp8=fp8) <= got["shared"] <= SM90.shared_per_program, got
     assert W.programs_per_sm() == 1
