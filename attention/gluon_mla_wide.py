@@ -7,11 +7,15 @@ TFLOPS at B=128, 8k on an H200). Here one program (two warpgroups, one per SM) h
 sequence (heads × S_q = 64: 64 heads of one query token, 32 of two, 16 of four) and walks one split of its KV
 range in tiles of 64 tokens:
 
-- The tiles stream in by TMA (one [64, 64] box per 64 columns, 9 per tile, one mbarrier per tile) into a ring of
-  STAGES = 2 buffers [64 tokens, 576] in the 128-byte swizzle that wgmma reads; q [64, 576] sits beside them in
-  the same layout (72 KB each: 216 KB of the SM's 227). The cache is addressed as one [pages · page, 576] tensor,
-  so a tile lies in one page (page size 64 or 128): the tile's TMA row is page_id · page + offset; the page ids
-  are read a tile before they are needed.
+- The tiles stream in by TMA (one mbarrier per tile) into a ring of STAGES = 2 buffers [64 tokens, 576] in the
+  128-byte swizzle that wgmma reads (eight [64, 64] latent panels one after the other, and the rope block); q
+  [64, 576] sits beside them in the same layout (72 KB each: 216 KB of the SM's 227). The cache is addressed as one
+  [pages · page, 576] tensor, so a tile lies in one page (page size 64 or 128): the tile's TMA row is
+  page_id · page + offset; the page ids are read a tile before they are needed. The latent comes as one
+  [8, 64, 64] box of the pool seen as [8, P·page, 64] (TMA3, the default; it lands as the eight panels) and the
+  rope block as one [64, 64] box: Triton adds a CTA barrier after each TMA copy, so nine boxes cost a tile 11
+  barriers and two boxes 4 (4–16 % of the kernel's time at 128 heads on an H200:
+  bench/results/NVIDIA_H200/attention/2026-12-02_tma3).
 - s [64 rows, 64 tokens] = q · K^T is one wgmma chain (K = 576) with both operands in shared memory; the two
   warpgroups take 32 tokens each. Online softmax in base 2; the row max is exchanged between the warpgroups
   (the only cross-warpgroup reduction per tile; the row sums are accumulated per thread and reduced once at the

@@ -44,7 +44,8 @@ ignores num_splits and waves; "auto", the default, is balanced from gluon_mla.BA
 H200 at 16 heads: 32 sequences of 256–32k tokens 0.179 → 0.121 ms, one 32k sequence among 127 of 1k 0.504 →
 0.265 ms, uniform lengths within ±1 % from B=64 (B=32 3–4 % slower): bench/results/NVIDIA_H200/attention/
 2026-12-01_fp8_balanced); conv_group (the wide kernel over an fp8 pool: column blocks of a tile converted per
-barrier, 1 / 3 / 9; 9, the whole tile, is the default, the fastest at every shape measured).
+barrier, 1 / 3 / 9; 9, the whole tile, is the default, the fastest at every shape measured); tma3 (the wide kernel:
+1, the default, loads a tile's latent as one 3-D TMA box, 0 as eight 2-D boxes: 4–16 % slower at 128 heads).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
