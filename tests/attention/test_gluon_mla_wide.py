@@ -106,6 +106,23 @@ def test_descriptor_describes_the_pool_and_keeps_nothing_alive():
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("dtype,page,swizzle", [(torch.bfloat16, 64, 128), (torch.uint8, 128, 64)])
+def test_latent_descriptor_sees_each_tile_latent_as_its_eight_panels(dtype, page, swizzle):
+    # [8, P·page, 64]: element (c, t, j) is column 64c + j of token t, so one [8, 64, 64] box at (0, row, 0) is the
+    # tile's latent as the eight [64, 64] panels the MMAs read (the panels of a 2-D [64, 512] tile, one after the other)
+    kv = torch.arange(5 * page * 576, dtype=torch.int32).reshape(5, page, 576).to(dtype)
+    d = W.latent_descriptor(kv)
+    assert list(d.shape) == [8, 5 * page, 64] and list(d.strides) == [64, 576, 1]
+    assert list(d.block_shape) == [8, 64, 64] and d.base.data_ptr() == kv.data_ptr()
+    assert d.layout.rank == 3 and d.layout.swizzle_byte_width == swizzle
+    assert d.layout.swizzle_byte_width == W.kv_descriptor(kv).layout.swizzle_byte_width
+    flat = kv.view(5 * page, 576)
+    row = 2 * page + 64 if page == 128 else 3 * page  # a tile: its first token's row
+    box = d.base[:, row:row + 64, :]
+    assert torch.equal(torch.cat(list(box), dim=1), flat[row:row + 64, :512])
+
+
+@pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_launch_refuses_what_it_cannot_take():
     B, H = 2, 128
     bt, sl = torch.zeros(B, 2, dtype=torch.int32), torch.ones(B, dtype=torch.int32)
