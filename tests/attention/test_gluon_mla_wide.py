@@ -188,9 +188,10 @@ def _compiled(final, fp8, group, tma3) -> dict:
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("final,fp8,group,tma3", [(True, False, 9, True), (False, False, 9, True),
-                                                  (True, False, 9, False), (True, True, 1, True), (True, True, 3, False),
-                                                  (True, True, 9, True)])
+@pytest.mark.parametrize("final,fp8,group,tma3", [
+    (True, False, 9, True), (False, False, 9, True), (True, False, 9, False),
+    (True, True, 1, True), (True, True, 3, False), (True, True, 9, True),
+])
 def test_compiles_for_sm90_one_program_per_sm(final, fp8, group, tma3):
     # compiled for sm90 on any machine (its own process): q·k as 32 + 4 wgmma of 64×32 per warpgroup (one chain per
     # tile), p·v as 4 wgmma of 64×256 with p from registers, the tiles by TMA (9 boxes, or the latent as one 3-D
