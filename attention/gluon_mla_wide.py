@@ -14,8 +14,8 @@ range in tiles of 64 tokens:
   page_id · page + offset; the page ids are read a tile before they are needed. The latent comes as one
   [8, 64, 64] box of the pool seen as [8, P·page, 64] (TMA3, the default; it lands as the eight panels) and the
   rope block as one [64, 64] box: Triton adds a CTA barrier after each TMA copy, so nine boxes cost a tile 11
-  barriers and two boxes 4 (4–16 % of the kernel's time at 128 heads on an H200:
-  bench/results/NVIDIA_H200/attention/2026-12-02_tma3).
+  barriers and two boxes 4, which made the kernel 4–16 % faster at 128 heads on an H200
+  (bench/results/NVIDIA_H200/attention/2026-12-02_tma3).
 - s [64 rows, 64 tokens] = q · K^T is one wgmma chain (K = 576) with both operands in shared memory; the two
   warpgroups take 32 tokens each. Online softmax in base 2; the row max is exchanged between the warpgroups
   (the only cross-warpgroup reduction per tile; the row sums are accumulated per thread and reduced once at the
