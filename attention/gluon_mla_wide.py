@@ -48,6 +48,7 @@ import functools
 
 import torch
 
+from pdlab.attention.backends.triton_mla import DECODE_DEFAULT
 from pdlab.kernels.arch import SM90
 
 try:  # Gluon (Triton ≥ 3.5)
@@ -68,8 +69,9 @@ STAGES = 2  # tiles in the TMA ring (q + 2 tiles = 216 KB of shared memory)
 PAGES = (64, 128)  # page sizes whose pages hold whole tiles
 WARPS = 8
 CONV_GROUPS = (1, 3, 9)  # fp8 pools: column blocks of a tile converted between two barriers (nine blocks a tile)
-CONV_GROUP = 9  # the default: the whole tile
-TMA3 = True  # a tile's latent as one [8, 64, 64] TMA box (False: eight [64, 64] boxes)
+# the triton decode backend's defaults: fp8 tiles converted whole (9), a tile's latent as one [8, 64, 64] TMA box
+CONV_GROUP = int(DECODE_DEFAULT["conv_group"])
+TMA3 = bool(DECODE_DEFAULT["tma3"])
 
 
 def available(device: torch.device, q_dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -363,19 +365,23 @@ def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int) -> i
     return best
 
 
+def _tokens(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A [P, page, 576] pool as [P·page, 576] (a view)."""
+    return kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
+
+
 def kv_descriptor(kv_cache: torch.Tensor):
     """The TMA descriptor of a [P, page, 576] pool (bf16/fp16, or uint8 fp8 bytes) seen as [P·page, 576] with
     [64, 64] boxes. Built per call and not kept: the launcher encodes the hardware descriptor at every launch
     anyway, and a cache of these would hold every pool it ever saw alive."""
-    flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
-    return TensorDescriptor.from_tensor(flat, [64, 64], _box_layout(kv_cache.dtype))
+    return TensorDescriptor.from_tensor(_tokens(kv_cache), [64, 64], _box_layout(kv_cache.dtype))
 
 
 def latent_descriptor(kv_cache: torch.Tensor):
     """The TMA descriptor of a [P, page, 576] pool's latent columns seen as [8, P·page, 64] (64-column block,
     token, column; strides 64, 576, 1) with [8, 64, 64] boxes: one box is a tile's whole latent, landing as the
     eight [64, 64] panels the MMAs read."""
-    flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], 576)
+    flat = _tokens(kv_cache)
     blocks = flat.as_strided((8, flat.shape[0], 64), (64, 576, 1))
     return TensorDescriptor.from_tensor(blocks, [8, 64, 64], _box_layout(kv_cache.dtype, 3))
 
