@@ -238,6 +238,7 @@ def _lens(B, top, q_len, rng):
     (128, 2, 64, {}), (32, 2, 128, {"num_splits": 5}), (16, 4, 64, {}), (128, 4, 64, {"num_splits": 2}),
     (128, 1, 64, {"waves": 4.0}), (256, 1, 64, {}),
     (128, 1, 64, {"num_splits": 64}),  # splits past the end of short sequences: empty partials
+    (128, 1, 64, {"tma3": 0}), (128, 2, 128, {"tma3": 0, "num_splits": 3}),  # the nine-box latent load
 ])
 def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     why = _gpu_reason()
@@ -258,7 +259,7 @@ def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     (128, 1, 64, {}, torch.bfloat16), (128, 1, 64, {"num_splits": 3}, torch.bfloat16),
     (128, 2, 128, {}, torch.bfloat16), (16, 4, 64, {"num_splits": 2}, torch.float16), (64, 1, 64, {}, torch.float16),
     (128, 1, 64, {"num_splits": 64}, torch.bfloat16), (128, 1, 64, {"conv_group": 1}, torch.bfloat16),
-    (128, 2, 128, {"conv_group": 3, "num_splits": 3}, torch.float16),
+    (128, 2, 128, {"conv_group": 3, "num_splits": 3}, torch.float16), (128, 1, 128, {"tma3": 0}, torch.bfloat16),
 ])
 def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg, q_dtype, seed):
     why = _gpu_reason()
