@@ -648,7 +648,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                               softmax_scale * LOG2E, q_per_seq=q_per_seq, splits=splits, kv_scale=scale,
                               kv_scale_ptr=scale_ptr if from_ptr else None,
                               conv_group=int(config.get("conv_group", gluon_mla_wide.CONV_GROUP)),
-                              tma3=bool(int(config.get("tma3", gluon_mla_wide.TMA3))))
+                              tma3=bool(int(config.get("tma3", gluon_mla_wide.TMA3))),
+                              seesaw=bool(int(config.get("seesaw", gluon_mla_wide.SEESAW))))
         _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
         return
     if gluon == "fp8":

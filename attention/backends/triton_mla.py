@@ -45,7 +45,11 @@ H200 at 16 heads: 32 sequences of 256–32k tokens 0.179 → 0.121 ms, one 32k s
 0.265 ms, uniform lengths within ±1 % from B=64 (B=32 3–4 % slower): bench/results/NVIDIA_H200/attention/
 2026-12-01_fp8_balanced); conv_group (the wide kernel over an fp8 pool: column blocks of a tile converted per
 barrier, 1 / 3 / 9; 9, the whole tile, is the default, the fastest at every shape measured); tma3 (the wide kernel:
-1, the default, loads a tile's latent as one 3-D TMA box, 0 as eight 2-D boxes: 4–16 % slower at 128 heads).
+1, the default, loads a tile's latent as one 3-D TMA box, 0 as eight 2-D boxes: 4–16 % slower at 128 heads);
+seesaw (64-row programs over a bf16/fp16 pool: 1, the default, runs attention/gluon_mla_seesaw.py — the two
+warpgroups on alternate tiles, each q·k over a whole tile, one's softmax under the other's MMAs — 0 the wide
+kernel's shared tiles: 0.612 → 0.516 ms at B=128, 8k, 128 heads bf16 on an H200, 1.12–1.23× from batch 32, equal
+at batch 1–8; bench/results/NVIDIA_H200/attention/2026-12-02_seesaw).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """
@@ -67,7 +71,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
                 "fp8_compute": ["bf16", "fp16"], "swap_ab": [0, 1], "fp8_reload": [0, 1], "tile_in_page": [1, 0],
                 "fp8_upcast": ["inline", "once", "prefetch"], "d_quarters": [0, 1], "page_ahead": [0, 1],
                 "q_prescale": [0, 1], "kernel": ["triton", "gluon"],
-                "schedule": ["auto", "balanced", "uniform"]}
+                "schedule": ["auto", "balanced", "uniform"], "seesaw": [1, 0]}
 # Chosen by the sweeps recorded in bench/results/NVIDIA_H200/attention (B=128, seqlen 8192, page 64):
 # 3 stages; 16 heads best with ~8 splits (waves 0 = auto: 7.5 for programs of <= 32 rows, i.e. ~8 short
 # programs per SM, 2 for bigger ones) and BLOCK_N 32; 128 heads best with 64-head programs, 8 warps and
@@ -78,7 +82,7 @@ DECODE_SPACE = {"BLOCK_N": [0, 16, 32, 64], "BLOCK_H": [16, 32, 64, 128], "num_s
 DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num_warps": 0, "num_stages": 3,
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
                   "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto",
-                  "schedule": "auto", "conv_group": 9, "tma3": 1}
+                  "schedule": "auto", "conv_group": 9, "tma3": 1, "seesaw": 1}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
                  "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
                  "tile_in_page": [1, 0]}
@@ -123,19 +127,23 @@ def resolve_decode_config(config: dict, heads: int, q_len: int, fp8: bool = Fals
     return _warps(config, min(int(config["BLOCK_H"]), tk._pow2_at_least(q_len) * heads), fp8)
 
 
-DECODE_KERNELS = {"fp8": "gluon_mla", "wide": "gluon_mla_wide", None: "_mla_fwd"}
+DECODE_KERNELS = {"fp8": "gluon_mla", "wide": "gluon_mla_wide", "seesaw": "gluon_mla_seesaw", None: "_mla_fwd"}
 
 
 def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, config: dict | None = None) -> str:
     """Which kernel `mla_decode_triton` runs for q [B, S_q, H, 576] over kv_cache [P, page, 576] (uint8 for fp8) with
     `config` (merged over the default; None: the default): "gluon_mla" (fp8, ≤ 32 query rows, sm90),
-    "gluon_mla_wide" (64-row programs, sm90) or "_mla_fwd". What `bench attention` prints beside each row."""
+    "gluon_mla_seesaw" (64-row programs over a 16-bit pool, sm90, seesaw on), "gluon_mla_wide" (the other 64-row
+    programs) or "_mla_fwd". What `bench attention` prints beside each row."""
     from pdlab.attention import triton_kernels as tk
 
     B, Sq, H, _ = q.shape
     fp8 = kv_cache.dtype == torch.uint8
     cfg = resolve_decode_config({**DECODE_DEFAULT, **(config or {})}, H, Sq, fp8)
-    return DECODE_KERNELS[tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache)]
+    kernel = tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache)
+    if kernel == "wide" and not fp8 and int(cfg.get("seesaw", 0)):
+        kernel = "seesaw"
+    return DECODE_KERNELS[kernel]
 
 
 def carry_splits(config: dict, tuned: dict, call: dict) -> dict:

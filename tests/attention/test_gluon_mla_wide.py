@@ -53,7 +53,7 @@ def test_selection_picks_the_kernel_that_fits_and_explains_when_none_does():
 
 def test_decode_kernel_names_what_each_problem_runs(monkeypatch):
     # what `bench attention` prints per row: here (no GPU) always _mla_fwd; on an sm90 GPU (its availability faked)
-    # the fp8 kernel for ≤ 32 rows over fp8, the wide kernel for 64-row programs, _mla_fwd where neither fits
+    # the fp8 kernel for ≤ 32 rows over fp8, the seesaw / wide kernel for 64-row programs, _mla_fwd where none fits
     from pdlab.attention import gluon_mla
     from pdlab.attention.backends.triton_mla import decode_kernel
 
@@ -66,8 +66,11 @@ def test_decode_kernel_names_what_each_problem_runs(monkeypatch):
         return
     monkeypatch.setattr(W, "available", lambda device, q_dtype=None: None)
     monkeypatch.setattr(gluon_mla, "available", lambda device, q_dtype=None: None)
-    assert decode_kernel(q(128), bf16) == "gluon_mla_wide" and decode_kernel(q(128), fp8) == "gluon_mla_wide"
-    assert decode_kernel(q(16, 4), bf16) == "gluon_mla_wide"
+    # 64-row programs: over a 16-bit pool the two-warpgroup schedule (the default), over fp8 the wide kernel
+    assert decode_kernel(q(128), bf16) == "gluon_mla_seesaw" and decode_kernel(q(128), fp8) == "gluon_mla_wide"
+    assert decode_kernel(q(16, 4), bf16) == "gluon_mla_seesaw"
+    assert decode_kernel(q(128), bf16, {"seesaw": 0}) == "gluon_mla_wide"
+    assert decode_kernel(q(128), fp8, {"seesaw": 1}) == "gluon_mla_wide"
     assert decode_kernel(q(16), fp8) == "gluon_mla" and decode_kernel(q(16), bf16) == "_mla_fwd"
     assert decode_kernel(q(128), torch.zeros(4, 16, 576, dtype=torch.bfloat16)) == "_mla_fwd"  # page 16
     assert decode_kernel(q(128), bf16, {"kernel": "triton"}) == "_mla_fwd"
@@ -238,7 +241,9 @@ def _lens(B, top, q_len, rng):
     (128, 2, 64, {}), (32, 2, 128, {"num_splits": 5}), (16, 4, 64, {}), (128, 4, 64, {"num_splits": 2}),
     (128, 1, 64, {"waves": 4.0}), (256, 1, 64, {}),
     (128, 1, 64, {"num_splits": 64}),  # splits past the end of short sequences: empty partials
-    (128, 1, 64, {"tma3": 0}), (128, 2, 128, {"tma3": 0, "num_splits": 3}),  # the nine-box latent load
+    (128, 1, 64, {"seesaw": 0}), (128, 2, 128, {"seesaw": 0, "num_splits": 3}), (16, 4, 64, {"seesaw": 0}),
+    (128, 1, 64, {"seesaw": 0, "tma3": 0}), (128, 2, 128, {"seesaw": 0, "tma3": 0, "num_splits": 3}),  # nine boxes
+    (128, 1, 64, {"num_splits": 2}),
 ])
 def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     why = _gpu_reason()
@@ -260,6 +265,7 @@ def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     (128, 2, 128, {}, torch.bfloat16), (16, 4, 64, {"num_splits": 2}, torch.float16), (64, 1, 64, {}, torch.float16),
     (128, 1, 64, {"num_splits": 64}, torch.bfloat16), (128, 1, 64, {"conv_group": 1}, torch.bfloat16),
     (128, 2, 128, {"conv_group": 3, "num_splits": 3}, torch.float16), (128, 1, 128, {"tma3": 0}, torch.bfloat16),
+    (128, 1, 64, {"seesaw": 0}, torch.bfloat16),  # (the two-warpgroup schedule reads 16-bit pools only)
 ])
 def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg, q_dtype, seed):
     why = _gpu_reason()

@@ -38,7 +38,7 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
     from pdlab.tuning.attention import MLA_DECODE
 
     triton = registry.get_backend("mla_decode", "triton")
-    rest = {k: v for k, v in triton.config_space.items() if k not in ("kernel", "schedule")}  # only _mla_fwd
+    rest = {k: v for k, v in triton.config_space.items() if k not in ("kernel", "schedule", "seesaw")}  # _mla_fwd
     b = {"batch": 128, "seqlen": 8192, "heads": 16, "kv_dtype": "fp8", "q_len": 1}
     wide = [{**b, "heads": 128, "kv_dtype": "bf16"}, {**b, "kv_dtype": "bf16", "q_len": 4}, {**b, "heads": 128},
             {**b, "q_len": 4}]
@@ -52,7 +52,8 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
     space = MLA_DECODE.search_space(triton, {**b, "batch": 8}, "sm90")
     assert set(space) == {"kernel", "num_splits", "waves"} and space["kernel"] == ["triton", "gluon"]
     assert MLA_DECODE.search_space(triton, {**b, "batch": 8, "q_len": 2}, "sm90") == space
-    for other in wide:
-        assert MLA_DECODE.search_space(triton, other, "sm90") == space
+    for other in wide:  # over a 16-bit pool the wide kernel's schedule too
+        want = space if other["kv_dtype"] == "fp8" else {**space, "seesaw": [1, 0]}
+        assert MLA_DECODE.search_space(triton, other, "sm90") == want
     # from BALANCED_MIN_BATCH sequences the fp8 kernel's balanced schedule picks its splits: the kernel only
     assert MLA_DECODE.search_space(triton, b, "sm90") == {"kernel": space["kernel"]}

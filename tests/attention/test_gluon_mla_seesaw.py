@@ -1,0 +1,65 @@
+"""The two-warpgroup ("seesaw") Gluon MLA decode kernel, attention/gluon_mla_seesaw.py, on CPU: it compiles for sm90
+to the schedule its docstring describes. Its results against the fp32 reference are GPU tests in
+test_gluon_mla_wide.py (the seesaw is the default of the wide kernel's launcher over 16-bit pools)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdlab.attention import gluon_mla_wide as W
+from pdlab.kernels.arch import SM90
+
+_COMPILE = r"""
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from pdlab.bench.kernel_resources import _disassemble, _ptxas_usage
+from pdlab.attention import gluon_mla_wide as W, gluon_mla_seesaw as S
+final, q_per_seq, page = sys.argv[1] == "1", int(sys.argv[2]), int(sys.argv[3])
+names = S._mla_seesaw_decode.arg_names
+kv = torch.zeros(8, page, 576, dtype=torch.bfloat16)
+desc, lat = W.kv_descriptor(kv), W.latent_descriptor(kv)
+ptrs = {"Q": "*bf16", "BT": "*i32", "SEQLENS": "*i32", "O": "*bf16", "LSE": "*fp32", "O_PART": "*fp32",
+        "LSE_PART": "*fp32", "kv_desc": f"tensordesc<bf16[64, 64],{desc.layout!r}>",
+        "lat_desc": f"tensordesc<bf16[8, 64, 64],{lat.layout!r}>"}
+sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+consts = {"Q_PER_SEQ": q_per_seq, "BLOCK_H": 64 // q_per_seq, "PAGE": page, "FINAL": final}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+sig.update({k: "constexpr" for k in consts})
+k = triton.compile(GluonASTSource(fn=S._mla_seesaw_decode, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": int(S.WARPS), "num_stages": 1})
+regs, spill = _ptxas_usage(k.asm["ptx"], 90)
+ops = {}
+for line in _disassemble(k.asm["cubin"]).splitlines():
+    for name in ("HGMMA.64x64x16.F32", "HGMMA.64x256x16.F32", "UTMALDG.2D", "UTMALDG.3D", "USETMAXREG"):
+        if name in line:
+            ops[name] = ops.get(name, 0) + 1
+print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps, "spill": spill, "ops": ops}))
+"""
+
+
+@pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("final,q_per_seq,page", [(True, 1, 64), (False, 2, 128)])
+def test_compiles_for_sm90_two_warpgroups_one_program_per_sm(final, q_per_seq, page):
+    # compiled for sm90 in its own process: two warpgroups (warp_specialize, registers moved between them), each
+    # with its own q·k over a whole tile (36 wgmma 64×64 each) and its half of p·v for both tiles of a pair (2 × 4
+    # wgmma 64×256 each); the tiles by TMA as one latent box and the rope block (the two first tiles, then the right
+    # warpgroup's two refills); no spills; q, the two tiles and p fit one SM's shared memory
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(final)), str(q_per_seq), str(page)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    ops = got["ops"]
+    assert got["warps"] == 8, got
+    assert ops["HGMMA.64x64x16.F32"] == 2 * 36 and ops["HGMMA.64x256x16.F32"] == 2 * 2 * 4, ops
+    assert ops["UTMALDG.3D"] == ops["UTMALDG.2D"] == 4, ops
+    assert ops.get("USETMAXREG", 0) >= 2, ops
+    assert got["spill"] == 0, got
+    assert 64 * 576 * 2 * 3 + 64 * 64 * 2 <= got["shared"] <= SM90.shared_per_program, got
