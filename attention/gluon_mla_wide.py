@@ -414,8 +414,7 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     [B·S_q, H, splits] (part_strides: o_part's three, lse_part's two). qk_scale: softmax scale · log2(e);
     kv_scale: an fp8 pool's scale, or read from kv_scale_ptr [1] fp32 when given. conv_group: an fp8 tile's column
     blocks converted per barrier (CONV_GROUPS); tma3: the wide kernel's one-box latent load. Graph-safe (no host
-    sync; the
-    descriptor holds the pool's address and shape, which a captured graph keeps)."""
+    sync; the descriptor holds the pool's address and shape, which a captured graph keeps)."""
     T, H, _ = q3.shape
     B = seqlens.shape[0]
     why = unfit(H, q_per_seq, kv_cache.dtype, q3.dtype, kv_cache.shape[1])

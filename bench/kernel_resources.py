@@ -13,7 +13,8 @@ the in-loop NVFP4 expert GEMM of each stage (gate_up with SiLU, down) at EP shap
 config resolved from the tokens per expert as the runner does (the kernel that experts stored tiled run, i.e. on GPUs
 other than sm90; on sm90 the runner runs the fragment-order Gluon GEMMs of moe/triton/nvfp4_frag.py for both layouts,
 which this tool does not record: tests/moe/test_frag.py compiles them for sm90). mla_decode records the Gluon decode
-kernels where the op runs them (sm90: the fp8 kernel at heads × S_q ≤ 32, the wide kernel for programs of 64 rows).
+kernels where the op runs them (sm90: the fp8 kernel at heads × S_q ≤ 32, for programs of 64 rows the two-warpgroup
+kernel over 16-bit pools and the wide kernel over fp8).
 Occupancy uses the Hopper/Blackwell per-SM limits of `pdlab.kernels.arch.SM90` (65536 registers, 228 KB of shared memory with 1 KB more per resident program, at most 227 KB
 for one, 64 warps, 32 programs); the compiler version decides the figures, so compare
 configs with the same Triton as the GPU runs.
@@ -86,17 +87,19 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     table = torch.zeros(batch, pages, dtype=torch.int32)
     lens = torch.full((batch,), seqlen, dtype=torch.int32)
     from pdlab.attention import gluon_mla as gm
+    from pdlab.attention import gluon_mla_seesaw as gs
     from pdlab.attention import gluon_mla_wide as gw
 
-    rec, grec, wrec = _Recorder(), _Recorder(), _Recorder()
+    rec, grec, wrec, srec = _Recorder(), _Recorder(), _Recorder(), _Recorder()
     real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
     greal = getattr(gm, "_mla_fp8_decode", None), gm.available
     wreal = getattr(gw, "_mla_wide_decode", None), gw.available
+    sreal = getattr(gs, "_mla_seesaw_decode", None)
     # the target's facts in place of this machine's: its SM count, the PTX e4m3 conversion from sm89, and the Gluon
     # decode kernels on sm90 (where this Triton has Gluon)
     tk._mla_fwd, tk._mla_combine, tk._q_prescale = rec, _Skip(), _Skip()
     tk._sm_count, tk._ptx_e4m3 = (lambda device: sm_count), (lambda device: arch >= 89)
-    gm._mla_fp8_decode, gw._mla_wide_decode = grec, wrec
+    gm._mla_fp8_decode, gw._mla_wide_decode, gs._mla_seesaw_decode = grec, wrec, srec
     gm.available = lambda device, q_dtype=None: None if arch == 90 and gm.HAVE_GLUON else f"not sm90 (sm{arch})"
     gw.available = lambda device, q_dtype=None: None if arch == 90 and gw.HAVE_GLUON else f"not sm90 (sm{arch})"
     try:
@@ -108,7 +111,9 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
         tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
         gm._mla_fp8_decode, gm.available = greal
         gw._mla_wide_decode, gw.available = wreal
-    fn, seen = (greal[0], grec.seen) if grec.seen else (wreal[0], wrec.seen) if wrec.seen else (real[0], rec.seen)
+        gs._mla_seesaw_decode = sreal
+    fn, seen = ((greal[0], grec.seen) if grec.seen else (wreal[0], wrec.seen) if wrec.seen
+                else (sreal, srec.seen) if srec.seen else (real[0], rec.seen))
     launch = _split_launch(fn, seen)
     if launch["constexprs"].get("BALANCED"):  # the fp8 Gluon kernel's balanced schedule: the programs of a sequence
         args, names = launch["args"], fn.arg_names
@@ -215,9 +220,9 @@ def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
                        options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
     regs, spill = _ptxas_usage(k.asm["ptx"], arch)
     shared = int(k.metadata.shared)
-    row = {"registers": regs, "spill_bytes": spill, "shared_bytes": shared, "warps": launch["num_warps"],
-           "stages": launch["num_stages"],
-           **SM90.programs_per_sm(registers=regs, shared=shared, warps=launch["num_warps"])}
+    warps = int(getattr(k.metadata, "num_warps", launch["num_warps"]))  # with warp-specialized partitions added
+    row = {"registers": regs, "spill_bytes": spill, "shared_bytes": shared, "warps": warps,
+           "stages": launch["num_stages"], **SM90.programs_per_sm(registers=regs, shared=shared, warps=warps)}
     if sass > 0:
         try:
             row.update(sass_summary(_disassemble(k.asm["cubin"]), sass))
