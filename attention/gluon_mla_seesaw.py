@@ -42,7 +42,7 @@ if W.HAVE_GLUON:
                                                                   warpgroup_mma_wait)
 
     from pdlab.attention.gluon_mla import _out_rows, _program_span
-    from pdlab.attention.gluon_mla_wide import _TILE16, _cta_barrier, _issue, _scores, _zero_tail
+    from pdlab.attention.gluon_mla_wide import _TILE16, _cta_barrier, _issue, _scores, _store_lse, _zero_tail
 
     WARPS = gl.constexpr(4)  # the launch's num_warps: the left warpgroup; warp_specialize adds the right one (8 warps)
     # the right warpgroup's registers a thread (the left one gets the rest of the SM's 64 K)
@@ -50,21 +50,19 @@ if W.HAVE_GLUON:
     _VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     # one warpgroup's q·k accumulator [64, 64], p·v accumulator [64, 256], p as p·v's register operand, row layouts
-    _MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    _MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, 256, 16])
-    _PL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA_O, k_width=2)
-    _RS: gl.constexpr = gl.SliceLayout(1, _MMA_S)
-    _RO: gl.constexpr = gl.SliceLayout(1, _MMA_O)
-    _ZL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    MMA_S = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+    MMA_O = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+    PL = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA_O.value, k_width=2))
+    RS = gl.constexpr(gl.SliceLayout(1, MMA_S.value))
+    RO = gl.constexpr(gl.SliceLayout(1, MMA_O.value))
+    ZL = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # zeroing a tile's [64, 64] V blocks
 
     @gluon.jit
-    def _tile_scores(qn, qp, nope, pe, bars, slot, z, phase, start, hi, limit, row_scale, tok, ZL: gl.constexpr):
+    def _tile_scores(qn, qp, nope, pe, bars, slot, z, phase, start, hi, limit, row_scale, tok):
         """The masked, scaled scores [64, 64] (base 2) of the tile at `start` in ring slot `slot` once it has
         landed; on the last tile of the split, its V rows past the end zeroed for both warpgroups' p·v. z: 0, but
         not known to the compiler to be (it varies per iteration), so that the 72 shared-memory descriptors of
         q·k's wgmmas are computed where they are used instead of held in registers across the loop (spills)."""
-        MMA_S: gl.constexpr = _MMA_S
         mbarrier.wait(bars.index(slot), phase)
         s = warpgroup_mma(qn.index(z), nope.index(slot + z).permute((1, 0)),
                           gl.zeros([64, 64], gl.float32, layout=MMA_S), use_acc=False, is_async=True)
@@ -77,17 +75,49 @@ if W.HAVE_GLUON:
         return _scores(s, start, hi, limit, row_scale, tok)
 
     @gluon.jit
-    def _rows(prefix, qk_scale, BLOCK_H: gl.constexpr, RS: gl.constexpr, TL: gl.constexpr):
-        """(limit, row_scale, tok): row r sees positions < limit[r]; its score scale; a tile's token offsets."""
-        r = gl.arange(0, 64, layout=RS)
-        limit = prefix + r // BLOCK_H + 1
-        return limit, gl.full([64], qk_scale, gl.float32, layout=RS), gl.arange(0, 64, layout=TL)
+    def _begin(SEQLENS, num_splits, qk_scale, Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr):
+        """A warpgroup's start: (head block, split, sequence b, first query token, [lo, hi), tiles of the split,
+        limit — row r sees positions < limit[r] —, the rows' score scale, a tile's token offsets, and the running
+        max m, row sums l and output half o [64, 256] fp32 before the first tile)."""
+        hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
+        limit = prefix + gl.arange(0, 64, layout=RS) // BLOCK_H + 1
+        row_scale = gl.full([64], qk_scale, gl.float32, layout=RS)
+        tok = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA_S))
+        m = gl.full([64], float("-inf"), gl.float32, layout=RS)
+        l = gl.zeros([64], gl.float32, layout=RS)
+        o = gl.zeros([64, 256], gl.float32, layout=MMA_O)
+        return hb, split, b, q_start, lo, hi, n_tiles, limit, row_scale, tok, m, l, o
+
+    @gluon.jit
+    def _factor(m_prev, m_new):
+        """2^(m_prev − m_new) [64]: what brings sums taken at row max m_prev to m_new ≥ m_prev (base 2); 1 where
+        m_prev is -inf (nothing summed yet)."""
+        return gl.where(m_prev == float("-inf"), 1.0, gl.exp2(m_prev - gl.where(m_new == float("-inf"), 0.0, m_new)))
+
+    @gluon.jit
+    def _online(s, m_prev):
+        """One softmax step over scores s [64, 64] (base 2) against the running max m_prev [64]: (the new max,
+        `_factor` from m_prev to it, p = 2^(s − new max))."""
+        m_new = gl.maximum(m_prev, gl.max(s, 1))
+        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, _factor(m_prev, m_new), gl.exp2(s - gl.expand_dims(m_base, 1))
+
+    @gluon.jit
+    def _send(p_smem, p, m_smem, m, bar, with_p):
+        """p [64, 64] (where with_p) and the row max m [64] to the other warpgroup: stored, made visible to its loads
+        and wgmmas, one arrival on `bar`."""
+        if with_p:
+            p_smem.store(p)
+        m_smem.store(m)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(bar, count=1)
 
     @gluon.jit
     def _store_half(o, l, m, hb, q_start, split, O, O_PART, LSE, LSE_PART, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h,
-                    BLOCK_H: gl.constexpr, FINAL: gl.constexpr, COL: gl.constexpr, WITH_LSE: gl.constexpr,
-                    RS: gl.constexpr, RO: gl.constexpr, MMA_O: gl.constexpr):
+                    BLOCK_H: gl.constexpr, FINAL: gl.constexpr, COL: gl.constexpr, WITH_LSE: gl.constexpr):
         """Write o [64, 256] / l into output columns COL..COL+255 (and, WITH_LSE, the rows' lse)."""
         empty = l == 0.0
         inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l), RO)
@@ -98,13 +128,8 @@ if W.HAVE_GLUON:
         gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(dcol, 0), o.to(out_rows.dtype.element_ty))
         if WITH_LSE:
             lse = gl.where(empty, float("-inf"), (m + gl.log2(gl.where(empty, 1.0, l))) * 0.6931471805599453)
-            r = gl.arange(0, 64, layout=RS)
-            rj = r // BLOCK_H
-            rh = hb * BLOCK_H + r % BLOCK_H
-            if FINAL:
-                gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse)
-            else:
-                gl.store(LSE_PART + (q_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h + split, lse)
+            _store_lse(lse, gl.arange(0, 64, layout=RS), hb, q_start, split, LSE, LSE_PART, stride_lse_t,
+                       stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h, BLOCK_H, FINAL)
 
     @gluon.jit
     def _left(qn, qp, nope, pe, bars, free, p_smem, m0_smem, m1_smem, to_right, to_left,
@@ -113,43 +138,25 @@ if W.HAVE_GLUON:
               stride_op_t, stride_op_h, stride_op_s, stride_lp_t, stride_lp_h,
               Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, FINAL: gl.constexpr):
         """The left warpgroup: even tiles, output columns 0..255 and the lse (module docstring)."""
-        MMA_S: gl.constexpr = _MMA_S
-        MMA_O: gl.constexpr = _MMA_O
-        PL: gl.constexpr = _PL
-        RS: gl.constexpr = _RS
-        RO: gl.constexpr = _RO
-        ZL: gl.constexpr = _ZL
-        hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
-        limit, row_scale, tok = _rows(prefix, qk_scale, BLOCK_H, RS, gl.SliceLayout(0, MMA_S))
-        m = gl.full([64], float("-inf"), gl.float32, layout=RS)
-        l = gl.zeros([64], gl.float32, layout=RS)
-        o = gl.zeros([64, 256], gl.float32, layout=MMA_O)
+        hb, split, b, q_start, lo, hi, n_tiles, limit, row_scale, tok, m, l, o = _begin(
+            SEQLENS, num_splits, qk_scale, Q_PER_SEQ, BLOCK_H)
         for j in range(gl.cdiv(n_tiles, 2)):
             start = lo + 2 * j * 64
-            s = _tile_scores(qn, qp, nope, pe, bars, 0, j >> 24, j & 1, start, hi, limit, row_scale, tok, ZL)
-            m0 = gl.maximum(m, gl.max(s, 1))
-            m0b = gl.where(m0 == float("-inf"), 0.0, m0)
-            alpha = gl.where(m == float("-inf"), 1.0, gl.exp2(m - m0b))
-            p = gl.exp2(s - gl.expand_dims(m0b, 1))
+            s = _tile_scores(qn, qp, nope, pe, bars, 0, j >> 24, j & 1, start, hi, limit, row_scale, tok)
+            m0, alpha, p = _online(s, m)
             l = l * alpha + gl.sum(p, 1)
             pb = p.to(qn.dtype)
             o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
             pa = gl.convert_layout(pb, PL)
             o = warpgroup_mma(pa, nope.index(0).slice(0, 256, dim=1), o, is_async=True)
             # p0 and m0 to the right warpgroup (its previous p was read before it signalled us last time)
-            p_smem.store(pb)
-            m0_smem.store(m0)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(to_right, count=1)
+            _send(p_smem, pb, m0_smem, m0, to_right, True)
             o, pa = warpgroup_mma_wait(0, deps=(o, pa))
             mbarrier.arrive(free.index(0), count=1)  # done with the even tile
             mbarrier.wait(to_left, j & 1)
             m1 = m1_smem.load(RS)
             if start + 64 < hi:  # the right warpgroup had a tile: its p1 [64, 64] is in p_smem
-                m1b = gl.where(m1 == float("-inf"), 0.0, m1)
-                beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1b))
+                beta = _factor(m0, m1)
                 l = l * beta
                 o = o * gl.expand_dims(gl.convert_layout(beta, RO), 1)
                 o = warpgroup_mma(p_smem, nope.index(1).slice(0, 256, dim=1), o, is_async=True)
@@ -166,7 +173,7 @@ if W.HAVE_GLUON:
         l = l + m1_smem.load(RS)
         _store_half(o, l, m, hb, q_start, split, O, O_PART, LSE, LSE_PART, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h,
-                    BLOCK_H, FINAL, 0, True, RS, RO, MMA_O)
+                    BLOCK_H, FINAL, 0, True)
 
     @gluon.jit
     def _right(qn, qp, nope, pe, bars, free, p_smem, m0_smem, m1_smem, to_right, to_left,
@@ -174,50 +181,31 @@ if W.HAVE_GLUON:
                stride_o_t, stride_o_h, stride_op_t, stride_op_h, stride_op_s,
                Q_PER_SEQ: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr, FINAL: gl.constexpr):
         """The right warpgroup: odd tiles, output columns 256..511, and the ring's refills (module docstring)."""
-        MMA_S: gl.constexpr = _MMA_S
-        MMA_O: gl.constexpr = _MMA_O
-        PL: gl.constexpr = _PL
-        RS: gl.constexpr = _RS
-        RO: gl.constexpr = _RO
-        ZL: gl.constexpr = _ZL
         BOX_BYTES: gl.constexpr = 64 * 64 * 2
-        hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
+        hb, split, b, q_start, lo, hi, n_tiles, limit, row_scale, tok, m, l, o = _begin(
+            SEQLENS, num_splits, qk_scale, Q_PER_SEQ, BLOCK_H)
         bt_row = BT + b.to(gl.int64) * stride_bt_b
-        limit, row_scale, tok = _rows(prefix, qk_scale, BLOCK_H, RS, gl.SliceLayout(0, MMA_S))
-        m = gl.full([64], float("-inf"), gl.float32, layout=RS)
-        l = gl.zeros([64], gl.float32, layout=RS)
-        o = gl.zeros([64, 256], gl.float32, layout=MMA_O)
         for j in range(gl.cdiv(n_tiles, 2)):
             start = lo + (2 * j + 1) * 64
             has = start < hi
             if has:
-                s = _tile_scores(qn, qp, nope, pe, bars, 1, j >> 24, j & 1, start, hi, limit, row_scale, tok, ZL)
+                s = _tile_scores(qn, qp, nope, pe, bars, 1, j >> 24, j & 1, start, hi, limit, row_scale, tok)
             else:
                 s = gl.full([64, 64], float("-inf"), gl.float32, layout=MMA_S)
             # the left's p0 [64, 64] and m0: o_R and l_R to m0, p0·V0[:, 256:] issued before our softmax so that the
             # even slot goes back to the TMA early
             mbarrier.wait(to_right, j & 1)
             m0 = m0_smem.load(RS)
-            m0b = gl.where(m0 == float("-inf"), 0.0, m0)
-            alpha = gl.where(m == float("-inf"), 1.0, gl.exp2(m - m0b))
+            alpha = _factor(m, m0)
             p0 = gl.convert_layout(p_smem.load(MMA_S), PL)
             l = l * alpha
             o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
             o = warpgroup_mma(p0, nope.index(0).slice(256, 256, dim=1), o, is_async=True)
-            m1 = gl.maximum(m0, gl.max(s, 1))
-            m1b = gl.where(m1 == float("-inf"), 0.0, m1)
-            beta = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - m1b))
-            p1 = gl.exp2(s - gl.expand_dims(m1b, 1))
+            m1, beta, p1 = _online(s, m0)
             l = l * beta + gl.sum(p1, 1)
             p1b = p1.to(qn.dtype)
             _cta_barrier()  # every thread's p0 read done before p1 is stored over it
-            if has:
-                p_smem.store(p1b)
-            m1_smem.store(m1)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(to_left, count=1)
+            _send(p_smem, p1b, m1_smem, m1, to_left, has)
             o, p0 = warpgroup_mma_wait(0, deps=(o, p0))
             # tile 2j + 2 into the even slot once the left warpgroup is done with tile 2j too
             nxt = lo + (2 * j + 2) * 64
@@ -242,7 +230,7 @@ if W.HAVE_GLUON:
         _cta_barrier()
         mbarrier.arrive(to_left, count=1)
         _store_half(o, l + l_left, m, hb, q_start, split, O, O_PART, O, O, stride_o_t, stride_o_h, stride_op_t,
-                    stride_op_h, stride_op_s, 0, 0, 0, 0, 0, BLOCK_H, FINAL, 256, False, RS, RO, MMA_O)
+                    stride_op_h, stride_op_s, 0, 0, 0, 0, 0, BLOCK_H, FINAL, 256, False)
 
     @gluon.jit(do_not_specialize=["num_splits"])
     def _mla_seesaw_decode(Q, kv_desc, lat_desc, BT, SEQLENS, O, LSE, O_PART, LSE_PART, qk_scale,

@@ -194,6 +194,17 @@ if HAVE_GLUON:
         return gl.where(visible, s * gl.expand_dims(row_scale, 1), float("-inf"))
 
     @gluon.jit
+    def _store_lse(lse, r, hb, q_start, split, LSE, LSE_PART, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t,
+                   stride_lp_h, BLOCK_H: gl.constexpr, FINAL: gl.constexpr):
+        """Store the lse [64] of program rows r: into LSE, or with splits into this split's column of LSE_PART."""
+        rj = r // BLOCK_H
+        rh = hb * BLOCK_H + r % BLOCK_H
+        if FINAL:
+            gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse)
+        else:
+            gl.store(LSE_PART + (q_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h + split, lse)
+
+    @gluon.jit
     def _softmax(s, m_i):
         """(p, alpha, new row max) for scores s [64, 64] in base 2 against the running max m_i."""
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -333,12 +344,8 @@ if HAVE_GLUON:
                                    stride_op_t, stride_op_h, stride_op_s, BLOCK_H, FINAL)
         dcol = gl.arange(0, 512, layout=gl.SliceLayout(0, MMA_O))
         gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(dcol, 0), o.to(out_rows.dtype.element_ty))
-        rj = r // BLOCK_H
-        rh = hb * BLOCK_H + r % BLOCK_H
-        if FINAL:
-            gl.store(LSE + q_start.to(gl.int64) * stride_lse_t + rj * stride_lse_j + rh * stride_lse_h, lse)
-        else:
-            gl.store(LSE_PART + (q_start + rj).to(gl.int64) * stride_lp_t + rh * stride_lp_h + split, lse)
+        _store_lse(lse, r, hb, q_start, split, LSE, LSE_PART, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t,
+                   stride_lp_h, BLOCK_H, FINAL)
 
 
 def shared_bytes(stages: int = STAGES, fp8: bool = False) -> int:

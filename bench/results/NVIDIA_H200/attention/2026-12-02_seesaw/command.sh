@@ -1,6 +1,7 @@
 # One H200 (sm90), torch 2.11.0+cu130, triton 3.6.0, flashinfer not on the path. Tree: commit 769a44d plus the
-# seesaw kernel as committed next (attention/gluon_mla_seesaw.py; since then only an unused kernel argument was
-# removed). Preamble: the device wheels installed and put on PYTHONPATH, pdlab installed editable. The tests and
+# seesaw kernel as committed in 131c38a (attention/gluon_mla_seesaw.py; before that commit an unused kernel argument
+# and helper parameter were removed: compiled for sm90 with Triton 3.6, the committed kernel's SASS is the one that
+# ran here instruction for instruction, but for constant-bank offsets). Preamble: the device wheels installed and put on PYTHONPATH, pdlab installed editable. The tests and
 # the correctness checks ran side by side; the timings after the checks, alone on the GPU.
 R=$OUT/r; mkdir -p $R
 (timeout 330 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/attention/test_gluon_mla_wide.py tests/runtime \
