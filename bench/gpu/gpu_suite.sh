@@ -3,7 +3,8 @@
 # tests assert results, not times): attention + kernels, moe, and runtime + disagg + tuning + bench + the package
 # test. flashinfer is on the path where FI_TAR (bench/gpu/flashinfer_env.sh) exists, so its tests run too.
 # Results in $OUT: one pytest log and one JUnit XML per group, summary.txt (the last line of each log and its exit
-# code), device.txt. GROUP_TIMEOUT (s, default 480) bounds each group. Run from the repository root after
+# code), device.txt, and all of it packed beside $OUT as $OUT.tgz (one file to fetch where a transfer limits how many
+# come back). GROUP_TIMEOUT (s, default 480) bounds each group. Run from the repository root after
 # `pip install -e .`.
 set -u
 OUT=${OUT:-/tmp/pdlab_gpu_suite}
@@ -34,3 +35,4 @@ for f in attention_kernels moe runtime_rest; do
   echo "$f: $(grep -E '(passed|failed|error)' "$OUT/$f.txt" | tail -1) $(tail -1 "$OUT/$f.txt")"
 done > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
