@@ -60,9 +60,10 @@ if W.HAVE_GLUON:
     @gluon.jit
     def _tile_scores(qn, qp, nope, pe, bars, slot, z, phase, start, hi, limit, row_scale, tok):
         """The masked, scaled scores [64, 64] (base 2) of the tile at `start` in ring slot `slot` once it has
-        landed; on the last tile of the split, its V rows past the end zeroed for both warpgroups' p·v. z: 0, but
-        not known to the compiler to be (it varies per iteration), so that the 72 shared-memory descriptors of
-        q·k's wgmmas are computed where they are used instead of held in registers across the loop (spills)."""
+        landed; on the last tile of the split, its V rows past the end zeroed for both warpgroups' p·v. z: the pair
+        index >> 24, 0 for any int32 length (pairs of 128 tokens) but not known to the compiler to be, so that the
+        72 shared-memory descriptors of q·k's wgmmas are computed where they are used instead of held in registers
+        across the loop (ptxas spilled them)."""
         mbarrier.wait(bars.index(slot), phase)
         s = warpgroup_mma(qn.index(z), nope.index(slot + z).permute((1, 0)),
                           gl.zeros([64, 64], gl.float32, layout=MMA_S), use_acc=False, is_async=True)
