@@ -28,7 +28,8 @@ batch 8 and within 2 % at batch 1. Tried and dropped: an L2 prefetch of the tile
 per tile, 9–11 % slower at B=128 8k).
 
 The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the output contract of the
-wide kernel). bf16/fp16 pools only (an fp8 pool needs a 16-bit copy of each tile, which does not fit).
+wide kernel). bf16/fp16 pools only: over an fp8 pool each warpgroup would need a 16-bit copy of its tile for its
+MMAs, and two of them (144 KB) do not fit beside q and the byte ring.
 """
 
 from __future__ import annotations
