@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from datetime import datetime
 
 from pdlab.kernels import tuned
+
+# a bucket's backends measured further apart than this were timed in different runs (a run's studies of one bucket
+# follow each other within minutes)
+APART_HOURS = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,20 +72,24 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 table = Table(title=f"{path} — {status}\n{meta.get('date', '?')}, model {meta.get('model', '?')}, "
                               f"{meta.get('command', '')}", title_justify="left")
-                for col in ("bucket", "backend", "config", "tuned ms", "default ms", "speedup"):
+                for col in ("bucket", "backend", "config", "tuned ms", "default ms", "speedup", "measured"):
                     table.add_column(col)
                 for label in sorted(data["entries"]):
                     e = data["entries"][label]
+                    apart = measured_apart(e)
                     for bname, r in sorted(e.get("backends", {}).items()):
-                        win = "*" if bname == e.get("backend") else ""
+                        win = ("*" + ("~" if apart else "")) if bname == e.get("backend") else ""
                         table.add_row(label, bname + win, ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items()),
-                                      _f(r.get("time_ms")), _f(r.get("default_time_ms")), _f(r.get("speedup"), "x"))
+                                      _f(r.get("time_ms")), _f(r.get("default_time_ms")), _f(r.get("speedup"), "x"),
+                                      str(r.get("date") or "-"))
                 console.print(table)
     if not found:
         console.print(f"no tuned-config files for {key}" + (f" and op {args.op}" if args.op else "")
                       + ": every op runs its backend's default config")
-    console.print("* = fastest backend of the bucket. Lookup: nearest bucket by Σ|log2 ratio| over numeric keys, "
-                  "non-numeric keys equal; the first root with a match wins.", style="dim")
+    console.print("* = fastest backend of the bucket; *~ = chosen from times measured more than "
+                  f"{APART_HOURS:g} h apart (other runs: re-tune the bucket's backends together to compare like "
+                  "with like). Lookup: nearest bucket by Σ|log2 ratio| over numeric keys, non-numeric keys equal; "
+                  "the first root with a match wins.", style="dim")
     return 0
 
 
@@ -105,12 +115,27 @@ def _identity(device) -> tuple[str, str, str]:
     return tuned.device_identity(device)
 
 
+def measured_apart(entry: Mapping, hours: float = APART_HOURS) -> bool:
+    """Whether a bucket's backend choice rests on times measured more than `hours` apart (its timed backends'
+    `date`s, ISO 8601 UTC); False with fewer than two timed backends or a date missing."""
+    dates = []
+    for r in entry.get("backends", {}).values():
+        if not r.get("time_ms"):
+            continue
+        try:
+            dates.append(datetime.strptime(r["date"], "%Y-%m-%dT%H:%M:%SZ"))
+        except (KeyError, TypeError, ValueError):
+            return False
+    return len(dates) > 1 and (max(dates) - min(dates)).total_seconds() > hours * 3600
+
+
 def geomean_line(path, data: dict, status: str) -> str:
     """`<file>: N buckets, geometric-mean speedup X (min a, max b)[; by <key>: v X, ...][; with the backend
     choice, over each backend's default: b X (n), ...] [status]` over the winners: X is each winner's speedup over
     its own backend's default config; the breakdown for every non-numeric bucket key with several values (e.g.
     kv_dtype); where buckets searched several backends, the bucket's time against each backend's default config
-    (what the op runs with that backend and no store), over the buckets that searched it."""
+    (what the op runs with that backend and no store), over the buckets that searched it, and how many of those
+    choices compare times measured in different runs (`measured_apart`)."""
     from pdlab.tuning.search import geomean as gm
 
     timed = [e for e in data["entries"].values() if e.get("speedup")]
@@ -133,6 +158,10 @@ def geomean_line(path, data: dict, status: str) -> str:
                     over.setdefault(name, []).append(b["default_time_ms"] / e["time_ms"])
         parts.append("with the backend choice, over each backend's default: "
                      + ", ".join(f"{name} {gm(v):.3f}x ({len(v)})" for name, v in sorted(over.items())))
+        choices = [e for e in timed if len(e.get("backends", {})) > 1]
+        apart = sum(map(measured_apart, choices))
+        if apart:
+            parts.append(f"{apart} of {len(choices)} backend choices from times measured over {APART_HOURS:g} h apart")
     return (f"{path}: {len(xs)} buckets, geometric-mean speedup over default {gm(xs):.3f}x "
             f"(min {min(xs):.3f}x, max {max(xs):.3f}x)" + "".join(f"; {p}" for p in parts) + f" [{status}]")
 

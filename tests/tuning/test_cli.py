@@ -132,6 +132,27 @@ def test_geomean_line_counts_the_backend_choice_over_each_backends_default():
     assert "backend choice" not in geomean_line("f.json", {"entries": one}, "used")
 
 
+def test_show_marks_backend_choices_from_times_measured_in_different_runs():
+    """A bucket whose backends were timed 3 h apart (another run) is counted and marked; 10 min apart (one run),
+    one timed backend, or a date missing is not."""
+    from pdlab.tuning.show import geomean_line, measured_apart
+
+    def entry(x, dates, times=(2.0, 3.0)):
+        backends = {name: {"time_ms": t, "default_time_ms": 4.0, "date": d}
+                    for name, t, d in zip("ab", times, dates)}
+        return {"bucket": {"x": x}, "backend": "a", "time_ms": 2.0, "speedup": 2.0, "backends": backends}
+
+    apart = entry(1, ("2026-12-02T08:12:05Z", "2026-12-02T11:30:00Z"))
+    close = entry(2, ("2026-12-02T08:12:05Z", "2026-12-02T08:22:05Z"))
+    untimed = entry(3, ("2026-12-01T08:00:00Z", "2026-12-02T08:00:00Z"), times=(2.0, None))
+    undated = entry(4, ("2026-12-02T08:12:05Z", None))
+    assert [measured_apart(e) for e in (apart, close, untimed, undated)] == [True, False, False, False]
+    entries = {str(i): e for i, e in enumerate((apart, close, untimed, undated))}
+    assert "1 of 4 backend choices from times measured over 1 h apart" in geomean_line("f", {"entries": entries}, "")
+    entries.pop("0")
+    assert "measured over" not in geomean_line("f", {"entries": entries}, "")
+
+
 def test_show_by_device_key_or_name_reads_the_shipped_files_without_that_device(capsys):
     # the shipped H200 files, asked for on a CPU machine by key and by name; geomean split by kv_dtype
     import math
