@@ -372,7 +372,8 @@ def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int, max_
     """KV splits per sequence: the count s (1 ≤ s ≤ max_splits, at least one tile per split) that minimises
     ⌈programs / SMs⌉ · (tiles per split + fixed cost) — waves of one-per-SM programs times one program's work; the
     smallest s among equals. Fitted to H200 timings (bench/results/NVIDIA_H200/attention/2026-12-01_gluon_wide):
-    B=128 at 1k–16k and B=64 at 8k–16k one split, B=32 at 8k two, B=8 at 1k–16k eight."""
+    B=128 at 1k–16k and B=64 at 8k–16k one split, B=32 at 8k two, B=8 at 1k–16k eight. A lone sequence gets the
+    cap: MAX_SPLITS for this kernel, SEESAW_MAX_SPLITS for the two-warpgroup one."""
     tiles = -(-capacity // BLOCK_N)
     best, best_cost = 1, None
     for s in range(1, max(1, min(max_splits, tiles)) + 1):
