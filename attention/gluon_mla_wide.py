@@ -359,24 +359,35 @@ def shared_bytes(stages: int = STAGES, fp8: bool = False) -> int:
 # and the combine reads back (128 KB each way per program: about three tiles more)
 FIXED_TILES = 1
 PARTIAL_TILES = 3
-# the most splits `auto_splits` gives a sequence: the wide kernel 64; the two-warpgroup kernel (gluon_mla_seesaw)
-# 32 — at B=1, 128 heads bf16 on an H200, 32 splits against 64: 4k 20.6 → 14.9 µs, 8k 22.6 → 18.0, 16k 28.4 → 24.3
-# (the tuner's trials, bench/results/NVIDIA_H200/tuning/2026-12-02_seesaw_retune); over fp8 the wide kernel at 16k
-# is faster with 64 (31.8 against 36.2 µs)
+# the most splits `auto_splits` gives a sequence (`split_cap`). The two-warpgroup kernel (gluon_mla_seesaw): 32 — at
+# B=1, 128 heads bf16 on an H200, 32 splits against 64: 4k 20.6 → 14.9 µs, 8k 22.6 → 18.0, 16k 28.4 → 24.3 (the
+# tuner's trials, bench/results/NVIDIA_H200/tuning/2026-12-02_seesaw_retune). This kernel: past 32 only while each
+# split keeps 4 tiles, up to 64 — over fp8 32 against 64 at 4k 17.7 against 21.6 µs, 8k 23.8 against 25.3, but 16k
+# 36.2 against 31.8 (bench/results/NVIDIA_H200/tuning/2026-12-02_tma3_retune); over bf16 4k 15.5 against 20.1, 8k
+# 19.9 against 23.0, 16k 29.0 against 29.6
 MAX_SPLITS = 64
 SEESAW_MAX_SPLITS = 32
+WIDE_TILES_PAST_32 = 4
+
+
+def split_cap(tiles: int, seesaw: bool) -> int:
+    """The most splits `auto_splits` gives a sequence of `tiles` KV tiles: SEESAW_MAX_SPLITS for the two-warpgroup
+    kernel; for this one 32, or more (up to MAX_SPLITS) while each split keeps WIDE_TILES_PAST_32 tiles."""
+    if seesaw:
+        return SEESAW_MAX_SPLITS
+    return min(MAX_SPLITS, max(32, tiles // WIDE_TILES_PAST_32))
 
 
 @functools.lru_cache(maxsize=256)
-def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int, max_splits: int = MAX_SPLITS) -> int:
-    """KV splits per sequence: the count s (1 ≤ s ≤ max_splits, at least one tile per split) that minimises
+def auto_splits(batch: int, head_blocks: int, capacity: int, sm_count: int, seesaw: bool = False) -> int:
+    """KV splits per sequence: the count s (1 ≤ s ≤ `split_cap`, at least one tile per split) that minimises
     ⌈programs / SMs⌉ · (tiles per split + fixed cost) — waves of one-per-SM programs times one program's work; the
     smallest s among equals. Fitted to H200 timings (bench/results/NVIDIA_H200/attention/2026-12-01_gluon_wide):
     B=128 at 1k–16k and B=64 at 8k–16k one split, B=32 at 8k two, B=8 at 1k–16k eight. A lone sequence gets the
-    cap: MAX_SPLITS for this kernel, SEESAW_MAX_SPLITS for the two-warpgroup one."""
+    cap (`split_cap`; `seesaw`: for the two-warpgroup kernel)."""
     tiles = -(-capacity // BLOCK_N)
     best, best_cost = 1, None
-    for s in range(1, max(1, min(max_splits, tiles)) + 1):
+    for s in range(1, max(1, min(split_cap(tiles, seesaw), tiles)) + 1):
         fixed = FIXED_TILES + (PARTIAL_TILES if s > 1 else 0)
         cost = -(-batch * head_blocks * s // sm_count) * (-(-tiles // s) + fixed)
         if best_cost is None or cost < best_cost:

@@ -627,9 +627,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     elif splits <= 0 and gluon == "wide" and not waves:
         from pdlab.attention import gluon_mla_wide
 
-        seesaw = not fp8 and int(config.get("seesaw", gluon_mla_wide.SEESAW))
-        splits = gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev),
-                                            gluon_mla_wide.SEESAW_MAX_SPLITS if seesaw else gluon_mla_wide.MAX_SPLITS)
+        seesaw = not fp8 and bool(int(config.get("seesaw", gluon_mla_wide.SEESAW)))
+        splits = gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev), seesaw)
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
         waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
         splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)

@@ -86,24 +86,26 @@ def test_auto_splits_known_answers():
     assert W.auto_splits(32, 2, 8192, 132) == 2
     assert W.auto_splits(8, 2, 1024, 132) == 8 and W.auto_splits(8, 2, 16384, 132) == 8
     assert W.auto_splits(128, 1, 8192, 132) == 1  # 64 heads or 16 heads × S_q 4: one head block
-    assert W.auto_splits(1, 2, 8192, 132) == 64  # a lone sequence: as many programs as fit in one wave
+    # a lone sequence: as many programs as fit in one wave, up to 32 splits, past 32 while each split keeps 4 tiles
+    assert W.auto_splits(1, 2, 4096, 132) == 32 and W.auto_splits(1, 2, 8192, 132) == 32
+    assert W.auto_splits(1, 2, 16384, 132) == 64 and W.auto_splits(1, 2, 32768, 132) == 64
     assert W.auto_splits(1, 2, 1024, 132) == 16  # never fewer than one tile per split
     assert W.auto_splits(1, 2, 128, 132) == 1  # two tiles: a partial costs more than the second tile
     # the two-warpgroup kernel takes at most 32 (B=1 at 4k–16k: 32 splits 14–28 % faster than 64 on an H200)
-    for capacity in (4096, 8192, 16384):
-        assert W.auto_splits(1, 2, capacity, 132, W.SEESAW_MAX_SPLITS) == 32
-    assert W.auto_splits(1, 2, 1024, 132, W.SEESAW_MAX_SPLITS) == 16
-    assert W.auto_splits(8, 2, 8192, 132, W.SEESAW_MAX_SPLITS) == 8 and W.auto_splits(128, 2, 8192, 132, 32) == 1
+    for capacity in (4096, 8192, 16384, 32768):
+        assert W.auto_splits(1, 2, capacity, 132, seesaw=True) == 32
+    assert W.auto_splits(1, 2, 1024, 132, seesaw=True) == 16
+    assert W.auto_splits(8, 2, 8192, 132, seesaw=True) == 8 and W.auto_splits(128, 2, 8192, 132, seesaw=True) == 1
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_launcher_caps_the_splits_by_the_kernel_it_runs():
-    # the op's launch as `kernel_resources` records it for an sm90 GPU of 132 SMs (on CPU): one sequence at 8k, 128
+    # the op's launch as `kernel_resources` records it for an sm90 GPU of 132 SMs (on CPU): one sequence at 16k, 128
     # heads — the two-warpgroup kernel over bf16 gets 32 splits; the wide kernel (seesaw off, or an fp8 pool) 64
     from pdlab.bench.kernel_resources import record_launch
 
     def splits(kv, config):
-        (stage, launch), = record_launch(128, kv, config, 90, batch=1, seqlen=8192)
+        (stage, launch), = record_launch(128, kv, config, 90, batch=1, seqlen=16384)
         return launch["fn"].__name__, launch["splits"]
 
     from pdlab.attention.backends.triton_mla import DECODE_DEFAULT
