@@ -24,8 +24,9 @@ memory: q 72 KB, two tiles 144 KB, p 8 KB, row maxima 0.5 KB (225 of the 227 KiB
 
 On an H200 at 128 heads, bf16 (bench/results/NVIDIA_H200/attention/2026-12-02_seesaw): B=128 at 8k 0.612 →
 0.516 ms (477 → 566 TFLOPS), at 16k 1.31 → 1.08 ms, B=64 at 8k 0.310 → 0.258 ms, S_q 2 1.26 → 1.03 ms; equal at
-batch 8 and within 2 % at batch 1. Tried and dropped: an L2 prefetch of the tiles a pair ahead (one bulk prefetch
-per tile, 9–11 % slower at B=128 8k).
+batch 8 and within 2 % at batch 1 with 64 splits (a lone sequence now gets at most 32: gluon_mla_wide.split_cap).
+Tried and dropped: an L2 prefetch of the tiles one or two pairs ahead (one bulk prefetch per tile, 9–12 % slower at
+B=128 8k).
 
 The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the output contract of the
 wide kernel). bf16/fp16 pools only: over an fp8 pool each warpgroup would need a 16-bit copy of its tile for its
