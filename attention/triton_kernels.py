@@ -597,7 +597,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     gluon = _gluon_kernel(config, fp8, q_per_seq, H, q3, kv_cache)
     if gluon == "fp8":
         block_h = H  # one program holds every query row of its sequence
-    elif gluon == "wide":
+    elif gluon in ("wide", "seesaw"):
         from pdlab.attention import gluon_mla_wide
 
         block_h = gluon_mla_wide.ROWS // q_per_seq  # the kernel's query rows per program
@@ -624,11 +624,10 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 
         splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev),
                                        qparts=gluon_mla.QPARTS_OF[q3.dtype])
-    elif splits <= 0 and gluon == "wide" and not waves:
+    elif splits <= 0 and gluon in ("wide", "seesaw") and not waves:
         from pdlab.attention import gluon_mla_wide
 
-        seesaw = not fp8 and bool(int(config.get("seesaw", gluon_mla_wide.SEESAW)))
-        splits = gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev), seesaw)
+        splits = gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev), gluon == "seesaw")
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
         waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
         splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
@@ -642,7 +641,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         o_part = torch.empty(T, H, splits, 512, dtype=torch.float32, device=dev)
         lse_part = torch.empty(T, H, splits, dtype=torch.float32, device=dev)
         sp = (o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
-    if gluon == "wide":
+    if gluon in ("wide", "seesaw"):
         from pdlab.attention import gluon_mla_wide
 
         gluon_mla_wide.launch(q3, kv_cache, block_table, seqlens, out3, lse, o_part, lse_part, lse_strides, sp,
@@ -650,7 +649,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                               kv_scale_ptr=scale_ptr if from_ptr else None,
                               conv_group=int(config.get("conv_group", gluon_mla_wide.CONV_GROUP)),
                               tma3=bool(int(config.get("tma3", gluon_mla_wide.TMA3))),
-                              seesaw=bool(int(config.get("seesaw", gluon_mla_wide.SEESAW))))
+                              seesaw=gluon == "seesaw")
         _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq, splits, final)
         return
     if gluon == "fp8":
@@ -765,7 +764,9 @@ def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Ten
                   kv_cache: torch.Tensor) -> str | None:
     """Which Gluon decode kernel this launch runs: "fp8" (attention/gluon_mla.py: sm90, an fp8 pool, heads × S_q ≤ 32,
     16-bit queries), "wide" (attention/gluon_mla_wide.py: sm90, a contiguous pool of page 64/128 — bf16/fp16 with
-    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows) or None (`_mla_fwd`). Config "kernel": "gluon"
+    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows), "seesaw" (those programs over a bf16/fp16
+    pool with config "seesaw" on, the default: attention/gluon_mla_seesaw.py, launched by the wide kernel's
+    launcher) or None (`_mla_fwd`). Config "kernel": "gluon"
     runs the one that fits (ValueError with both reasons where none does), "auto" likewise but falls back to
     `_mla_fwd`, "triton" never runs one."""
     kernel = str(config.get("kernel", "triton"))
@@ -782,7 +783,7 @@ def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Ten
                 or gluon_mla_wide.available(q3.device, q3.dtype)
                 or (None if kv_cache.is_contiguous() else "the pool is not contiguous (it is read by TMA)"))
     if why_wide is None:
-        return "wide"
+        return "seesaw" if not fp8 and int(config.get("seesaw", gluon_mla_wide.SEESAW)) else "wide"
     if kernel == "gluon":
         raise ValueError(f"mla triton: kernel='gluon' cannot run here: fp8 kernel: {why}; 16-bit kernel: "
                          f"{why_wide}; use kernel='triton' or 'auto'")

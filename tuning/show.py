@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from datetime import datetime
 
 from pdlab.kernels import tuned
+from pdlab.tuning.store import DATE_FORMAT
 
 # a bucket's backends measured further apart than this were timed in different runs (a run's studies of one bucket
 # follow each other within minutes)
@@ -123,7 +124,7 @@ def measured_apart(entry: Mapping, hours: float = APART_HOURS) -> bool:
         if not r.get("time_ms"):
             continue
         try:
-            dates.append(datetime.strptime(r["date"], "%Y-%m-%dT%H:%M:%SZ"))
+            dates.append(datetime.strptime(r["date"], DATE_FORMAT))
         except (KeyError, TypeError, ValueError):
             return False
     return len(dates) > 1 and (max(dates) - min(dates)).total_seconds() > hours * 3600

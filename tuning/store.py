@@ -33,6 +33,8 @@ from typing import Iterator, Mapping
 
 from pdlab.kernels.tuned import FORMAT_VERSION, bucket_label, read_store, upgrade_bucket
 
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # a result's `date`: when it was measured, UTC
+
 
 def store_path(root: str | os.PathLike, device_key: str, op: str) -> Path:
     """`<root>/<device_key>/<op>.json`."""
@@ -45,7 +47,7 @@ def backend_result(config: Mapping, time_ms: float | None, default_time_ms: floa
     speedup = (default_time_ms / time_ms) if (time_ms and default_time_ms) else None
     return {"config": dict(config), "time_ms": time_ms, "default_time_ms": default_time_ms,
             "speedup": speedup, "trials": trials, "failed": failed, "study": study,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "date": time.strftime(DATE_FORMAT, time.gmtime())}
 
 
 def write_results(root: str | os.PathLike, device_key: str, op: str, metadata: Mapping,

@@ -140,10 +140,7 @@ def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, config: dict | None =
     B, Sq, H, _ = q.shape
     fp8 = kv_cache.dtype == torch.uint8
     cfg = resolve_decode_config({**DECODE_DEFAULT, **(config or {})}, H, Sq, fp8)
-    kernel = tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache)
-    if kernel == "wide" and not fp8 and int(cfg.get("seesaw", 0)):
-        kernel = "seesaw"
-    return DECODE_KERNELS[kernel]
+    return DECODE_KERNELS[tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache)]
 
 
 def carry_splits(config: dict, tuned: dict, call: dict) -> dict:
