@@ -120,10 +120,12 @@ if W.HAVE_GLUON:
     @gluon.jit
     def _store_half(o, l, m, hb, q_start, split, O, O_PART, LSE, LSE_PART, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h,
-                    BLOCK_H: gl.constexpr, FINAL: gl.constexpr, COL: gl.constexpr, WITH_LSE: gl.constexpr):
-        """Write o [64, 256] / l into output columns COL..COL+255 (and, WITH_LSE, the rows' lse)."""
+                    BLOCK_H: gl.constexpr, FINAL: gl.constexpr, COL: gl.constexpr, WITH_LSE: gl.constexpr,
+                    scale=1.0):
+        """Write o [64, 256] · scale / l into output columns COL..COL+255 (and, WITH_LSE, the rows' lse); scale:
+        an fp8 pool's kv_scale."""
         empty = l == 0.0
-        inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l), RO)
+        inv = gl.convert_layout(scale / gl.where(empty, 1.0, l), RO)
         o = o * gl.expand_dims(inv, 1)
         out_rows, _, _ = _out_rows(gl.arange(0, 64, layout=RO), hb, q_start, split, O, O_PART, stride_o_t,
                                    stride_o_h, stride_op_t, stride_op_h, stride_op_s, BLOCK_H, FINAL)

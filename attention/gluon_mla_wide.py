@@ -368,6 +368,12 @@ PARTIAL_TILES = 3
 MAX_SPLITS = 64
 SEESAW_MAX_SPLITS = 32
 WIDE_TILES_PAST_32 = 4
+# over an fp8 pool the two-warpgroup kernel (gluon_mla_seesaw_fp8) runs only where a split holds more tiles than
+# this: its program costs more to start and finish than this kernel's, so it wins from about 48 tiles (3k tokens) a
+# split and loses at 16 or fewer. On an H200 at 128 heads (bench/results/NVIDIA_H200/attention/2026-12-02_seesaw_fp8)
+# this kernel against it: B=128 at 1k (16 tiles) 0.128 against 0.151 ms, at 2k (32) 0.223 against 0.229, at 3k
+# (48) 0.319 against 0.306, at 8k 0.801 against 0.705; B=8 at 4k (8 splits of 8 tiles) 0.041 against 0.050
+SEESAW_FP8_MIN_TILES = 32
 
 
 def split_cap(tiles: int, seesaw: bool) -> int:
@@ -420,7 +426,8 @@ def latent_descriptor(kv_cache: torch.Tensor):
 def _box_layout(dtype: torch.dtype, rank: int = 2):
     """The shared layout of a [64, 64] TMA box (rank 2) or of eight of them (rank 3) of the pool's element type
     (fixed per dtype; asked every call)."""
-    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8}[dtype]
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.uint8: gl.uint8,
+            torch.float8_e4m3fn: gl.float8e4nv}[dtype]
     return gl.NVMMASharedLayout.get_default_for([8, 64, 64][-rank:], elem)
 
 
@@ -453,8 +460,23 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
                          f"{' / '.join(map(str, CONV_GROUPS))} at a time")
     block_h = ROWS // q_per_seq
     from_ptr = kv_scale_ptr is not None
+    if seesaw and kv_cache.dtype == torch.uint8:
+        from pdlab.attention import gluon_mla_seesaw_fp8 as S8
+
+        why = S8.unfit(q3.dtype)
+        if why:
+            raise ValueError(f"mla gluon (seesaw): {why}; run seesaw=0 (the wide kernel) for these queries")
+        kv8 = kv_cache.view(torch.float8_e4m3fn)  # the same bytes, typed for the e4m3 MMAs the TMA feeds
+        S8._mla_seesaw_fp8_decode[(H // block_h, splits, B)](
+            q3, kv_descriptor(kv8), latent_descriptor(kv8), block_table, seqlens, out3, lse, o_part, lse_part,
+            qk_scale, kv_scale, kv_scale_ptr if from_ptr else seqlens,
+            q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
+            *part_strides, splits,
+            Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,
+            SCALE_FROM_PTR=from_ptr, num_warps=int(S8.WARPS))
+        return
     desc = kv_descriptor(kv_cache)
-    if seesaw and kv_cache.dtype != torch.uint8:
+    if seesaw:
         from pdlab.attention import gluon_mla_seesaw as S
 
         S._mla_seesaw_decode[(H // block_h, splits, B)](

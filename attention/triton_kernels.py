@@ -594,7 +594,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
     block_t = _pow2_at_least(q_per_seq) if q_per_seq > 0 else int(config.get("BLOCK_T", 1))
     block_t, block_h = _tile(H, block_t, int(config["BLOCK_H"]), q_per_seq > 0)
     fp8 = kv_cache.dtype == torch.uint8
-    gluon = _gluon_kernel(config, fp8, q_per_seq, H, q3, kv_cache)
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    gluon = _gluon_kernel(config, fp8, q_per_seq, H, q3, kv_cache, B, capacity)
     if gluon == "fp8":
         block_h = H  # one program holds every query row of its sequence
     elif gluon in ("wide", "seesaw"):
@@ -602,7 +603,6 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 
         block_h = gluon_mla_wide.ROWS // q_per_seq  # the kernel's query rows per program
     head_blocks = triton.cdiv(H, block_h)
-    capacity = block_table.shape[1] * kv_cache.shape[1]
     schedule = config.get("schedule", "auto")
     if schedule not in ("auto", "balanced", "uniform"):
         raise ValueError(f"mla triton: schedule={schedule!r} is not a schedule: use 'auto' (balanced from "
@@ -625,9 +625,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev),
                                        qparts=gluon_mla.QPARTS_OF[q3.dtype])
     elif splits <= 0 and gluon in ("wide", "seesaw") and not waves:
-        from pdlab.attention import gluon_mla_wide
-
-        splits = gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev), gluon == "seesaw")
+        splits = _wide_auto_splits(B, head_blocks, capacity, dev, gluon == "seesaw")
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
         waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
         splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
@@ -760,15 +758,41 @@ def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, split
                          BLOCK_S=_pow2_at_least(splits), D=512, COUNTED=counts is not None, num_warps=4)
 
 
+def _wide_auto_splits(B: int, head_blocks: int, capacity: int, dev: torch.device, seesaw: bool) -> int:
+    """The 64-row kernels' automatic split count (gluon_mla_wide.auto_splits on this device's SMs)."""
+    from pdlab.attention import gluon_mla_wide
+
+    return gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev), seesaw)
+
+
+def _fp8_seesaw_pays(config: dict, q_per_seq: int, H: int, dev: torch.device, B: int | None,
+                     capacity: int | None) -> bool:
+    """Whether the two-warpgroup kernel runs an fp8 decode of B sequences over a pool of `capacity` tokens each:
+    where a split holds more than gluon_mla_wide.SEESAW_FP8_MIN_TILES tiles at the split count the launch takes
+    (`num_splits`, or the automatic one; with `waves` set, the waves rule's). Unknown B or capacity: it does."""
+    from pdlab.attention import gluon_mla_wide
+
+    if B is None or capacity is None:
+        return True
+    head_blocks = H // (gluon_mla_wide.ROWS // q_per_seq)
+    splits = int(config.get("num_splits", 0) or 0)
+    waves = float(config.get("waves") or 0)
+    if splits <= 0:
+        splits = (auto_splits(B, head_blocks, 1, capacity, dev, waves) if waves
+                  else _wide_auto_splits(B, head_blocks, capacity, dev, True))
+    return -(-capacity // (gluon_mla_wide.BLOCK_N * splits)) > gluon_mla_wide.SEESAW_FP8_MIN_TILES
+
+
 def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Tensor,
-                  kv_cache: torch.Tensor) -> str | None:
+                  kv_cache: torch.Tensor, B: int | None = None, capacity: int | None = None) -> str | None:
     """Which Gluon decode kernel this launch runs: "fp8" (attention/gluon_mla.py: sm90, an fp8 pool, heads × S_q ≤ 32,
     16-bit queries), "wide" (attention/gluon_mla_wide.py: sm90, a contiguous pool of page 64/128 — bf16/fp16 with
-    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows), "seesaw" (those programs over a bf16/fp16
-    pool with config "seesaw" on, the default: attention/gluon_mla_seesaw.py, launched by the wide kernel's
-    launcher) or None (`_mla_fwd`). Config "kernel": "gluon"
-    runs the one that fits (ValueError with both reasons where none does), "auto" likewise but falls back to
-    `_mla_fwd`, "triton" never runs one."""
+    queries of its dtype, or fp8 —, heads × S_q in programs of 64 rows), "seesaw" (those programs with config
+    "seesaw" on, the default, over a bf16/fp16 pool — attention/gluon_mla_seesaw.py — or over an fp8 pool with bf16
+    queries where its splits are long enough (`_fp8_seesaw_pays`: B sequences, `capacity` tokens each) —
+    attention/gluon_mla_seesaw_fp8.py —; launched by the wide kernel's launcher) or None (`_mla_fwd`). Config
+    "kernel": "gluon" runs the one that fits (ValueError with both reasons where none does), "auto" likewise but
+    falls back to `_mla_fwd`, "triton" never runs one."""
     kernel = str(config.get("kernel", "triton"))
     if kernel == "triton":
         return None
@@ -783,7 +807,13 @@ def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Ten
                 or gluon_mla_wide.available(q3.device, q3.dtype)
                 or (None if kv_cache.is_contiguous() else "the pool is not contiguous (it is read by TMA)"))
     if why_wide is None:
-        return "seesaw" if not fp8 and int(config.get("seesaw", gluon_mla_wide.SEESAW)) else "wide"
+        if int(config.get("seesaw", gluon_mla_wide.SEESAW)):
+            from pdlab.attention import gluon_mla_seesaw_fp8
+
+            if not fp8 or (gluon_mla_seesaw_fp8.unfit(q3.dtype) is None
+                           and _fp8_seesaw_pays(config, q_per_seq, H, q3.device, B, capacity)):
+                return "seesaw"
+        return "wide"
     if kernel == "gluon":
         raise ValueError(f"mla triton: kernel='gluon' cannot run here: fp8 kernel: {why}; 16-bit kernel: "
                          f"{why_wide}; use kernel='triton' or 'auto'")

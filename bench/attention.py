@@ -237,4 +237,4 @@ def _kernel(op: str, backend: str, p, config) -> str:
         return backend
     from pdlab.attention.backends.triton_mla import decode_kernel
 
-    return decode_kernel(p.q, p.kv_cache, config)
+    return decode_kernel(p.q, p.kv_cache, config, p.block_table)

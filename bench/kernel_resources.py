@@ -88,18 +88,19 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
     lens = torch.full((batch,), seqlen, dtype=torch.int32)
     from pdlab.attention import gluon_mla as gm
     from pdlab.attention import gluon_mla_seesaw as gs
+    from pdlab.attention import gluon_mla_seesaw_fp8 as gs8
     from pdlab.attention import gluon_mla_wide as gw
 
-    rec, grec, wrec, srec = _Recorder(), _Recorder(), _Recorder(), _Recorder()
+    rec, grec, wrec, srec, s8rec = _Recorder(), _Recorder(), _Recorder(), _Recorder(), _Recorder()
     real = tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3
     greal = getattr(gm, "_mla_fp8_decode", None), gm.available
     wreal = getattr(gw, "_mla_wide_decode", None), gw.available
-    sreal = getattr(gs, "_mla_seesaw_decode", None)
+    sreal, s8real = getattr(gs, "_mla_seesaw_decode", None), getattr(gs8, "_mla_seesaw_fp8_decode", None)
     # the target's facts in place of this machine's: its SM count, the PTX e4m3 conversion from sm89, and the Gluon
     # decode kernels on sm90 (where this Triton has Gluon)
     tk._mla_fwd, tk._mla_combine, tk._q_prescale = rec, _Skip(), _Skip()
     tk._sm_count, tk._ptx_e4m3 = (lambda device: sm_count), (lambda device: arch >= 89)
-    gm._mla_fp8_decode, gw._mla_wide_decode, gs._mla_seesaw_decode = grec, wrec, srec
+    gm._mla_fp8_decode, gw._mla_wide_decode, gs._mla_seesaw_decode, gs8._mla_seesaw_fp8_decode = grec, wrec, srec, s8rec
     gm.available = lambda device, q_dtype=None: None if arch == 90 and gm.HAVE_GLUON else f"not sm90 (sm{arch})"
     gw.available = lambda device, q_dtype=None: None if arch == 90 and gw.HAVE_GLUON else f"not sm90 (sm{arch})"
     try:
@@ -111,9 +112,9 @@ def record_launch(heads: int, kv_dtype: str, config: dict, arch: int, q_len: int
         tk._mla_fwd, tk._mla_combine, tk._q_prescale, tk._sm_count, tk._ptx_e4m3 = real
         gm._mla_fp8_decode, gm.available = greal
         gw._mla_wide_decode, gw.available = wreal
-        gs._mla_seesaw_decode = sreal
+        gs._mla_seesaw_decode, gs8._mla_seesaw_fp8_decode = sreal, s8real
     fn, seen = ((greal[0], grec.seen) if grec.seen else (wreal[0], wrec.seen) if wrec.seen
-                else (sreal, srec.seen) if srec.seen else (real[0], rec.seen))
+                else (sreal, srec.seen) if srec.seen else (s8real, s8rec.seen) if s8rec.seen else (real[0], rec.seen))
     launch = _split_launch(fn, seen)
     if launch["constexprs"].get("BALANCED"):  # the fp8 Gluon kernel's balanced schedule: the programs of a sequence
         args, names = launch["args"], fn.arg_names

@@ -147,8 +147,8 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
     """On sm90 with a Triton that has Gluon, a bucket that a Gluon kernel takes runs it by default: over an fp8 pool
     with heads × q_len ≤ 32 attention/gluon_mla.py, over a bf16/fp16/fp8 pool in programs of 64 query rows
     attention/gluon_mla_wide.py. The search is then the kernel (gluon or triton) and the split knobs both Gluon
-    kernels read, and over a 16-bit pool the wide kernel's schedule (`seesaw`, attention/gluon_mla_seesaw.py); the
-    other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space but `kernel`,
+    kernels read, and the 64-row programs' schedule (`seesaw`: attention/gluon_mla_seesaw.py, over fp8
+    gluon_mla_seesaw_fp8.py where its splits are long enough); the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space but `kernel`,
     `schedule` and `seesaw` (only `_mla_fwd` can run there). The fp8 kernel's schedule is not searched (the
     buckets' uniform lengths cannot show what the balanced one is for, ragged batches): from BALANCED_MIN_BATCH
     sequences it takes the split counts from the lengths, and only the kernel is searched there."""
@@ -168,8 +168,7 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}.get(kv)
         q_dt = torch.bfloat16 if kv == "fp8" else dt
         if dt is not None and gluon_mla_wide.unfit(heads, q_len, dt, q_dt, 64) is None:
-            knobs = ("kernel", "num_splits", "waves") + (() if kv == "fp8" else ("seesaw",))
-            return {k: full[k] for k in knobs}
+            return {k: full[k] for k in ("kernel", "num_splits", "waves", "seesaw")}
     return {k: v for k, v in full.items() if k not in ("kernel", "schedule", "seesaw")}
 
 

@@ -130,17 +130,21 @@ def resolve_decode_config(config: dict, heads: int, q_len: int, fp8: bool = Fals
 DECODE_KERNELS = {"fp8": "gluon_mla", "wide": "gluon_mla_wide", "seesaw": "gluon_mla_seesaw", None: "_mla_fwd"}
 
 
-def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, config: dict | None = None) -> str:
+def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, config: dict | None = None,
+                  block_table: torch.Tensor | None = None) -> str:
     """Which kernel `mla_decode_triton` runs for q [B, S_q, H, 576] over kv_cache [P, page, 576] (uint8 for fp8) with
-    `config` (merged over the default; None: the default): "gluon_mla" (fp8, ≤ 32 query rows, sm90),
-    "gluon_mla_seesaw" (64-row programs over a 16-bit pool, sm90, seesaw on), "gluon_mla_wide" (the other 64-row
-    programs) or "_mla_fwd". What `bench attention` prints beside each row."""
+    `config` (merged over the default; None: the default) and block_table [B, max_pages] int32 (its width sets the
+    split count; None: a long pool): "gluon_mla" (fp8, ≤ 32 query rows, sm90), "gluon_mla_seesaw" (64-row programs
+    over a 16-bit pool, sm90, seesaw on), "gluon_mla_seesaw_fp8" (those over fp8 where the splits are long),
+    "gluon_mla_wide" (the other 64-row programs) or "_mla_fwd". What `bench attention` prints beside each row."""
     from pdlab.attention import triton_kernels as tk
 
     B, Sq, H, _ = q.shape
     fp8 = kv_cache.dtype == torch.uint8
     cfg = resolve_decode_config({**DECODE_DEFAULT, **(config or {})}, H, Sq, fp8)
-    return DECODE_KERNELS[tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache)]
+    capacity = None if block_table is None else block_table.shape[1] * kv_cache.shape[1]
+    name = DECODE_KERNELS[tk._gluon_kernel(cfg, fp8, Sq, H, q.reshape(B * Sq, H, 576), kv_cache, B, capacity)]
+    return name + "_fp8" if fp8 and name == "gluon_mla_seesaw" else name
 
 
 def carry_splits(config: dict, tuned: dict, call: dict) -> dict:

@@ -66,11 +66,23 @@ def test_decode_kernel_names_what_each_problem_runs(monkeypatch):
         return
     monkeypatch.setattr(W, "available", lambda device, q_dtype=None: None)
     monkeypatch.setattr(gluon_mla, "available", lambda device, q_dtype=None: None)
-    # 64-row programs: over a 16-bit pool the two-warpgroup schedule (the default), over fp8 the wide kernel
-    assert decode_kernel(q(128), bf16) == "gluon_mla_seesaw" and decode_kernel(q(128), fp8) == "gluon_mla_wide"
+    # 64-row programs: over a 16-bit pool the two-warpgroup schedule (the default); over fp8 too where its splits
+    # hold more than 32 tiles (this fake GPU: 4 SMs), else the wide kernel; fp16 queries over fp8: the wide kernel
+    assert decode_kernel(q(128), bf16) == "gluon_mla_seesaw" and decode_kernel(q(128), fp8) == "gluon_mla_seesaw_fp8"
     assert decode_kernel(q(16, 4), bf16) == "gluon_mla_seesaw"
     assert decode_kernel(q(128), bf16, {"seesaw": 0}) == "gluon_mla_wide"
-    assert decode_kernel(q(128), fp8, {"seesaw": 1}) == "gluon_mla_wide"
+    assert decode_kernel(q(128), fp8, {"seesaw": 0}) == "gluon_mla_wide"
+    assert decode_kernel(q(128).half(), fp8) == "gluon_mla_wide"
+
+    def table(pages):  # a block table of `pages` pages of 64 tokens per sequence
+        return torch.zeros(2, pages, dtype=torch.int32)
+
+    # 2 sequences × 2 head blocks on 4 SMs: one split; a split of 32 tiles (2k tokens) is too short, 33 is not
+    assert decode_kernel(q(128), fp8, None, table(32)) == "gluon_mla_wide"
+    assert decode_kernel(q(128), fp8, None, table(33)) == "gluon_mla_seesaw_fp8"
+    assert decode_kernel(q(128), fp8, {"num_splits": 2}, table(66)) == "gluon_mla_seesaw_fp8"
+    assert decode_kernel(q(128), fp8, {"num_splits": 3}, table(66)) == "gluon_mla_wide"
+    assert decode_kernel(q(128), bf16, None, table(1)) == "gluon_mla_seesaw"  # 16-bit pools: whatever the splits
     assert decode_kernel(q(16), fp8) == "gluon_mla" and decode_kernel(q(16), bf16) == "_mla_fwd"
     assert decode_kernel(q(128), torch.zeros(4, 16, 576, dtype=torch.bfloat16)) == "_mla_fwd"  # page 16
     assert decode_kernel(q(128), bf16, {"kernel": "triton"}) == "_mla_fwd"
@@ -112,7 +124,11 @@ def test_launcher_caps_the_splits_by_the_kernel_it_runs():
 
     assert splits("bf16", dict(DECODE_DEFAULT)) == ("_mla_seesaw_decode", 32)
     assert splits("bf16", {**DECODE_DEFAULT, "seesaw": 0}) == ("_mla_wide_decode", 64)
+    # over fp8 a lone 16k sequence's splits are short (8 or 16 tiles): the wide kernel; at 128k the two-warpgroup
+    # one (32 splits of 64 tiles)
     assert splits("fp8", dict(DECODE_DEFAULT)) == ("_mla_wide_decode", 64)
+    (_, launch), = record_launch(128, "fp8", dict(DECODE_DEFAULT), 90, batch=1, seqlen=131072)
+    assert (launch["fn"].__name__, launch["splits"]) == ("_mla_seesaw_fp8_decode", 32)
 
 
 @pytest.mark.skipif(not W.HAVE_GLUON, reason="this Triton has no Gluon")
