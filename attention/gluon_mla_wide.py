@@ -41,9 +41,11 @@ range in tiles of 64 tokens:
 The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the output contract of
 `_mla_fwd` and of gluon_mla).
 
-Over bf16/fp16 pools `launch` runs gluon_mla_seesaw instead by default (`seesaw`): the same problem with the two
-warpgroups on alternate tiles, 1.12–1.23× faster from batch 32 on an H200; this kernel keeps the fp8 pools and
-`seesaw=0`.
+With `seesaw` (the default) `launch` runs a two-warpgroup kernel instead: gluon_mla_seesaw over bf16/fp16 pools
+(the same problem with the warpgroups on alternate tiles, 1.12–1.23× faster from batch 32 on an H200), and
+gluon_mla_seesaw_fp8 over fp8 pools with bf16 queries (1.05–1.15× from 48 tiles a split) where the caller chose it
+(triton_kernels `_gluon_kernel`: a split of more than SEESAW_FP8_MIN_TILES tiles). This kernel keeps the shorter fp8
+splits, fp16 queries over fp8 and `seesaw=0`.
 """
 
 from __future__ import annotations
@@ -407,7 +409,8 @@ def _tokens(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def kv_descriptor(kv_cache: torch.Tensor):
-    """The TMA descriptor of a [P, page, 576] pool (bf16/fp16, or uint8 fp8 bytes) seen as [P·page, 576] with
+    """The TMA descriptor of a [P, page, 576] pool (bf16/fp16, or fp8 as uint8 bytes or as float8_e4m3fn for the
+    e4m3 MMAs) seen as [P·page, 576] with
     [64, 64] boxes. Built per call and not kept: the launcher encodes the hardware descriptor at every launch
     anyway, and a cache of these would hold every pool it ever saw alive."""
     return TensorDescriptor.from_tensor(_tokens(kv_cache), [64, 64], _box_layout(kv_cache.dtype))
@@ -436,8 +439,10 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
            lse_strides: tuple[int, int, int], part_strides: tuple[int, int, int, int, int], qk_scale: float, *,
            q_per_seq: int, splits: int, kv_scale: float = 1.0, kv_scale_ptr: torch.Tensor | None = None,
            conv_group: int = CONV_GROUP, tma3: bool = TMA3, seesaw: bool = SEESAW) -> None:
-    """Launch `_mla_wide_decode` over grid (head blocks, splits, B) — or, over a bf16/fp16 pool with `seesaw`
-    (the default), gluon_mla_seesaw's two-warpgroup kernel over the same grid and outputs.
+    """Launch `_mla_wide_decode` over grid (head blocks, splits, B) — or, with `seesaw` (the default), a
+    two-warpgroup kernel over the same grid and outputs: gluon_mla_seesaw's over a bf16/fp16 pool,
+    gluon_mla_seesaw_fp8's over an fp8 pool (bf16 queries; ValueError for others). Whether the two-warpgroup kernel
+    pays over fp8 is the caller's choice (triton_kernels `_gluon_kernel`).
 
     q3: [B·S_q, H, 576] bf16/fp16 queries (H·S_q a multiple of 64; the cache's dtype over a 16-bit pool);
     kv_cache: [P, page, 576] bf16/fp16, or uint8 e4m3 bytes (value = e4m3 · kv_scale), page 64 or 128, contiguous;

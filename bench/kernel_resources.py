@@ -233,13 +233,14 @@ def compile_launch(launch: dict, arch: int, sass: int = 0) -> dict:
 
 
 def _is_descriptor(value) -> bool:
-    """Whether a recorded argument is a Gluon TMA descriptor (the wide MLA decode kernel's cache)."""
+    """Whether a recorded argument is a Gluon TMA descriptor (the 64-row MLA decode kernels' cache)."""
     return type(value).__name__ == "TensorDescriptor" and hasattr(value, "block_shape")
 
 
 def _descriptor_type(desc) -> str:
     """The signature type the JIT gives a Gluon TMA descriptor: tensordesc<dtype[block],layout>."""
-    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8"}[desc.base.dtype]
+    elem = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+            torch.float8_e4m3fn: "fp8e4nv"}[desc.base.dtype]
     return f"tensordesc<{elem}[{', '.join(str(d) for d in desc.block_shape)}],{desc.layout!r}>"
 
 

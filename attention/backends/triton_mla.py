@@ -49,7 +49,10 @@ barrier, 1 / 3 / 9; 9, the whole tile, is the default, the fastest at every shap
 seesaw (64-row programs over a bf16/fp16 pool: 1, the default, runs attention/gluon_mla_seesaw.py — the two
 warpgroups on alternate tiles, each q·k over a whole tile, one's softmax under the other's MMAs — 0 the wide
 kernel's shared tiles: 0.612 → 0.516 ms at B=128, 8k, 128 heads bf16 on an H200, 1.12–1.23× from batch 32, equal
-at batch 1–8; bench/results/NVIDIA_H200/attention/2026-12-02_seesaw).
+at batch 1–8; bench/results/NVIDIA_H200/attention/2026-12-02_seesaw; over an fp8 pool with bf16 queries, where a
+split holds more than 32 tiles, attention/gluon_mla_seesaw_fp8.py — q·k as e4m3 wgmma from the ring, each warpgroup
+converting its half of V —: 0.805 → 0.698 ms at B=128, 8k, 1.05–1.15× from 3k tokens a split;
+bench/results/NVIDIA_H200/attention/2026-12-02_seesaw_fp8).
 "auto" (the default of fp8_compute, d_quarters and page_ahead): over an fp8 pool quarters, page ahead and
 fp16 compute; over a 16-bit cache neither knob (both slower there: 0.293 → 0.311–0.328 ms at 16 heads).
 """

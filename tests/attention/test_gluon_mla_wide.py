@@ -305,7 +305,7 @@ def test_gpu_wide_decode_matches_the_reference(heads, q_len, page, cfg, seed):
     (128, 2, 128, {}, torch.bfloat16), (16, 4, 64, {"num_splits": 2}, torch.float16), (64, 1, 64, {}, torch.float16),
     (128, 1, 64, {"num_splits": 64}, torch.bfloat16), (128, 1, 64, {"conv_group": 1}, torch.bfloat16),
     (128, 2, 128, {"conv_group": 3, "num_splits": 3}, torch.float16), (128, 1, 128, {"tma3": 0}, torch.bfloat16),
-    (128, 1, 64, {"seesaw": 0}, torch.bfloat16),  # (the two-warpgroup schedule reads 16-bit pools only)
+    (128, 1, 64, {"seesaw": 0}, torch.bfloat16),  # the wide kernel (its fp8 splits are short here anyway)
 ])
 def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg, q_dtype, seed):
     why = _gpu_reason()
@@ -321,6 +321,33 @@ def test_gpu_wide_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg,
     scale_t = torch.tensor([p.kv_scale], device="cuda")
     for scale in (p.kv_scale, scale_t):
         out, lse = mla_decode(*args, kv_scale=scale, backend="triton", config={"kernel": "gluon", **cfg})
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+        assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+            (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len,page,cfg,top", [
+    (128, 1, 64, {"num_splits": 1}, 3000), (128, 1, 128, {}, 9000), (128, 2, 64, {"num_splits": 1}, 3000),
+    (16, 4, 128, {"num_splits": 1}, 3000), (64, 1, 64, {"num_splits": 2}, 6000),
+])
+def test_gpu_seesaw_decode_over_fp8_matches_the_reference(heads, q_len, page, cfg, top, seed):
+    # splits of more than 32 tiles: the two-warpgroup fp8 kernel (asserted), against the reference on the same bytes
+    from pdlab.attention.backends.triton_mla import decode_kernel
+
+    why = _gpu_reason()
+    if why:
+        pytest.skip(why)
+    rng = random.Random(seed)
+    p = decode_problem(_lens(24, top, q_len, rng), heads, q_len, page, torch.bfloat16, kv_dtype="fp8", device="cuda",
+                       seed=seed)  # e4m3 bytes, NaN (0x7F) past each length
+    p.q[0] *= 3e5  # rows far beyond fp16's range: rescaled per row by a power of two
+    config = {"kernel": "gluon", **cfg}
+    assert decode_kernel(p.q, p.kv_cache, config, p.block_table) == "gluon_mla_seesaw_fp8"
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale)
+    ref = mla_decode(*args, kv_scale=p.kv_scale, backend="torch")
+    for scale in (p.kv_scale, torch.tensor([p.kv_scale], device="cuda")):
+        out, lse = mla_decode(*args, kv_scale=scale, backend="triton", config=config)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
         assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5, \
             (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
