@@ -30,7 +30,8 @@ B=128 8k).
 
 The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the output contract of the
 wide kernel). bf16/fp16 pools only: over an fp8 pool each warpgroup would need a 16-bit copy of its tile for its
-MMAs, and two of them (144 KB) do not fit beside q and the byte ring.
+MMAs, and two of them (144 KB) do not fit beside q and the byte ring; gluon_mla_seesaw_fp8 runs this schedule there
+with q·k in e4m3 and half a tile of V converted per warpgroup, sharing this module's partition helpers.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ if W.HAVE_GLUON:
     RS = gl.constexpr(gl.SliceLayout(1, MMA_S.value))
     RO = gl.constexpr(gl.SliceLayout(1, MMA_O.value))
     ZL = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # zeroing a tile's [64, 64] V blocks
+    QL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q's [64, 64] blocks from global memory
 
     @gluon.jit
     def _tile_scores(qn, qp, nope, pe, bars, slot, z, phase, start, hi, limit, row_scale, tok):
@@ -118,6 +120,90 @@ if W.HAVE_GLUON:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
+    def _q_rows(Q, hb, q_start, stride_q_t, stride_q_h, BLOCK_H: gl.constexpr):
+        """Pointers to the program's 64 query rows [64, 1] (row r: query token r // BLOCK_H, head hb·BLOCK_H +
+        r % BLOCK_H) and a 64-column block's offsets [1, 64], in QL."""
+        qr = gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+        qh = hb * BLOCK_H + qr % BLOCK_H
+        q_row = Q + gl.expand_dims((q_start + qr // BLOCK_H).to(gl.int64) * stride_q_t + qh * stride_q_h, 1)
+        return q_row, gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
+
+    @gluon.jit
+    def _ring(kv_desc, lat_desc, bt_row, lo, n_tiles, dtype: gl.constexpr, FREE_COUNT: gl.constexpr,
+              PAGE: gl.constexpr, BOX_BYTES: gl.constexpr):
+        """The TMA ring of two tiles (latent [2, 64, 512] and rope [2, 64, 64] of `dtype` in the pool's box layout)
+        with the first two tiles of [lo, ...) in flight, and the mbarriers: a tile landed (per slot), a slot released
+        (per slot, FREE_COUNT arrivals), p and m to the right warpgroup, to the left one. Returns (latent, rope,
+        landed, released, to_right, to_left)."""
+        nope = gl.allocate_shared_memory(dtype, [2, 64, 512], kv_desc.layout)
+        pe = gl.allocate_shared_memory(dtype, [2, 64, 64], kv_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        to_right = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        to_left = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(free.index(i), count=FREE_COUNT)
+        mbarrier.init(to_right, count=1)
+        mbarrier.init(to_left, count=1)
+        for i in gl.static_range(2):
+            start = lo + i * 64
+            ok = i < n_tiles
+            page = gl.load(bt_row + start // PAGE, mask=ok, other=0)
+            _issue(kv_desc, lat_desc, nope, pe, bars, i, page, start, ok, PAGE, BOX_BYTES, True)
+        return nope, pe, bars, free, to_right, to_left
+
+    @gluon.jit
+    def _right_exchange(s, v0, p_smem, m0_smem, m1_smem, to_right, to_left, phase, m, l, o, has):
+        """The right warpgroup's half of a pair's exchange, its scores s [64, 64] (base 2) in hand: once the left's
+        p0 and m0 are there (`to_right` completes `phase`), o [64, 256] and l rescaled from m to m0 and p0·v0 issued
+        (v0: its columns of the even tile's V in shared memory) before its own softmax against m0; p1 (where `has`)
+        and m1 then go to the left. Returns (m1, 2^(m0 − m1) [64], p1 in p_smem's dtype, l with p1's sums, o with
+        p0·v0 added)."""
+        mbarrier.wait(to_right, phase)
+        m0 = m0_smem.load(RS)
+        alpha = _factor(m, m0)
+        p0 = gl.convert_layout(p_smem.load(MMA_S), PL)
+        l = l * alpha
+        o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
+        o = warpgroup_mma(p0, v0, o, is_async=True)
+        m1, beta, p1 = _online(s, m0)
+        l = l * beta + gl.sum(p1, 1)
+        p1b = p1.to(p_smem.dtype)
+        _cta_barrier()  # every thread's p0 read done before p1 is stored over it
+        _send(p_smem, p1b, m1_smem, m1, to_left, has)
+        o, p0 = warpgroup_mma_wait(0, deps=(o, p0))
+        return m1, beta, p1b, l, o
+
+    @gluon.jit
+    def _refill(kv_desc, lat_desc, nope, pe, bars, free, slot, phase, bt_row, nxt, pred, PAGE: gl.constexpr,
+                BOX_BYTES: gl.constexpr):
+        """The tile at `nxt` (where pred) into ring slot `slot` once both warpgroups released it (`free` completes
+        `phase`)."""
+        mbarrier.wait(free.index(slot), phase)
+        page = gl.load(bt_row + nxt // PAGE, mask=pred, other=0)
+        _issue(kv_desc, lat_desc, nope, pe, bars, slot, page, nxt, pred, PAGE, BOX_BYTES, True)
+
+    @gluon.jit
+    def _sums_left(l, m0_smem, m1_smem, to_right, to_left, n_tiles):
+        """The left warpgroup's row sums [64] plus the right's: ours sent first, theirs back."""
+        m0_smem.store(l)
+        _cta_barrier()
+        mbarrier.arrive(to_right, count=1)
+        mbarrier.wait(to_left, gl.cdiv(n_tiles, 2) & 1)
+        return l + m1_smem.load(RS)
+
+    @gluon.jit
+    def _sums_right(l, m0_smem, m1_smem, to_right, to_left, n_tiles):
+        """The right warpgroup's row sums [64] plus the left's: theirs received, then ours sent."""
+        mbarrier.wait(to_right, gl.cdiv(n_tiles, 2) & 1)
+        l_left = m0_smem.load(RS)
+        m1_smem.store(l)
+        _cta_barrier()
+        mbarrier.arrive(to_left, count=1)
+        return l + l_left
+
+    @gluon.jit
     def _store_half(o, l, m, hb, q_start, split, O, O_PART, LSE, LSE_PART, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h,
                     BLOCK_H: gl.constexpr, FINAL: gl.constexpr, COL: gl.constexpr, WITH_LSE: gl.constexpr,
@@ -169,13 +255,7 @@ if W.HAVE_GLUON:
                 _cta_barrier()  # every thread's p1 read done before the next p0 is stored
                 mbarrier.arrive(free.index(1), count=1)
             m = m1
-        # row sums: ours to the right warpgroup, theirs back
-        m0_smem.store(l)
-        _cta_barrier()
-        mbarrier.arrive(to_right, count=1)
-        n_pairs = gl.cdiv(n_tiles, 2)
-        mbarrier.wait(to_left, n_pairs & 1)
-        l = l + m1_smem.load(RS)
+        l = _sums_left(l, m0_smem, m1_smem, to_right, to_left, n_tiles)
         _store_half(o, l, m, hb, q_start, split, O, O_PART, LSE, LSE_PART, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h,
                     BLOCK_H, FINAL, 0, True)
@@ -197,26 +277,13 @@ if W.HAVE_GLUON:
                 s = _tile_scores(qn, qp, nope, pe, bars, 1, j >> 24, j & 1, start, hi, limit, row_scale, tok)
             else:
                 s = gl.full([64, 64], float("-inf"), gl.float32, layout=MMA_S)
-            # the left's p0 [64, 64] and m0: o_R and l_R to m0, p0·V0[:, 256:] issued before our softmax so that the
-            # even slot goes back to the TMA early
-            mbarrier.wait(to_right, j & 1)
-            m0 = m0_smem.load(RS)
-            alpha = _factor(m, m0)
-            p0 = gl.convert_layout(p_smem.load(MMA_S), PL)
-            l = l * alpha
-            o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
-            o = warpgroup_mma(p0, nope.index(0).slice(256, 256, dim=1), o, is_async=True)
-            m1, beta, p1 = _online(s, m0)
-            l = l * beta + gl.sum(p1, 1)
-            p1b = p1.to(qn.dtype)
-            _cta_barrier()  # every thread's p0 read done before p1 is stored over it
-            _send(p_smem, p1b, m1_smem, m1, to_left, has)
-            o, p0 = warpgroup_mma_wait(0, deps=(o, p0))
+            # the left's p0 and m0, p0·V0[:, 256:] issued before our softmax so that the even slot goes back to the
+            # TMA early; our p1 and m1 to the left
+            m1, beta, p1b, l, o = _right_exchange(s, nope.index(0).slice(256, 256, dim=1), p_smem, m0_smem, m1_smem,
+                                                  to_right, to_left, j & 1, m, l, o, has)
             # tile 2j + 2 into the even slot once the left warpgroup is done with tile 2j too
             nxt = lo + (2 * j + 2) * 64
-            mbarrier.wait(free.index(0), j & 1)
-            page = gl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
-            _issue(kv_desc, lat_desc, nope, pe, bars, 0, page, nxt, nxt < hi, PAGE, BOX_BYTES, True)
+            _refill(kv_desc, lat_desc, nope, pe, bars, free, 0, j & 1, bt_row, nxt, nxt < hi, PAGE, BOX_BYTES)
             o = o * gl.expand_dims(gl.convert_layout(beta, RO), 1)
             if has:
                 pa = gl.convert_layout(p1b, PL)
@@ -224,17 +291,10 @@ if W.HAVE_GLUON:
                 o, pa = warpgroup_mma_wait(0, deps=(o, pa))
                 nxt = nxt + 64
                 if nxt < hi:  # tile 2j + 3 into the odd slot once the left warpgroup is done with tile 2j + 1
-                    mbarrier.wait(free.index(1), j & 1)
-                    page = gl.load(bt_row + nxt // PAGE)
-                    _issue(kv_desc, lat_desc, nope, pe, bars, 1, page, nxt, True, PAGE, BOX_BYTES, True)
+                    _refill(kv_desc, lat_desc, nope, pe, bars, free, 1, j & 1, bt_row, nxt, True, PAGE, BOX_BYTES)
             m = m1
-        n_pairs = gl.cdiv(n_tiles, 2)
-        mbarrier.wait(to_right, n_pairs & 1)
-        l_left = m0_smem.load(RS)
-        m1_smem.store(l)
-        _cta_barrier()
-        mbarrier.arrive(to_left, count=1)
-        _store_half(o, l + l_left, m, hb, q_start, split, O, O_PART, O, O, stride_o_t, stride_o_h, stride_op_t,
+        l = _sums_right(l, m0_smem, m1_smem, to_right, to_left, n_tiles)
+        _store_half(o, l, m, hb, q_start, split, O, O_PART, O, O, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, 0, 0, 0, 0, 0, BLOCK_H, FINAL, 256, False)
 
     @gluon.jit(do_not_specialize=["num_splits"])
@@ -248,39 +308,20 @@ if W.HAVE_GLUON:
         """Grid (head blocks, splits, batch), two warpgroups; program row r: query token r // BLOCK_H of the
         sequence, head hb·BLOCK_H + r % BLOCK_H. Module docstring for the rest."""
         dt: gl.constexpr = kv_desc.dtype
-        RING: gl.constexpr = kv_desc.layout
-        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         BOX_BYTES: gl.constexpr = 64 * 64 * 2
         hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
         bt_row = BT + b.to(gl.int64) * stride_bt_b
 
-        nope = gl.allocate_shared_memory(dt, [2, 64, 512], RING)
-        pe = gl.allocate_shared_memory(dt, [2, 64, 64], RING)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        to_right = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        to_left = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(bars.index(i), count=1)
-            mbarrier.init(free.index(i), count=1)
-        mbarrier.init(to_right, count=1)
-        mbarrier.init(to_left, count=1)
-        for i in gl.static_range(2):
-            start = lo + i * 64
-            ok = i < n_tiles
-            page = gl.load(bt_row + start // PAGE, mask=ok, other=0)
-            _issue(kv_desc, lat_desc, nope, pe, bars, i, page, start, ok, PAGE, BOX_BYTES, True)
+        nope, pe, bars, free, to_right, to_left = _ring(kv_desc, lat_desc, bt_row, lo, n_tiles, dt, 1, PAGE,
+                                                        BOX_BYTES)
 
         qn = gl.allocate_shared_memory(dt, [1, 64, 512], _TILE16)
         qp = gl.allocate_shared_memory(dt, [1, 64, 64], _TILE16)
         p_smem = gl.allocate_shared_memory(dt, [64, 64], _TILE16)
         m0_smem = gl.allocate_shared_memory(gl.float32, [64], _VEC)
         m1_smem = gl.allocate_shared_memory(gl.float32, [64], _VEC)
-        qr = gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-        qh = hb * BLOCK_H + qr % BLOCK_H
-        q_row = Q + gl.expand_dims((q_start + qr // BLOCK_H).to(gl.int64) * stride_q_t + qh * stride_q_h, 1)
-        qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
+        q_row, qc = _q_rows(Q, hb, q_start, stride_q_t, stride_q_h, BLOCK_H)
         for c in gl.static_range(8):
             qn.index(0).slice(c * 64, 64, dim=1).store(gl.load(q_row + c * 64 + qc))
         qp.index(0).store(gl.load(q_row + 512 + qc))

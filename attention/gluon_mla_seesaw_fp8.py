@@ -63,9 +63,10 @@ if W.HAVE_GLUON:
                                                                   warpgroup_mma_wait)
 
     from pdlab.attention.gluon_mla import _e4m3_value, _program_span
-    from pdlab.attention.gluon_mla_seesaw import (MMA_S, PL, RIGHT_REGS, RO, RS, WARPS, _VEC, _begin, _factor,
-                                                  _online, _send, _store_half)
-    from pdlab.attention.gluon_mla_wide import _TILE16, _cta_barrier, _issue, _scores
+    from pdlab.attention.gluon_mla_seesaw import (MMA_S, PL, QL, RO, RS, WARPS, _VEC, _begin, _factor, _online,
+                                                  _q_rows, _refill, _right_exchange, _ring, _send, _store_half,
+                                                  _sums_left, _sums_right)
+    from pdlab.attention.gluon_mla_wide import _TILE16, _cta_barrier, _scores
 
     # the q·k accumulator of e4m3 wgmma (K 32 an instruction): the same registers as MMA_S's
     MMA_S8 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32]))
@@ -169,13 +170,7 @@ if W.HAVE_GLUON:
                 o = warpgroup_mma_wait(0, deps=(o,))
                 _cta_barrier()  # every thread's p1 read done before the next p0 is stored
             m = m1
-        # row sums: ours to the right warpgroup, theirs back
-        m0_smem.store(l)
-        _cta_barrier()
-        mbarrier.arrive(to_right, count=1)
-        n_pairs = gl.cdiv(n_tiles, 2)
-        mbarrier.wait(to_left, n_pairs & 1)
-        l = l + m1_smem.load(RS)
+        l = _sums_left(l, m0_smem, m1_smem, to_right, to_left, n_tiles)
         _store_half(o, l, m, hb, q_start, split, O, O_PART, LSE, LSE_PART, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, stride_lse_t, stride_lse_j, stride_lse_h, stride_lp_t, stride_lp_h,
                     BLOCK_H, FINAL, 0, True, kv_scale)
@@ -205,25 +200,12 @@ if W.HAVE_GLUON:
                 _visible()
                 s = gl.full([64, 64], float("-inf"), gl.float32, layout=MMA_S)
             mbarrier.arrive(free.index(0), count=1)
-            # the left's p0 [64, 64] and m0: o_R and l_R to m0, p0·V0_R issued before our softmax
-            mbarrier.wait(to_right, j & 1)
-            m0 = m0_smem.load(RS)
-            alpha = _factor(m, m0)
-            p0 = gl.convert_layout(p_smem.load(MMA_S), PL)
-            l = l * alpha
-            o = o * gl.expand_dims(gl.convert_layout(alpha, RO), 1)
-            o = warpgroup_mma(p0, vr, o, is_async=True)
-            m1, beta, p1 = _online(s, m0)
-            l = l * beta + gl.sum(p1, 1)
-            p1b = p1.to(gl.float16)
-            _cta_barrier()  # every thread's p0 read done before p1 is stored over it
-            _send(p_smem, p1b, m1_smem, m1, to_left, has)
-            o, p0 = warpgroup_mma_wait(0, deps=(o, p0))
+            # the left's p0 and m0, p0·V0_R issued before our softmax; our p1 and m1 to the left
+            m1, beta, p1b, l, o = _right_exchange(s, vr, p_smem, m0_smem, m1_smem, to_right, to_left, j & 1, m, l, o,
+                                                  has)
             # tile 2j + 2 into the even slot once both warpgroups are done with tile 2j
             nxt = lo + (2 * j + 2) * 64
-            mbarrier.wait(free.index(0), j & 1)
-            page = gl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
-            _issue(kv_desc, lat_desc, nope, pe, bars, 0, page, nxt, nxt < hi, PAGE, BOX_BYTES, True)
+            _refill(kv_desc, lat_desc, nope, pe, bars, free, 0, j & 1, bt_row, nxt, nxt < hi, PAGE, BOX_BYTES)
             o = o * gl.expand_dims(gl.convert_layout(beta, RO), 1)
             if has:
                 _convert(nope, 1, vr, start, hi, 1)
@@ -234,17 +216,10 @@ if W.HAVE_GLUON:
                 o, pa = warpgroup_mma_wait(0, deps=(o, pa))
                 nxt = nxt + 64
                 if nxt < hi:  # tile 2j + 3 into the odd slot once both are done with tile 2j + 1
-                    mbarrier.wait(free.index(1), j & 1)
-                    page = gl.load(bt_row + nxt // PAGE)
-                    _issue(kv_desc, lat_desc, nope, pe, bars, 1, page, nxt, True, PAGE, BOX_BYTES, True)
+                    _refill(kv_desc, lat_desc, nope, pe, bars, free, 1, j & 1, bt_row, nxt, True, PAGE, BOX_BYTES)
             m = m1
-        n_pairs = gl.cdiv(n_tiles, 2)
-        mbarrier.wait(to_right, n_pairs & 1)
-        l_left = m0_smem.load(RS)
-        m1_smem.store(l)
-        _cta_barrier()
-        mbarrier.arrive(to_left, count=1)
-        _store_half(o, l + l_left, m, hb, q_start, split, O, O_PART, O, O, stride_o_t, stride_o_h, stride_op_t,
+        l = _sums_right(l, m0_smem, m1_smem, to_right, to_left, n_tiles)
+        _store_half(o, l, m, hb, q_start, split, O, O_PART, O, O, stride_o_t, stride_o_h, stride_op_t,
                     stride_op_h, stride_op_s, 0, 0, 0, 0, 0, BLOCK_H, FINAL, 256, False, kv_scale)
 
     @gluon.jit(do_not_specialize=["num_splits"])
@@ -258,8 +233,6 @@ if W.HAVE_GLUON:
         """Grid (head blocks, splits, batch), two warpgroups; program row r: query token r // BLOCK_H of the
         sequence, head hb·BLOCK_H + r % BLOCK_H. qk_scale: softmax scale · log2(e); kv_scale the pool's (or read
         from KV_SCALE_PTR). Module docstring for the rest."""
-        RING: gl.constexpr = kv_desc.layout
-        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         BOX_BYTES: gl.constexpr = 64 * 64
         hb, split, b, q_start, prefix, lo, hi = _program_span(SEQLENS, num_splits, Q_PER_SEQ)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
@@ -267,22 +240,9 @@ if W.HAVE_GLUON:
         if SCALE_FROM_PTR:
             kv_scale = gl.load(KV_SCALE_PTR).to(gl.float32)
 
-        nope = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 512], RING)
-        pe = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 64], RING)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        to_right = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        to_left = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(bars.index(i), count=1)
-            mbarrier.init(free.index(i), count=2)  # a slot goes back once both warpgroups are done with it
-        mbarrier.init(to_right, count=1)
-        mbarrier.init(to_left, count=1)
-        for i in gl.static_range(2):
-            start = lo + i * 64
-            ok = i < n_tiles
-            page = gl.load(bt_row + start // PAGE, mask=ok, other=0)
-            _issue(kv_desc, lat_desc, nope, pe, bars, i, page, start, ok, PAGE, BOX_BYTES, True)
+        # a slot goes back to the TMA once both warpgroups are done with it (two arrivals)
+        nope, pe, bars, free, to_right, to_left = _ring(kv_desc, lat_desc, bt_row, lo, n_tiles, gl.float8e4nv, 2,
+                                                        PAGE, BOX_BYTES)
 
         # q [64 rows, 576] as its two e4m3 parts, each row scaled by a power of two into (128, 256]
         qn = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, 512], _Q8)
@@ -292,10 +252,7 @@ if W.HAVE_GLUON:
         m0_smem = gl.allocate_shared_memory(gl.float32, [64], _VEC)
         m1_smem = gl.allocate_shared_memory(gl.float32, [64], _VEC)
         qfac_smem = gl.allocate_shared_memory(gl.float32, [64], _VEC)
-        qr = gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-        qh = hb * BLOCK_H + qr % BLOCK_H
-        q_row = Q + gl.expand_dims((q_start + qr // BLOCK_H).to(gl.int64) * stride_q_t + qh * stride_q_h, 1)
-        qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 0)
+        q_row, qc = _q_rows(Q, hb, q_start, stride_q_t, stride_q_h, BLOCK_H)
         amax = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, QL))
         for c in gl.static_range(9):
             amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_row + c * 64 + qc).to(gl.float32)), 1))
