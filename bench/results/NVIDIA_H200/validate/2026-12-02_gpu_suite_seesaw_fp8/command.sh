@@ -7,3 +7,8 @@ OUT=$OUT/suite GROUP_TIMEOUT=400 bash bench/gpu/gpu_suite.sh
 export PDLAB_COMMIT=516ce68
 timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/attention/test_gluon_mla_wide.py \
   -k "seesaw_decode_over_fp8 or over_fp8_matches" > $OUT/v/fp8_tests.txt 2>&1; echo "rc=$?" >> $OUT/v/fp8_tests.txt
+# 3) tree: commit 5a9f4f4 (the two seesaw kernels' partitions share helpers), on a fresh machine
+export PDLAB_COMMIT=5a9f4f4
+timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/attention/test_gluon_mla_wide.py > $OUT/f/wide_tests.txt 2>&1
+timeout 100 python3 bench/gpu/wide_mla.py --out $OUT/f/w --skip-correctness --variants '{}' '{"seesaw": 0}' --no-baseline \
+  --shapes '128,8192,128,1,bf16;128,8192,128,1,fp8;64,8192,128,1,fp8;128,1024,128,1,bf16' > $OUT/f/timing.txt 2>&1
