@@ -71,8 +71,8 @@ if W.HAVE_GLUON:
     # the q·k accumulator of e4m3 wgmma (K 32 an instruction): the same registers as MMA_S's
     MMA_S8 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32]))
     _QPARTS = gl.constexpr(QPARTS)
-    # the right warpgroup's registers a thread: all 256, as the left's (with 248 ptxas spilled 4 bytes; the 16-bit seesaw
-    # gives its right warpgroup 240)
+    # the right warpgroup's registers a thread: all 256, as the left's (with 248 ptxas spilled 4 bytes; the 16-bit
+    # seesaw gives its right warpgroup 240)
     RIGHT_REGS_FP8 = gl.constexpr(256)
     _Q8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))  # the ring's
     CL = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))  # converting [64, 64]: 16 bytes a thread

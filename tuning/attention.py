@@ -148,8 +148,9 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
     with heads × q_len ≤ 32 attention/gluon_mla.py, over a bf16/fp16/fp8 pool in programs of 64 query rows
     attention/gluon_mla_wide.py. The search is then the kernel (gluon or triton) and the split knobs both Gluon
     kernels read, and the 64-row programs' schedule (`seesaw`: attention/gluon_mla_seesaw.py, over fp8
-    gluon_mla_seesaw_fp8.py where its splits are long enough); the other knobs change only `_mla_fwd`, which keeps its defaults there. Elsewhere the whole space but `kernel`,
-    `schedule` and `seesaw` (only `_mla_fwd` can run there). The fp8 kernel's schedule is not searched (the
+    gluon_mla_seesaw_fp8.py where its splits are long enough); the other knobs change only `_mla_fwd`, which keeps
+    its defaults there. Elsewhere the whole space but `kernel`, `schedule` and `seesaw` (only `_mla_fwd` can run
+    there). The fp8 kernel's schedule is not searched (the
     buckets' uniform lengths cannot show what the balanced one is for, ragged batches): from BALANCED_MIN_BATCH
     sequences it takes the split counts from the lengths, and only the kernel is searched there."""
     if backend.name != "triton":
