@@ -29,6 +29,11 @@ Shared memory: q's parts 72 KB, two fp8 tiles 72 KB, the two fp16 halves 64 KB, 
 factors 0.75 KB (217 of the 227 KiB an sm90 program may have). bf16 queries only (fp16 values need four e4m3 parts,
 144 KB); the wide kernel takes fp16 queries over fp8 pools.
 
+On an H200 at 128 heads (bench/results/NVIDIA_H200/attention/2026-12-02_seesaw_fp8), against the wide kernel:
+B=128 at 8k 0.805 → 0.698 ms (418 TFLOPS), 16k 1.580 → 1.373, 4k 0.416 → 0.382; B=64 8k 0.413 → 0.363. Its
+programs cost more to start and finish (about 25 µs against 14), so it loses on short splits (B=128 1k 0.128 →
+0.151 ms): the launcher runs it only where a split holds more than gluon_mla_wide.SEESAW_FP8_MIN_TILES tiles.
+
 The result and lse, or per-split fp32 partials for triton_kernels' `_mla_combine` (the wide kernel's output
 contract); the output scaled by the pool's kv_scale.
 """
