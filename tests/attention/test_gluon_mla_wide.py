@@ -88,6 +88,22 @@ def test_decode_kernel_names_what_each_problem_runs(monkeypatch):
     assert decode_kernel(q(128), bf16, {"kernel": "triton"}) == "_mla_fwd"
 
 
+def test_fp8_seesaw_pays_at_the_split_count_the_launch_takes():
+    # more than 32 tiles a split at the launch's split count (CPU: 4 SMs): explicit num_splits, the automatic count,
+    # or the waves rule's; without the batch or the pool's capacity (decode_kernel without a block table): it runs
+    cpu = torch.device("cpu")
+    pays = tk._fp8_seesaw_pays
+    assert pays({}, 1, 128, cpu, 2, 33 * 64) and not pays({}, 1, 128, cpu, 2, 32 * 64)  # one split (4 programs)
+    assert pays({"num_splits": 2}, 1, 128, cpu, 2, 66 * 64) and not pays({"num_splits": 2}, 1, 128, cpu, 2, 64 * 64)
+    assert not pays({"num_splits": 3}, 1, 128, cpu, 2, 66 * 64)  # 22 tiles a split
+    # waves 4.0: ⌈4 · 4 SMs / 4 programs⌉ = 4 splits; 8k tokens → 32 tiles a split (no), 16k → 64 (yes)
+    assert not pays({"waves": 4.0}, 1, 128, cpu, 2, 8192) and pays({"waves": 4.0}, 1, 128, cpu, 2, 16384)
+    # S_q 2 at 128 heads: 4 head blocks a sequence, 8 programs on 4 SMs → the automatic rule's count
+    splits = W.auto_splits(2, 4, 4096, 4, True)
+    assert pays({}, 2, 128, cpu, 2, 4096) == (-(-64 // splits) > W.SEESAW_FP8_MIN_TILES)
+    assert pays({}, 1, 128, cpu, None, None) and pays({}, 1, 128, cpu, 2, None)
+
+
 def test_auto_splits_known_answers():
     # H200: 132 SMs, one program per SM; the counts the H200 timings and the tuner chose (2026-12-01_gluon_wide):
     # B=128 at 128 heads: 256 programs, ~2 waves, one split at 1k–16k (2 splits: 5–33 % slower); B=64: one;
