@@ -465,31 +465,27 @@ def launch(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
                          f"{' / '.join(map(str, CONV_GROUPS))} at a time")
     block_h = ROWS // q_per_seq
     from_ptr = kv_scale_ptr is not None
-    if seesaw and kv_cache.dtype == torch.uint8:
-        from pdlab.attention import gluon_mla_seesaw_fp8 as S8
-
-        why = S8.unfit(q3.dtype)
-        if why:
-            raise ValueError(f"mla gluon (seesaw): {why}; run seesaw=0 (the wide kernel) for these queries")
-        kv8 = kv_cache.view(torch.float8_e4m3fn)  # the same bytes, typed for the e4m3 MMAs the TMA feeds
-        S8._mla_seesaw_fp8_decode[(H // block_h, splits, B)](
-            q3, kv_descriptor(kv8), latent_descriptor(kv8), block_table, seqlens, out3, lse, o_part, lse_part,
-            qk_scale, kv_scale, kv_scale_ptr if from_ptr else seqlens,
-            q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
-            *part_strides, splits,
-            Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1,
-            SCALE_FROM_PTR=from_ptr, num_warps=int(S8.WARPS))
-        return
-    desc = kv_descriptor(kv_cache)
-    if seesaw:
+    if seesaw:  # one of the two-warpgroup kernels: over fp8 the e4m3 one, which also takes the pool's scale
         from pdlab.attention import gluon_mla_seesaw as S
 
-        S._mla_seesaw_decode[(H // block_h, splits, B)](
-            q3, desc, latent_descriptor(kv_cache), block_table, seqlens, out3, lse, o_part, lse_part, qk_scale,
-            q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1), *lse_strides,
-            *part_strides, splits,
-            Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1, num_warps=int(S.WARPS))
+        if kv_cache.dtype == torch.uint8:
+            from pdlab.attention import gluon_mla_seesaw_fp8 as S8
+
+            why = S8.unfit(q3.dtype)
+            if why:
+                raise ValueError(f"mla gluon (seesaw): {why}; run seesaw=0 (the wide kernel) for these queries")
+            kernel, pool = S8._mla_seesaw_fp8_decode, kv_cache.view(torch.float8_e4m3fn)  # bytes typed for e4m3 MMAs
+            scale, extra = (kv_scale, kv_scale_ptr if from_ptr else seqlens), {"SCALE_FROM_PTR": from_ptr}
+        else:
+            kernel, pool, scale, extra = S._mla_seesaw_decode, kv_cache, (), {}
+        kernel[(H // block_h, splits, B)](
+            q3, kv_descriptor(pool), latent_descriptor(pool), block_table, seqlens, out3, lse, o_part, lse_part,
+            qk_scale, *scale, q3.stride(0), q3.stride(1), block_table.stride(0), out3.stride(0), out3.stride(1),
+            *lse_strides, *part_strides, splits,
+            Q_PER_SEQ=q_per_seq, BLOCK_H=block_h, PAGE=kv_cache.shape[1], FINAL=splits == 1, **extra,
+            num_warps=int(S.WARPS))
         return
+    desc = kv_descriptor(kv_cache)
     _mla_wide_decode[(H // block_h, splits, B)](
         q3, desc, latent_descriptor(kv_cache) if tma3 else desc, block_table, seqlens, out3, lse, o_part, lse_part,
         qk_scale, kv_scale, kv_scale_ptr if from_ptr else seqlens,

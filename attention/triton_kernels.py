@@ -624,8 +624,8 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 
         splits = gluon_mla.auto_splits(B, H, q_per_seq, capacity, _sm_count(dev),
                                        qparts=gluon_mla.QPARTS_OF[q3.dtype])
-    elif splits <= 0 and gluon in ("wide", "seesaw") and not waves:
-        splits = _wide_auto_splits(B, head_blocks, capacity, dev, gluon == "seesaw")
+    elif gluon in ("wide", "seesaw"):
+        splits = _wide_splits(config, B, head_blocks, q_blocks, capacity, dev, gluon == "seesaw")
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
         waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
         splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
@@ -758,28 +758,32 @@ def _combine(out3, lse, o_part, lse_part, sp, lse_strides, q_per_seq: int, split
                          BLOCK_S=_pow2_at_least(splits), D=512, COUNTED=counts is not None, num_warps=4)
 
 
-def _wide_auto_splits(B: int, head_blocks: int, capacity: int, dev: torch.device, seesaw: bool) -> int:
-    """The 64-row kernels' automatic split count (gluon_mla_wide.auto_splits on this device's SMs)."""
+def _wide_splits(config: dict, B: int, head_blocks: int, q_blocks: int, capacity: int, dev: torch.device,
+                 seesaw: bool) -> int:
+    """The 64-row kernels' split count: the config's `num_splits`, else with `waves` set the waves rule
+    (`auto_splits`), else gluon_mla_wide.auto_splits on this device's SMs (`seesaw`: the two-warpgroup kernels'
+    cap)."""
     from pdlab.attention import gluon_mla_wide
 
+    splits = int(config.get("num_splits", 0) or 0)
+    waves = float(config.get("waves") or 0)
+    if splits > 0:
+        return splits
+    if waves:
+        return auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
     return gluon_mla_wide.auto_splits(B, head_blocks, capacity, _sm_count(dev), seesaw)
 
 
 def _fp8_seesaw_pays(config: dict, q_per_seq: int, H: int, dev: torch.device, B: int | None,
                      capacity: int | None) -> bool:
     """Whether the two-warpgroup kernel runs an fp8 decode of B sequences over a pool of `capacity` tokens each:
-    where a split holds more than gluon_mla_wide.SEESAW_FP8_MIN_TILES tiles at the split count the launch takes
-    (`num_splits`, or the automatic one; with `waves` set, the waves rule's). Unknown B or capacity: it does."""
+    where a split holds more than gluon_mla_wide.SEESAW_FP8_MIN_TILES tiles at the split count its launch would
+    take (`_wide_splits`). Unknown B or capacity: it does."""
     from pdlab.attention import gluon_mla_wide
 
     if B is None or capacity is None:
         return True
-    head_blocks = H // (gluon_mla_wide.ROWS // q_per_seq)
-    splits = int(config.get("num_splits", 0) or 0)
-    waves = float(config.get("waves") or 0)
-    if splits <= 0:
-        splits = (auto_splits(B, head_blocks, 1, capacity, dev, waves) if waves
-                  else _wide_auto_splits(B, head_blocks, capacity, dev, True))
+    splits = _wide_splits(config, B, H // (gluon_mla_wide.ROWS // q_per_seq), 1, capacity, dev, True)
     return -(-capacity // (gluon_mla_wide.BLOCK_N * splits)) > gluon_mla_wide.SEESAW_FP8_MIN_TILES
 
 
