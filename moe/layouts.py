@@ -166,6 +166,10 @@ class Masked(_PayloadFields):
     hidden: [E, M_max, K] bf16|fp16|fp32 | float8_e4m3fn | [E, M_max, K/2] uint8 (nvfp4); rows
         m >= masked_m[e] are never read. masked_m: [E] int32 (valid rows per expert, <= M_max).
     payload / scales ([E, M_max, K/128] fp32 or [E, M_max, K/16] e4m3) / global_scale as Contiguous.
+    max_rows: an upper bound of sum(masked_m) known to the producer without reading masked_m (low-latency
+        dispatch: the tokens it can receive times min(top-k, E)), or None (E·M_max). Kernels size their grids
+        by it instead of by the slab; a sum above it is an error of the producer (rows past the bound are not
+        computed).
     """
 
     hidden: torch.Tensor
@@ -173,6 +177,13 @@ class Masked(_PayloadFields):
     payload: str = "bf16"
     scales: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_rows is not None and (isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int)
+                                          or self.max_rows < 0):
+            raise ValueError(f"Masked: max_rows={self.max_rows!r} must be None or an int >= 0 (an upper bound of "
+                             "sum(masked_m), e.g. tokens received × min(top-k, experts))")
 
     kind = "masked"
 
@@ -266,7 +277,8 @@ def to_masked(layout: Contiguous, max_m: int | None = None, fill: float | None =
     max_m: M_max (default: max(counts), one sync). Experts with more rows than max_m raise ValueError.
     fill: value written into rows >= masked_m (default zeros; tests pass NaN to prove they are
     never read; bytes for fp8/nvfp4 are filled with 0xFF = NaN / -6 pattern).
-    Returns Masked(hidden [E, max_m, K(/2)], masked_m = counts), same payload, scales likewise.
+    Returns Masked(hidden [E, max_m, K(/2)], masked_m = counts, max_rows = the row count), same payload, scales
+    likewise.
     """
     E = layout.num_experts
     counts = layout.counts
@@ -296,7 +308,7 @@ def to_masked(layout: Contiguous, max_m: int | None = None, fill: float | None =
         return out
 
     return Masked(scatter(layout.hidden), counts.clone(), layout.payload, scatter(layout.scales),
-                  layout.global_scale)
+                  layout.global_scale, max_rows=n_rows)
 
 
 def to_contiguous(layout: Masked) -> Contiguous:

@@ -103,7 +103,8 @@ class ExpertInputs:
             self.layout = Contiguous(hidden=x, counts=counts.to(device), offsets=offsets.to(device), **extra)
         else:
             extra = {k: (v.view(E, M, -1) if k == "scales" else v) for k, v in extra.items()}
-            self.layout = Masked(hidden=x.view(E, M, -1), masked_m=counts.to(device), **extra)
+            # the rows bound a dispatcher hands over with its slab (what the experts size their grids by)
+            self.layout = Masked(hidden=x.view(E, M, -1), masked_m=counts.to(device), max_rows=A * M, **extra)
 
 
 def _call(backend: str, cfg: dict, x: ExpertInputs):

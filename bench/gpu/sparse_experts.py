@@ -1,6 +1,7 @@
 """The experts stage when few experts get tokens (EP1 decode: T tokens × top-8 of 256 experts), per fragment-GEMM
-config: CUDA-graph and eager (CUDA events) median µs and the host's time per call, contiguous rows and masked slabs;
---profile adds a torch.profiler table per config.
+config: CUDA-graph and eager (CUDA events) median µs and the host's time per call, contiguous rows and masked slabs
+(`--slab-rows` rows per expert, default T; "masked" carries the rows bound a dispatcher gives, T·top-k, as
+`max_rows`, "masked_unbounded" does not); --profile adds a torch.profiler table per config.
 
     python3 bench/gpu/sparse_experts.py --tokens 1,16 --config '{}' --config '{"FRAG_RING": 0, "FRAG_PAIR_DOWN": 0}'
 """
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--config", action="append", default=[])
+    ap.add_argument("--slab-rows", type=int, default=0, help="rows per expert of the masked slab (0: T)")
+    ap.add_argument("--unbounded", action="store_true", help="also the masked slab without max_rows")
     ap.add_argument("--profile", action="store_true", help="also a torch.profiler table per config (contiguous)")
     args = ap.parse_args()
     E, H, I, dev = args.experts, 7168, 2048, torch.device("cuda")
@@ -38,12 +41,15 @@ def main() -> None:
         x = torch.randn(rows, H, device=dev).to(torch.bfloat16)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(counts, 0).int()]).to(dev)
         contiguous = Contiguous(x, counts.to(dev), offsets)
-        slab = torch.zeros(E, max(T, 1), H, device=dev, dtype=torch.bfloat16)
-        masked = Masked(slab, counts.to(dev))
+        slab = torch.zeros(E, args.slab_rows or max(T, 1), H, device=dev, dtype=torch.bfloat16)
+        masked = Masked(slab, counts.to(dev), max_rows=T * args.top_k)
+        cases = [("contiguous", contiguous), ("masked", masked)]
+        if args.unbounded:
+            cases.append(("masked_unbounded", Masked(slab, counts.to(dev))))
         expected, active = max(1, -(-T * args.top_k // E)), T * args.top_k
         for raw in args.config or ["{}"]:
             cfg = json.loads(raw)
-            for name, layout in (("contiguous", contiguous), ("masked", masked)):
+            for name, layout in cases:
                 def fn(layout=layout, cfg=cfg):
                     return run_experts(layout, w, runner="triton", config=cfg or None, expected_m=expected,
                                        active_experts=active)
@@ -60,6 +66,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 eager = statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
                 print(json.dumps({"tokens": T, "active_experts": int((counts > 0).sum()), "layout": name,
+                                  "slab_rows": slab.shape[1], "experts": E,
                                   "config": raw, "graph_us": round(graph, 1), "eager_us": round(eager, 1),
                                   "host_us": round(statistics.median(host) * 1e6, 1)}), flush=True)
         if args.profile:

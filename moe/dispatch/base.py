@@ -205,7 +205,9 @@ def expand(recv: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return slab[:E]
 
     masked_m = counts_all[:E].to(torch.int32)
-    layout = Masked(scatter(recv.data), masked_m, recv.kind, scatter(recv.scales), recv.global_scale)
+    # M·k bounds the rows (each received row's k slots): the experts size their grids by it, not by the slab
+    layout = Masked(scatter(recv.data), masked_m, recv.kind, scatter(recv.scales), recv.global_scale,
+                    max_rows=M * k)
     slot = torch.where(key < E, key * max_m + pos, torch.full_like(pos, -1)).view(M, k)
     return layout, Expansion(mode, M, slot, weights, E, max_m)
 

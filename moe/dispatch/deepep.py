@@ -169,13 +169,16 @@ class DeepEPDispatcher(BaseDispatcher):
             source.to(torch.bfloat16), topk_idx, self.num_max_dispatch_tokens_per_rank, self.num_experts, **kwargs)
         masked_m = recv_count.to(torch.int32)
         M = self.max_m()
+        # every rank sends at most num_max_dispatch_tokens_per_rank tokens of top-k (token, expert) pairs each: the
+        # rows this rank can receive, which the experts size their grids by instead of the whole slab
+        bound = M * topk_idx.shape[1]
         if tokens.kind == "bf16":
-            layout = Masked(recv_x, masked_m)
+            layout = Masked(recv_x, masked_m, max_rows=bound)
         elif tokens.kind == "fp8":
-            layout = Masked(recv_x[0], masked_m, "fp8", recv_x[1].float())
+            layout = Masked(recv_x[0], masked_m, "fp8", recv_x[1].float(), max_rows=bound)
         else:
             packed, scales = _nvfp4_from_deepep(recv_x[0], recv_x[1], M, H)
-            layout = Masked(packed, masked_m, "nvfp4", scales, tokens.global_scale)
+            layout = Masked(packed, masked_m, "nvfp4", scales, tokens.global_scale, max_rows=bound)
         # every (token, expert) pair travels on its own in DeepEP's low-latency kernels
         sent = T * topk_idx.shape[1] * tokens.row_bytes()
         back = T * topk_idx.shape[1] * H * 2  # no host sync here: each (token, expert) row comes back once

@@ -60,6 +60,9 @@ one token on 8 of 256 experts, masked: 155 → 163–166 µs; bench/results/NVID
 EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
 gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).
+FRAG_SLAB_LIST (-1 = 1): a masked slab runs as the block list of its experts' token blocks, as contiguous rows do (the
+blocks of experts with rows first, the grid bounded by the layout's `max_rows` where the producer gives one), instead
+of one program per (expert, slab block) whose programs without rows exit at once (0).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -79,7 +82,7 @@ _DEFAULT = {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 8, "num_warps":
             "SPLIT_NIBBLES": 0, "MMA_FP16": 0, "UNPACK16": 0, "DEQ_ASM": -1, "PERM_K": -1, "DENSE_MIN_M": -1,
             "DENSE_CHUNK": 16, "DENSE_OVERLAP": 1, "TILED": -1, "FRAG": -1, "FRAG_BM": 0, "FRAG_UNROLL": 0,
             "FRAG_XASYNC": -1, "FRAG_RING": -1, "FRAG_RING_DOWN": -1, "FRAG_MAXNREG": 0, "FRAG_PAIR_DOWN": -1,
-            "FRAG_PDL": -1, "FRAG_XRING": -1, "FRAG_MMA_ASYNC": -1}
+            "FRAG_PDL": -1, "FRAG_XRING": -1, "FRAG_MMA_ASYNC": -1, "FRAG_SLAB_LIST": -1}
 _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K": [64, 128, 256, 512],
           "GROUP_M": [1, 4, 8, 16], "num_warps": [4, 8], "num_stages": [2, 3, 4, 5], "SPLIT_K": [1, 2, 4],
           "SPLIT_NIBBLES": [0, 1], "MMA_FP16": [0, 1],
@@ -87,7 +90,7 @@ _SPACE = {"BLOCK_M": [16, 32, 64, 128], "BLOCK_N": [32, 64, 128, 256], "BLOCK_K"
           "DENSE_CHUNK": [8, 16, 32], "DENSE_OVERLAP": [0, 1], "TILED": [0, 1], "FRAG": [0, 1], "FRAG_BM": [16, 32, 64],
           "FRAG_UNROLL": [1, 2], "FRAG_XASYNC": [0, 1], "FRAG_RING": [0, 2, 3], "FRAG_RING_DOWN": [0, 2, 3],
           "FRAG_MAXNREG": [0, 128], "FRAG_PAIR_DOWN": [0, 1], "FRAG_PDL": [0, 1], "FRAG_XRING": [0, 1],
-          "FRAG_MMA_ASYNC": [0, 1]}
+          "FRAG_MMA_ASYNC": [0, 1], "FRAG_SLAB_LIST": [0, 1]}
 _AUTO_MINUS1 = ("DEQ_ASM", "PERM_K", "DENSE_MIN_M", "TILED")  # the FRAG_* knobs' -1 is decided in _run_frag
 
 
@@ -311,8 +314,8 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     through the fragment-order GEMMs (gate_up+SiLU·mul, down); as with the in-loop kernel, rows past an expert's
     count are not written. Programs are FRAG_BM tokens (0: 16 / 32 / 64 by the expected tokens per expert; a slab
     is sized for the worst case, programs past an expert's rows exit at once); FRAG_XASYNC, FRAG_UNROLL, FRAG_RING,
-    FRAG_RING_DOWN, FRAG_PAIR_DOWN, FRAG_MAXNREG, FRAG_PDL, FRAG_XRING and FRAG_MMA_ASYNC as in the module
-    docstring."""
+    FRAG_RING_DOWN, FRAG_PAIR_DOWN, FRAG_MAXNREG, FRAG_PDL, FRAG_XRING, FRAG_MMA_ASYNC and FRAG_SLAB_LIST as in the
+    module docstring."""
     from pdlab.moe.triton import nvfp4_frag
 
     packs = weights.prepare("triton_frag", _repack_frag)
@@ -331,10 +334,11 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     x_ring = int(cfg.get("FRAG_XRING", -1)) != 0
     mma_async = int(cfg.get("FRAG_MMA_ASYNC", -1))
     mma_async = default_mma_async(bm, expected_m) if mma_async == -1 else bool(mma_async)
+    slab_list = int(cfg.get("FRAG_SLAB_LIST", -1)) != 0
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,
                                ring=ring, ring_down=ring_down, maxnreg=maxnreg, pair_down=pair, pdl=pdl,
-                               x_ring=x_ring, mma_async=mma_async)
+                               x_ring=x_ring, mma_async=mma_async, slab_list=slab_list)
 
 
 def _repack_frag(w) -> dict:

@@ -166,12 +166,14 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from pdlab.bench.kernel_resources import _disassemble, sass_opcodes
 from pdlab.moe.triton import nvfp4_frag as F
 contig = sys.argv[1] == "contiguous"
+listed = sys.argv[1] != "masked"  # "slab": a masked slab run as a block list
 sig = {"wp": "*u8", "sp": "*u8", "x_ptr": "*fp16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "s2_ptr": "*fp32",
        "K": "i32", "N_OUT": "i32", "M_MAX": "i32", "up_tiles": "i32", "stride_xe": "i32", "stride_xm": "i32",
        "stride_oe": "i32", "stride_om": "i32", "offs_ptr": "*i32", "bstart_ptr": "*i32", "NUM_E": "i32"}
 consts = {"BM": 16, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 1, "CONTIG": contig, "E_POW2": 128,
           "X_ASYNC": sys.argv[2] == "1", "W_STAGES": int(sys.argv[3]), "PAIR_N": False,
-          "PDL": sys.argv[5:6] == ["1"], "X_RING": sys.argv[4:5] == ["1"], "MMA_ASYNC": sys.argv[6:7] == ["1"]}
+          "PDL": sys.argv[5:6] == ["1"], "X_RING": sys.argv[4:5] == ["1"], "MMA_ASYNC": sys.argv[6:7] == ["1"],
+          "LIST": listed}
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
          if v.startswith("*") or k in ("K", "N_OUT", "stride_xe", "stride_xm", "stride_oe", "stride_om")}
 sig.update({k: "constexpr" for k in consts})
@@ -204,10 +206,11 @@ def _compile_sm90(layout: str, x_async: int, w_stages: int, x_ring: int = 0, pdl
 
 @pytest.mark.skipif(not F.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("x_async", [0, 1])
-@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize("layout", ["masked", "slab", "contiguous"])
 def test_compiles_for_sm90_without_shared_memory_for_the_weights(layout, x_async):
-    # weights through registers: the only shared memory is the activation tile (BM × 128 fp16) and, for contiguous
-    # rows, the block search's reduction scratch; the weight path has no byte permutes beyond the scales'
+    # weights through registers: the only shared memory is the activation tile (BM × 128 fp16) and, for a block
+    # list (contiguous rows, or a slab run as one), the block search's reduction scratch; the weight path has no
+    # byte permutes beyond the scales'
     got = _compile_sm90(layout, x_async, 0)
     ops = got["ops"]
     assert got["shared"] <= (2 if x_async else 1) * 16 * 128 * 2 + 1024  # x_async: a two-tile ring
@@ -290,11 +293,17 @@ def _check_pre_kernel(payload: str, permute: bool, dev: str) -> None:
     hidden, scales, gsc = quantize_payload(x.to(torch.bfloat16), payload, gs)
     layout = Masked(hidden.view(E, M, -1), torch.tensor([4, 1, 0], dtype=torch.int32, device=dev), payload,
                     None if scales is None else scales.view(E, M, -1), gsc)
-    y = F.prepare_activations(layout.hidden, layout.masked_m, payload, layout.scales, layout.global_scale,
-                              permute_in_registers=permute)
     want = (dequantize_hidden(layout) * 2.0 ** -8).to(torch.float16)[..., F.column_order(K, dev)]
-    for e, n in enumerate([4, 1, 0]):
-        assert torch.equal(y[e, :n], want[e, :n]), (payload, e)
+    starts = F.block_schedule(layout.masked_m, 2)  # 2-row blocks: expert 0 owns blocks 0, 1, expert 1 block 2
+    for listed in (None, starts):
+        y = F.prepare_activations(layout.hidden, layout.masked_m, payload, layout.scales, layout.global_scale,
+                                  permute_in_registers=permute, block_starts=listed, block_m=2)
+        for e, n in enumerate([4, 1, 0]):
+            assert torch.equal(y[e, :n], want[e, :n]), (payload, e, listed)
+    # a block list bounded below its blocks (a producer's wrong max_rows) leaves the rows past the bound unwritten
+    y = F.prepare_activations(layout.hidden, layout.masked_m, payload, layout.scales, layout.global_scale,
+                              permute_in_registers=permute, block_starts=starts, block_m=2, blocks=2)
+    assert torch.equal(y[0], want[0])
 
 
 def _record_launches(monkeypatch):
@@ -322,7 +331,7 @@ def test_run_frag_launches_on_cpu(monkeypatch):
                            w.w13_weight_scale_2, w.w2_weight_scale_2)
     assert torch.equal(packs["w13_s2"], w.w13_weight_scale_2.float())
     layout = Masked(torch.randn(E, M, H), torch.tensor([5, 2], dtype=torch.int32))
-    out = F.run_frag(layout, packs, I, torch.bfloat16, 16)
+    out = F.run_frag(layout, packs, I, torch.bfloat16, 16, slab_list=False)
     (g1, a1, k1), (g2, a2, k2) = launches
     assert g1 == (I // 128, E, 1) and g2 == (H // 128, E, 1)
     assert a1[5] is packs["w13_s2"] and a2[5] is packs["w2_s2"]
@@ -331,11 +340,75 @@ def test_run_frag_launches_on_cpu(monkeypatch):
     assert a1[2].dtype == torch.float16 and a1[2].shape == (E, M, H)  # the prepared activations
     assert k1 == {"BM": 16, "FUSE_SILU": True, "OUT_PERMUTED": True, "UNROLL": 1, "CONTIG": False, "E_POW2": 128,
                   "X_ASYNC": False, "W_STAGES": 0, "PAIR_N": False, "PDL": False, "X_RING": False,
-                  "MMA_ASYNC": False, "num_warps": 4, "launch_pdl": False}
+                  "MMA_ASYNC": False, "LIST": False, "num_warps": 4, "launch_pdl": False}
     assert k2 == {**k1, "FUSE_SILU": False, "OUT_PERMUTED": False, "UNROLL": 2}
     assert a2[3] is out and out.shape == (E, M, H) and out.dtype == torch.bfloat16
     assert a1[6:10] == (H, I, M, I // 128) and a2[6:10] == (I, H, M, 0)  # K, N_OUT, M_MAX, up_tiles
     assert a1[10:14] == (M * H, H, M * I, I)  # the slab's strides
+
+
+def test_run_frag_runs_a_slab_as_a_block_list(monkeypatch):
+    # a masked slab (the default): the programs are the block list of its experts' token blocks, the blocks of
+    # experts with rows first, at the slab's strides (no row offsets); the grid covers the whole slab unless the
+    # layout bounds its rows (max_rows): one token on 8 of 256 experts in a 64-row slab launches 9 token blocks per
+    # N tile instead of 256 · 4
+    from pdlab.moe.layouts import Masked
+    from pdlab.moe.weights import ExpertWeights
+
+    launches = _record_launches(monkeypatch)
+    E, H, I, M = 3, 256, 128, 40
+    w = ExpertWeights.from_bf16(torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, quantize=True)
+    packs = F.pack_experts(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale,
+                           w.w13_weight_scale_2, w.w2_weight_scale_2)
+    counts = torch.tensor([17, 0, 33], dtype=torch.int32)
+    out = F.run_frag(Masked(torch.randn(E, M, H), counts), packs, I, torch.bfloat16, 16)
+    (g1, a1, k1), (g2, a2, k2) = launches
+    assert g1 == (I // 128, E * 3) and g2 == (H // 128, E * 3)
+    assert k1["LIST"] and k2["LIST"] and not k1["CONTIG"] and not k2["CONTIG"]
+    assert a1[15].tolist() == a2[15].tolist() == [0, 2, 2, 5] and a1[16] == E
+    assert a1[10:14] == (M * H, H, M * I, I) and out.shape == (E, M, H)
+    launches.clear()
+    E2 = 256
+    counts = torch.zeros(E2, dtype=torch.int32)
+    counts[torch.arange(3, 256, 32)] = 1
+    many = {k: v[:1].expand(E2, *v.shape[1:]) for k, v in packs.items()}
+    F.run_frag(Masked(torch.randn(E2, 64, H), counts, max_rows=8), many, I, torch.bfloat16, 16)
+    (g1, *_), (g2, *_) = launches
+    assert g1 == (I // 128, 9) and g2 == (H // 128, 9) and F.max_blocks(8, E2, 16) == 9
+    launches.clear()
+    F.run_frag(Masked(torch.randn(E2, 64, H), counts), many, I, torch.bfloat16, 16)
+    (g1, *_), _ = launches
+    assert g1 == (I // 128, E2 * 4)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter run of the schedule kernel (the GPU test below runs it compiled)")
+def test_block_schedule_kernel_interpreted():
+    counts = torch.tensor([0, 17, 16, 0, 1, 33, 0], dtype=torch.int32)
+    out = torch.empty(8, dtype=torch.int32)
+    F._block_schedule[(1,)](counts, out, 7, BM=16, E_POW2=16)
+    assert out.tolist() == F.block_schedule(counts, 16).tolist() == [0, 0, 2, 3, 3, 4, 7, 7]
+
+
+@pytest.mark.gpu
+def test_gpu_block_schedule_kernel_matches_the_cumulative_sum():
+    # the one-kernel schedule on the GPU against the torch ops of the CPU path, at the experts counts of EP1 to EP64
+    g = torch.Generator().manual_seed(5)
+    for E in (1, 4, 64, 256, 300):
+        for bm in (16, 32, 64):
+            counts = torch.randint(0, 200, (E,), generator=g, dtype=torch.int32)
+            counts[torch.randperm(E, generator=g)[:E // 2]] = 0
+            want = F.block_schedule(counts, bm)
+            got = F.block_schedule(counts.cuda(), bm)
+            assert got.dtype == torch.int32 and got.tolist() == want.tolist(), (E, bm)
+
+
+def test_masked_max_rows_is_checked():
+    from pdlab.moe.layouts import Masked
+
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="max_rows"):
+            Masked(torch.zeros(2, 3, 128), torch.zeros(2, dtype=torch.int32), max_rows=bad)
+    assert Masked(torch.zeros(2, 3, 128), torch.zeros(2, dtype=torch.int32), max_rows=0).max_rows == 0
 
 
 def test_run_frag_contiguous_block_list(monkeypatch):
@@ -479,6 +552,37 @@ def test_gpu_frag_experts_match_the_reference(E, H, I, M, payload, layout, store
         out, ref = out[:int(counts.sum())], ref[:int(counts.sum())]
     assert torch.isfinite(out).all()
     assert cosine_error(out.float(), ref.float()) < 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(block_m=16), dict(block_m=32, ring=2, ring_down=2, pair_down=True, pdl=True,
+                                                         x_ring=True, mma_async=True),
+                                   dict(block_m=64, ring=0, x_async_down=True, unroll_down=1)])
+@pytest.mark.parametrize("payload", ["bf16", "nvfp4"])
+def test_gpu_slab_block_list_equals_the_slab_grid(payload, knobs):
+    # a masked slab run as a block list (the default; bounded by max_rows or not) writes the same bits as one
+    # program per slab block, eagerly and in a CUDA graph; experts without rows sit between those with rows
+    from pdlab.moe.layouts import Masked, quantize_payload
+    from pdlab.moe.runners.triton_nvfp4 import _repack_frag
+
+    E, H, I, M = 12, 512, 256, 70
+    g = torch.Generator(device="cuda").manual_seed(3)
+    packs = _repack_frag(_gpu_experts(E, H, I, g))
+    counts = torch.tensor([0, 70, 0, 0, 1, 33, 0, 16, 0, 0, 0, 5], dtype=torch.int32, device="cuda")
+    x = torch.randn(E * M, H, device="cuda", generator=g).to(torch.bfloat16)
+    hidden, scales, gs = quantize_payload(x, payload, torch.tensor([0.3], device="cuda") if payload == "nvfp4"
+                                          else None)
+    parts = (hidden.view(E, M, -1), counts, payload, None if scales is None else scales.view(E, M, -1), gs)
+    keep = torch.arange(M, device="cuda")[None, :] < counts[:, None]
+    grid = F.run_frag(Masked(*parts), packs, I, torch.bfloat16, slab_list=False, **knobs)[keep]
+    for max_rows in (None, int(counts.sum()), 4 * int(counts.sum())):
+        layout = Masked(*parts, max_rows=max_rows)
+        assert torch.equal(F.run_frag(layout, packs, I, torch.bfloat16, **knobs)[keep], grid), max_rows
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = F.run_frag(layout, packs, I, torch.bfloat16, **knobs)
+        graph.replay()
+        assert torch.equal(captured[keep], grid), max_rows
 
 
 @pytest.mark.gpu
