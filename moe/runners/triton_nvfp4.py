@@ -60,9 +60,11 @@ one token on 8 of 256 experts, masked: 155 → 163–166 µs; bench/results/NVID
 EP4 on an H200, bf16 slab, 1 / 16 tokens/expert:
 gate_up 317 → 300 / 325 → 311–323 µs with the ring, down 158 → 154 / 169 → 165 µs paired with its ring
 (bench/results/NVIDIA_H200/moe_experts/2026-12-01_weight_ring).
-FRAG_SLAB_LIST (-1 = 1): a masked slab runs as the block list of its experts' token blocks, as contiguous rows do (the
-blocks of experts with rows first, the grid bounded by the layout's `max_rows` where the producer gives one), instead
-of one program per (expert, slab block) whose programs without rows exit at once (0).
+FRAG_SLAB_LIST (-1: 1 where the layout bounds its rows, `Masked.max_rows`, as dispatch sets it; else 0): a masked
+slab runs as the block list of its experts' token blocks, as contiguous rows do (the blocks of experts with rows
+first, the grid bounded by max_rows), instead of one program per (expert, slab block) whose programs without rows
+exit at once (0). On an H200, one token on 8 of 256 experts: 154 → 85 µs in a one-row slab, 473 → 85 µs in a
+256-row slab (bench/results/NVIDIA_H200/moe_experts/2026-12-02_slab_list).
 Weights stored tiled (`ExpertWeights.tile_()`, what the runtime does on CUDA) are read
 as they are by every call (TILED auto → 1, BLOCK_K raised to 128) and by the dense path; otherwise a tiled
 copy is built once beside the loaded tensors (a second copy of the NVFP4 weights).
@@ -334,7 +336,7 @@ def _run_frag(layout, weights, cfg: dict, expected_m: int) -> torch.Tensor:
     x_ring = int(cfg.get("FRAG_XRING", -1)) != 0
     mma_async = int(cfg.get("FRAG_MMA_ASYNC", -1))
     mma_async = default_mma_async(bm, expected_m) if mma_async == -1 else bool(mma_async)
-    slab_list = int(cfg.get("FRAG_SLAB_LIST", -1)) != 0
+    slab_list = {-1: None, 0: False}.get(int(cfg.get("FRAG_SLAB_LIST", -1)), True)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     return nvfp4_frag.run_frag(layout, packs, weights.intermediate_size, out_dtype, bm, unroll, x_async_down=x_async,
                                ring=ring, ring_down=ring_down, maxnreg=maxnreg, pair_down=pair, pdl=pdl,

@@ -348,10 +348,10 @@ def test_run_frag_launches_on_cpu(monkeypatch):
 
 
 def test_run_frag_runs_a_slab_as_a_block_list(monkeypatch):
-    # a masked slab (the default): the programs are the block list of its experts' token blocks, the blocks of
-    # experts with rows first, at the slab's strides (no row offsets); the grid covers the whole slab unless the
-    # layout bounds its rows (max_rows): one token on 8 of 256 experts in a 64-row slab launches 9 token blocks per
-    # N tile instead of 256 · 4
+    # a masked slab as a block list (the default where the layout bounds its rows): the programs are the block list
+    # of its experts' token blocks, the blocks of experts with rows first, at the slab's strides (no row offsets);
+    # the grid covers the whole slab unless the layout bounds its rows (max_rows): one token on 8 of 256 experts in
+    # a 64-row slab launches 9 token blocks per N tile instead of 256 · 4
     from pdlab.moe.layouts import Masked
     from pdlab.moe.weights import ExpertWeights
 
@@ -361,7 +361,7 @@ def test_run_frag_runs_a_slab_as_a_block_list(monkeypatch):
     packs = F.pack_experts(w.w13_weight, w.w13_weight_scale, w.w2_weight, w.w2_weight_scale,
                            w.w13_weight_scale_2, w.w2_weight_scale_2)
     counts = torch.tensor([17, 0, 33], dtype=torch.int32)
-    out = F.run_frag(Masked(torch.randn(E, M, H), counts), packs, I, torch.bfloat16, 16)
+    out = F.run_frag(Masked(torch.randn(E, M, H), counts), packs, I, torch.bfloat16, 16, slab_list=True)
     (g1, a1, k1), (g2, a2, k2) = launches
     assert g1 == (I // 128, E * 3) and g2 == (H // 128, E * 3)
     assert k1["LIST"] and k2["LIST"] and not k1["CONTIG"] and not k2["CONTIG"]
@@ -376,9 +376,13 @@ def test_run_frag_runs_a_slab_as_a_block_list(monkeypatch):
     (g1, *_), (g2, *_) = launches
     assert g1 == (I // 128, 9) and g2 == (H // 128, 9) and F.max_blocks(8, E2, 16) == 9
     launches.clear()
+    F.run_frag(Masked(torch.randn(E2, 64, H), counts), many, I, torch.bfloat16, 16, slab_list=True)
+    (g1, a1, k1), _ = launches
+    assert g1 == (I // 128, E2 * 4) and k1["LIST"]
+    launches.clear()  # unbounded, automatic: one program per slab block (a list as long would search in each)
     F.run_frag(Masked(torch.randn(E2, 64, H), counts), many, I, torch.bfloat16, 16)
-    (g1, *_), _ = launches
-    assert g1 == (I // 128, E2 * 4)
+    (g1, a1, k1), _ = launches
+    assert g1 == (I // 128, E2, 4) and not k1["LIST"]
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter run of the schedule kernel (the GPU test below runs it compiled)")
@@ -575,12 +579,12 @@ def test_gpu_slab_block_list_equals_the_slab_grid(payload, knobs):
     parts = (hidden.view(E, M, -1), counts, payload, None if scales is None else scales.view(E, M, -1), gs)
     keep = torch.arange(M, device="cuda")[None, :] < counts[:, None]
     grid = F.run_frag(Masked(*parts), packs, I, torch.bfloat16, slab_list=False, **knobs)[keep]
-    for max_rows in (None, int(counts.sum()), 4 * int(counts.sum())):
+    for max_rows, listed in ((None, True), (int(counts.sum()), None), (4 * int(counts.sum()), None)):
         layout = Masked(*parts, max_rows=max_rows)
-        assert torch.equal(F.run_frag(layout, packs, I, torch.bfloat16, **knobs)[keep], grid), max_rows
+        assert torch.equal(F.run_frag(layout, packs, I, torch.bfloat16, slab_list=listed, **knobs)[keep], grid)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = F.run_frag(layout, packs, I, torch.bfloat16, **knobs)
+            captured = F.run_frag(layout, packs, I, torch.bfloat16, slab_list=listed, **knobs)
         graph.replay()
         assert torch.equal(captured[keep], grid), max_rows
 
