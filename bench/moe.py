@@ -13,7 +13,8 @@ the runner streams + activations), and the cosine error of the layer output agai
 MoE over the same routing (fp32, dequantised weights, unquantised activations). Writes CSV/JSON,
 a stacked-bar plot of the stages, and the nvfp4/fp8 vs bf16 (dispatch + combine) time ratios — for the
 low-latency paths that never sync the host (local, nccl with the fixed exchange) also timed as a CUDA
-graph (`dispatch_combine_graph_ms`), which is what a captured decode step pays.
+graph (`dispatch_combine_graph_ms`), which is what a captured decode step pays, and so are the experts on their
+masked slab (`experts_graph_ms`: eager, a decode-sized call measures the host's launches).
 On a CPU machine it runs a small shape with the reference backends and says so.
 """
 
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     csv = report.save(df, out_dir, name, meta)
     ok = df[df["status"] == "ok"] if "status" in df else df
     cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms",
-            "dispatch_combine_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops", "pct_roofline", "cos_err"]
+            "dispatch_combine_graph_ms", "experts_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops", "pct_roofline", "cos_err"]
     report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():
@@ -253,6 +254,9 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
         # decode captures dispatch + combine in a CUDA graph: this is the time that remains there
         times["dispatch_combine_graph"] = bench(lambda: layer.combine(y, layer.dispatch(tokens, ids, w)[1]),
                                                 cuda_graph=True, graph_calls=5, **kw)
+        if layout.kind == "masked":  # the experts on the slab, as the captured step runs them (eager: host-bound)
+            times["experts_graph"] = bench(lambda: layer.experts(layout, num_tokens=T), cuda_graph=True,
+                                           graph_calls=5, **kw)
     for s, t in times.items():
         row[f"{s}_ms"] = t.median_ms
     row["timing"] = times["total"].kind
