@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     csv = report.save(df, out_dir, name, meta)
     ok = df[df["status"] == "ok"] if "status" in df else df
     cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms",
-            "dispatch_combine_graph_ms", "experts_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops", "pct_roofline", "cos_err"]
+            "dispatch_combine_graph_ms", "experts_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops",
+            "pct_roofline", "cos_err"]
     report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():

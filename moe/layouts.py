@@ -167,7 +167,7 @@ class Masked(_PayloadFields):
         m >= masked_m[e] are never read. masked_m: [E] int32 (valid rows per expert, <= M_max).
     payload / scales ([E, M_max, K/128] fp32 or [E, M_max, K/16] e4m3) / global_scale as Contiguous.
     max_rows: an upper bound of sum(masked_m) known to the producer without reading masked_m (low-latency
-        dispatch: the tokens it can receive times min(top-k, E)), or None (E·M_max). Kernels size their grids
+        dispatch: the tokens it can receive times top-k), or None (E·M_max). Kernels size their grids
         by it instead of by the slab; a sum above it is an error of the producer (rows past the bound are not
         computed).
     """
@@ -183,7 +183,7 @@ class Masked(_PayloadFields):
         if self.max_rows is not None and (isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int)
                                           or self.max_rows < 0):
             raise ValueError(f"Masked: max_rows={self.max_rows!r} must be None or an int >= 0 (an upper bound of "
-                             "sum(masked_m), e.g. tokens received × min(top-k, experts))")
+                             "sum(masked_m), e.g. tokens received × top-k)")
 
     kind = "masked"
 

@@ -160,8 +160,8 @@ def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
     """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e]
     (every row with ALL_ROWS); grid (E·M, K/BLOCK), or with BM > 0 (the block list of `frag_gemm`: expert e owns
     token blocks BSTART[e] … BSTART[e + 1] - 1 of BM rows, NUM_E experts, E_POW2 ≥ NUM_E a power of two) grid
-    (blocks·BM, K/BLOCK), program i row i % BM of block i // BM. KIND 0: float X; 1: fp8 bytes, SF fp32 per 128 columns;
-    2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS.
+    (blocks·BM, K/BLOCK), program i row i % BM of block i // BM. KIND 0: float X; 1: fp8 bytes, SF fp32 per 128
+    columns; 2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS.
     PERMUTE: the values are read in model order (contiguous) and reordered in registers (a tile's model column
     32q + 4c + 2n + u is element (q, c, n, u) of a [4, 8, 2, 2] block, its MMA column that of (c, n, q, u));
     else each MMA column gathers its model column from memory. x_scale: 2^-8, a run-time value on purpose: with the
@@ -743,9 +743,9 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     when the layout bounds its rows) instead of one program per slab block (False); None: the list where the layout
     bounds its rows (`Masked.max_rows`), else one program per slab block. Contiguous rows always run the block list.
 
-    On an H200 (DeepSeek-R1 experts, bf16 activations, CUDA graphs), one token on 8 of 256 experts: 154 → 85 µs in a
-    one-row slab, 473 → 85 µs in a 256-row slab; 4 tokens on 31: 570 → 232 µs, 16 on 98: 986 → 662 µs in the 256-row
-    slab (bench/results/NVIDIA_H200/moe_experts/2026-12-02_slab_list). Without a bound the list launches as many
+    On an H200 (DeepSeek-R1 experts, bf16 activations, CUDA graphs), one token on 8 of 256 experts: 154 → 85 µs in
+    a one-row slab, 473 → 85 µs in a 256-row slab; 4 tokens on 31: 570 → 232 µs, 16 on 98: 986 → 662 µs in the
+    256-row slab (bench/results/NVIDIA_H200/moe_experts/2026-12-02_slab_list). Without a bound the list launches as many
     programs as the slab has blocks, each searching the list: 4–12 % slower than the plain grid in the 256-row slab
     from 4 tokens on, hence the automatic choice."""
     masked = layout.hidden.dim() == 3
