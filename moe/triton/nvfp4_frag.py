@@ -155,11 +155,11 @@ def column_order(K: int, device=None) -> torch.Tensor:
 @triton.jit
 def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm, x_scale,
             KIND: tl.constexpr, GS_PER_EXPERT: tl.constexpr, BLOCK: tl.constexpr, ALL_ROWS: tl.constexpr = False,
-            PERMUTE: tl.constexpr = True, PDL: tl.constexpr = False, BSTART=None, NUM_E=0,
-            BM: tl.constexpr = 0, E_POW2: tl.constexpr = 128):
+            PERMUTE: tl.constexpr = True, PDL: tl.constexpr = False, NUM_E=0, BM: tl.constexpr = 0,
+            E_POW2: tl.constexpr = 128):
     """Y[e, m, kb·128 + mk] = fp16(value of model column kb·128 + perm_k(mk) of X[e, m] · 2^-8) for m < CNT[e]
     (every row with ALL_ROWS); grid (E·M, K/BLOCK), or with BM > 0 (the block list of `frag_gemm`: expert e owns
-    token blocks BSTART[e] … BSTART[e + 1] - 1 of BM rows, NUM_E experts, E_POW2 ≥ NUM_E a power of two) grid
+    ⌈CNT[e] / BM⌉ blocks of BM rows, experts in order, NUM_E experts, E_POW2 ≥ NUM_E a power of two) grid
     (blocks·BM, K/BLOCK), program i row i % BM of block i // BM. KIND 0: float X; 1: fp8 bytes, SF fp32 per 128
     columns; 2: nvfp4 bytes (low nibble = even column), SF e4m3 bytes per 16 columns, value = e2m1 · SF / GS.
     PERMUTE: the values are read in model order (contiguous) and reordered in registers (a tile's model column
@@ -175,11 +175,14 @@ def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
         i = tl.program_id(0)
         blk = i // BM
         ei = tl.arange(0, E_POW2)
-        ends = tl.load(BSTART + 1 + ei, mask=ei < NUM_E, other=2147483647)
+        cnt = tl.load(CNT + ei, mask=ei < NUM_E, other=0)
+        nb = (cnt + (BM - 1)) // BM
+        ends = tl.cumsum(nb, 0)
         found = tl.sum((ends <= blk).to(tl.int32), axis=0)  # experts whose blocks all come before blk
+        mine = ei == found
+        count = tl.sum(tl.where(mine, cnt, 0), axis=0)  # 0 past the last block
         e = tl.minimum(found, NUM_E - 1)
-        m = (blk - tl.load(BSTART + e)) * BM + i % BM
-        count = tl.load(CNT + e) * (found < NUM_E).to(tl.int32)  # 0 past the last block
+        m = (blk - tl.sum(tl.where(mine, ends - nb, 0), axis=0)) * BM + i % BM
         em = e * M + m
     else:
         em = tl.program_id(0)
@@ -242,6 +245,26 @@ if HAVE_GLUON:
     cvt.rn.f16x2.e4m3x2 $3, d;
     }
     """)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _listed_block(cnt_ptr, blk, NUM_E, BM: gl.constexpr, E_POW2: gl.constexpr):
+        """(expert, first token, row count) of token block blk of the block list in which expert e owns
+        ⌈cnt[e] / BM⌉ blocks, experts in order (NUM_E of them, E_POW2 ≥ NUM_E a power of two); past the last
+        block the count is 0. Computed from the counts by each program (no schedule kernel before it)."""
+        EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        ei = gl.arange(0, E_POW2, layout=EL)
+        cnt = gl.load(cnt_ptr + ei, mask=ei < NUM_E, other=0)
+        nb = (cnt + (BM - 1)) // BM
+        ends = gl.associative_scan(nb, 0, _add)  # past NUM_E: the total, never ≤ blk while blk is a block
+        found = gl.sum((ends <= blk).to(gl.int32), axis=0)  # experts whose blocks all come before blk
+        mine = ei == found
+        start = gl.sum(gl.where(mine, ends - nb, 0), axis=0)
+        count = gl.sum(gl.where(mine, cnt, 0), axis=0)  # 0 past the last block (found ≥ NUM_E)
+        return gl.minimum(found, NUM_E - 1), (blk - start) * BM, count
 
     @gluon.jit
     def _tile_offsets(PL: gl.constexpr, SL: gl.constexpr):
@@ -387,15 +410,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _frag_gemm(wp, sp, x_ptr, out_ptr, cnt_ptr, s2_ptr, K, N_OUT, M_MAX, up_tiles,
-                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, bstart_ptr, NUM_E,
+                   stride_xe, stride_xm, stride_oe, stride_om, offs_ptr, NUM_E,
                    BM: gl.constexpr, FUSE_SILU: gl.constexpr, OUT_PERMUTED: gl.constexpr,
                    UNROLL: gl.constexpr = 1, CONTIG: gl.constexpr = False, E_POW2: gl.constexpr = 128,
                    X_ASYNC: gl.constexpr = False, W_STAGES: gl.constexpr = 0, PAIR_N: gl.constexpr = False,
                    PDL: gl.constexpr = False, X_RING: gl.constexpr = False, MMA_ASYNC: gl.constexpr = False,
                    LIST: gl.constexpr = False):
         """out[e, m, n] for the 128 rows n of tile pid_n and the BM tokens m of pid_m (see module docstring).
-        LIST: program pid_m is token block pid_m of the block list whose expert e owns blocks bstart_ptr[e] …
-        bstart_ptr[e + 1] - 1 (NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit.
+        LIST: program pid_m is token block pid_m of the block list in which expert e owns ⌈cnt_ptr[e] / BM⌉ blocks
+        (`_listed_block`; NUM_E experts, E_POW2 ≥ NUM_E a power of two); programs past the last block exit.
         CONTIG (with LIST): rows of expert e start at row offs_ptr[e] of x and out (stride_xe, stride_oe 0); else
         expert e's rows are x[e] and out[e] (a masked slab). Without LIST, program (pid_e, pid_m) of the grid's
         axes 1 and 2 is expert pid_e's token block pid_m.
@@ -425,14 +448,7 @@ if HAVE_GLUON:
             _grid_control(_LAUNCH_DEPENDENTS)
         pid_n = gl.program_id(0)
         if LIST:
-            blk = gl.program_id(1)
-            EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            ei = gl.arange(0, E_POW2, layout=EL)
-            ends = gl.load(bstart_ptr + 1 + ei, mask=ei < NUM_E, other=2147483647)
-            found = gl.sum((ends <= blk).to(gl.int32), axis=0)  # experts whose blocks all come before blk
-            e = gl.minimum(found, NUM_E - 1)
-            m0 = (blk - gl.load(bstart_ptr + e)) * BM
-            count = gl.load(cnt_ptr + e) * (found < NUM_E).to(gl.int32)  # 0 past the last block
+            e, m0, count = _listed_block(cnt_ptr, gl.program_id(1), NUM_E, BM, E_POW2)
             if CONTIG:
                 row0 = gl.load(offs_ptr + e)
             else:
@@ -619,7 +635,7 @@ X_SCALE = 2.0 ** -8  # the activations' scale, passed to `_prep_x` at run time (
 
 def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torch.Tensor, out: torch.Tensor,
               counts: torch.Tensor, *, n_out: int, fuse_silu: bool, block_m: int = 16, unroll: int = 1,
-              offsets: torch.Tensor | None = None, block_starts: torch.Tensor | None = None,
+              offsets: torch.Tensor | None = None, listed: bool = False,
               x_async: bool = False, w_stages: int = 0, maxnreg: int | None = None,
               pair_n: bool = False, pdl: bool = False, x_ring: bool = False,
               mma_async: bool = False, blocks: int | None = None) -> torch.Tensor:
@@ -627,11 +643,11 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
 
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
     Contiguous (offsets [E + 1] int32): x [N, K], out [N, n_out]; expert e's rows are offsets[e] …
-    offsets[e] + counts[e] - 1. block_starts: [E + 1] int32, `block_schedule(counts, block_m)` (computed when None
-    for contiguous rows). The grid launches `blocks` token blocks per N tile (None: `max_blocks(N, E, block_m)` for
-    contiguous rows, E·⌈M / block_m⌉ for a slab), programs past the last block exit. A slab with block_starts runs
-    the same block list as contiguous rows (the blocks of experts with rows first, so that they spread over the SMs
-    as one wave), without it one program per (expert, token block) of the slab.
+    offsets[e] + counts[e] - 1, run as a block list: expert e owns ⌈counts[e] / block_m⌉ token blocks, experts in
+    order (`block_schedule`; each program finds its block from the counts). The grid launches `blocks` token blocks
+    per N tile (None: `max_blocks(N, E, block_m)` for contiguous rows, E·⌈M / block_m⌉ for a slab), programs past the
+    last block exit. A slab runs the same block list with `listed` (the blocks of experts with rows first, so that
+    they spread over the SMs as one wave), else one program per (expert, token block) of the slab.
     x: fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the gate_up output
     for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
@@ -667,22 +683,19 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
         M = x.shape[1]
         strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
         offsets = counts  # (not read)
-        if block_starts is None:
-            grid = (n_tiles, E, -(-M // block_m))
-            block_starts = counts  # (not read)
-        else:
+        if listed:
             slab_blocks = E * -(-M // block_m)
             grid = (n_tiles, slab_blocks if blocks is None else min(slab_blocks, blocks))
+        else:
+            grid = (n_tiles, E, -(-M // block_m))
     else:
         M = x.shape[0]
-        if block_starts is None:
-            block_starts = block_schedule(counts, block_m)
         grid = (n_tiles, max_blocks(M, E, block_m) if blocks is None else blocks)
         strides = (0, x.stride(0), 0, out.stride(0))
     if grid[1] == 0 or (len(grid) == 3 and grid[2] == 0) or E == 0:
         return out
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, block_starts, E,
+    _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
                      UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=contig, LIST=len(grid) == 2,
                      E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
@@ -700,26 +713,11 @@ def max_blocks(rows: int, experts: int, block_m: int) -> int:
     return -(-rows // block_m) + min(experts, rows)
 
 
-@triton.jit
-def _block_schedule(CNT, OUT, E, BM: tl.constexpr, E_POW2: tl.constexpr):
-    """OUT[0] = 0, OUT[1 + e] = Σ_{e' ≤ e} ⌈CNT[e'] / BM⌉ for e < E: one program."""
-    i = tl.arange(0, E_POW2)
-    blocks = (tl.load(CNT + i, mask=i < E, other=0) + (BM - 1)) // BM
-    tl.store(OUT + 1 + i, tl.cumsum(blocks, 0), mask=i < E)
-    tl.store(OUT + i, tl.zeros_like(i), mask=i == 0)
-
-
 def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
     """[E + 1] int32: the first token block of each expert in a block list (expert e owns ⌈counts[e] / block_m⌉
-    blocks), then the total. counts: [E] int32. One kernel on a GPU (torch ops on a CPU). Graph-safe."""
-    counts = counts.to(torch.int32)
-    E = counts.numel()
-    if counts.is_cuda and E:
-        out = torch.empty(E + 1, dtype=torch.int32, device=counts.device)
-        _block_schedule[(1,)](counts.contiguous(), out, E, BM=block_m, E_POW2=max(16, triton.next_power_of_2(E)),
-                              num_warps=4)
-        return out
-    blocks = (counts + (block_m - 1)) // block_m
+    blocks), then the total. counts: [E] int32. The kernels compute the same from the counts in each program; this
+    is its reference (tests, tools). Graph-safe."""
+    blocks = (counts.to(torch.int32) + (block_m - 1)) // block_m
     return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device),
                       torch.cumsum(blocks, 0, dtype=torch.int32)])
 
@@ -754,22 +752,21 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
     max_rows = getattr(layout, "max_rows", None)
     if slab_list is None:
         slab_list = max_rows is not None
-    starts = block_schedule(counts, block_m) if (slab_list or not masked) else None
     blocks = None
     if masked and slab_list and max_rows is not None:
         blocks = max_blocks(max_rows, counts.numel(), block_m)
     x = prepare_activations(layout.hidden, counts, layout.payload, layout.scales, layout.global_scale, offsets,
-                            pdl=pdl, block_starts=starts if masked else None, block_m=block_m, blocks=blocks)
+                            pdl=pdl, block_m=block_m if (masked and slab_list) else 0, blocks=blocks)
     lead, H = x.shape[:-1], x.shape[-1]
     h = torch.empty(lead + (intermediate,), dtype=torch.float16, device=x.device)
     frag_gemm(x, packs["w13"], packs["w13_sf"], packs["w13_s2"], h, counts, n_out=intermediate, fuse_silu=True,
-              block_m=block_m, offsets=offsets, block_starts=starts, w_stages=ring, maxnreg=maxnreg, pdl=pdl,
+              block_m=block_m, offsets=offsets, listed=slab_list, w_stages=ring, maxnreg=maxnreg, pdl=pdl,
               x_ring=x_ring, mma_async=mma_async and ring > 0 and x_ring, blocks=blocks)
     out = torch.empty(lead + (H,), dtype=out_dtype, device=x.device)
     # without a ring, two K tiles' bytes requested together: 167 → 160 µs at 1 token/expert, 187 → 172 µs at 16
     # (EP4, H200; bit-equal)
     return frag_gemm(h, packs["w2"], packs["w2_sf"], packs["w2_s2"], out, counts, n_out=H, fuse_silu=False,
-                     block_m=block_m, unroll=unroll_down, offsets=offsets, block_starts=starts,
+                     block_m=block_m, unroll=unroll_down, offsets=offsets, listed=slab_list,
                      x_async=x_async_down, w_stages=ring_down, maxnreg=maxnreg, pair_n=pair_down, pdl=pdl,
                      x_ring=x_ring, mma_async=mma_async and ring_down > 0 and x_ring, blocks=blocks)
 
@@ -777,17 +774,17 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
 def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "bf16",
                         scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
                         offsets: torch.Tensor | None = None, permute_in_registers: bool = True,
-                        block: int | None = None, pdl: bool = False, block_starts: torch.Tensor | None = None,
-                        block_m: int = 0, blocks: int | None = None) -> torch.Tensor:
+                        block: int | None = None, pdl: bool = False, block_m: int = 0,
+                        blocks: int | None = None) -> torch.Tensor:
     """Activations → fp16 ·2^-8 with columns in MMA K order. Masked slab (offsets None): x [E, M, ·] → [E, M, K],
     rows m < counts[e] (others unwritten). Contiguous rows (offsets [E + 1] int32): x [N, ·] → [N, K], every row.
     x: float ("bf16"); float8_e4m3fn + scales fp32 [.., K/128] ("fp8"); uint8 [.., K/2] + scales e4m3 [.., K/16]
     + global_scale [1] or [E] ("nvfp4"). permute_in_registers: read the rows contiguously and reorder in registers
     (`_prep_x`'s PERMUTE; False: gather each column from memory). block: columns per program (a multiple of 128
     dividing K; None: the largest of 1024, 512, 128 that does). pdl: the next kernel, launched with programmatic
-    dependent launch (`frag_gemm(pdl=True)`), may start at once. block_starts ([E + 1] int32, `block_schedule`),
-    block_m, blocks (a masked slab only): one program per row of the first `blocks` (None: all) token blocks of
-    that block list instead of one per slab row, as `frag_gemm` runs the slab. Graph-safe."""
+    dependent launch (`frag_gemm(pdl=True)`), may start at once. block_m > 0, blocks (a masked slab only): one
+    program per row of the first `blocks` (None: all) token blocks of the slab's block list (`frag_gemm(listed=True)`,
+    blocks of block_m rows) instead of one per slab row. Graph-safe."""
     kind = {"bf16": 0, "fp8": 1, "nvfp4": 2}[payload]
     rows = offsets is not None
     if rows:  # each row its own (E = N, M = 1) slab, all rows converted
@@ -813,11 +810,10 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
         block = block or next((b for b in (1024, 512) if K % b == 0), 128)
         if block % 128 or K % block:
             raise ValueError(f"prepare_activations: block={block} must be a multiple of 128 dividing K={K}")
-        listed = block_starts is not None and not rows
-        if listed:
+        if block_m and not rows:
             slab_blocks = E * -(-M // block_m)
             progs = block_m * (slab_blocks if blocks is None else min(blocks, slab_blocks))
-            extra = dict(BSTART=block_starts, NUM_E=E, BM=block_m, E_POW2=max(128, triton.next_power_of_2(E)))
+            extra = dict(NUM_E=E, BM=block_m, E_POW2=max(128, triton.next_power_of_2(E)))
         else:
             progs, extra = E * M, {}
         if progs:
