@@ -644,9 +644,9 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     Masked (offsets None): x [E, M, K], out [E, M, n_out]; rows m < counts[e] of expert e.
     Contiguous (offsets [E + 1] int32): x [N, K], out [N, n_out]; expert e's rows are offsets[e] …
     offsets[e] + counts[e] - 1, run as a block list: expert e owns ⌈counts[e] / block_m⌉ token blocks, experts in
-    order (`block_schedule`; each program finds its block from the counts). The grid launches `blocks` token blocks
-    per N tile (None: `max_blocks(N, E, block_m)` for contiguous rows, E·⌈M / block_m⌉ for a slab), programs past the
-    last block exit. A slab runs the same block list with `listed` (the blocks of experts with rows first, so that
+    order (`block_schedule`; each program finds its block from the counts). The grid launches `blocks` token
+    blocks per N tile (None: `max_blocks(N, E, block_m)` for contiguous rows, E·⌈M / block_m⌉ for a slab), programs
+    past the last block exit. A slab runs the same block list with `listed` (the blocks of experts with rows first, so that
     they spread over the SMs as one wave), else one program per (expert, token block) of the slab.
     x: fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the gate_up output
     for the down GEMM (written so when fuse_silu).
