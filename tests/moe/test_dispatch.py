@@ -50,6 +50,9 @@ def test_masked_rows_beyond_masked_m_are_never_read():
     x, ids, w = _inputs()
     d = create_dispatcher("local", E, H, mode="low_latency", num_max_dispatch_tokens_per_rank=16)
     layout, handle = d.dispatch(x, ids, w, "bf16")
+    # the rows bound the slab carries (what the experts size their grids by): each token's top-k slots
+    assert layout.max_rows == x.shape[0] * ids.shape[1] >= int(layout.masked_m.sum())
+    assert with_hidden(layout, layout.hidden).max_rows == layout.max_rows
     y = layout.hidden.clone()
     keep = torch.arange(y.shape[1])[None, :] < layout.masked_m[:, None]
     y[~keep] = float("nan")

@@ -36,6 +36,7 @@ def test_to_masked_roundtrip_and_fill():
     layout, _ = group_tokens(x, ids, 5)
     masked = to_masked(layout, fill=float("nan"))
     assert masked.hidden.shape == (5, int(layout.counts.max()), 32)
+    assert masked.max_rows == int(layout.counts.sum()) == 18  # the exact row count bounds the slab
     assert masked.validate()["E"] == 5
     for e in range(5):
         m = int(layout.counts[e])
