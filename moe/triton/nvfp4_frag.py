@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from pdlab.kernels.arch import wgmma_unavailable
-from pdlab.moe.triton.nvfp4_moe import deq_ptx
+from pdlab.moe.triton.nvfp4_moe import deq_ptx, listed_block
 
 try:  # Gluon (Triton ≥ 3.5): explicit layouts
     from triton.experimental import gluon
@@ -173,16 +173,8 @@ def _prep_x(X, SF, GS, Y, CNT, M, K, stride_xe, stride_xm, stride_se, stride_sm,
                                   is_pure=False, pack=1)
     if BM > 0:
         i = tl.program_id(0)
-        blk = i // BM
-        ei = tl.arange(0, E_POW2)
-        cnt = tl.load(CNT + ei, mask=ei < NUM_E, other=0)
-        nb = (cnt + (BM - 1)) // BM
-        ends = tl.cumsum(nb, 0)
-        found = tl.sum((ends <= blk).to(tl.int32), axis=0)  # experts whose blocks all come before blk
-        mine = ei == found
-        count = tl.sum(tl.where(mine, cnt, 0), axis=0)  # 0 past the last block
-        e = tl.minimum(found, NUM_E - 1)
-        m = (blk - tl.sum(tl.where(mine, ends - nb, 0), axis=0)) * BM + i % BM
+        e, m0, count = listed_block(CNT, i // BM, NUM_E, BM, E_POW2)
+        m = m0 + i % BM
         em = e * M + m
     else:
         em = tl.program_id(0)
@@ -254,7 +246,8 @@ if HAVE_GLUON:
     def _listed_block(cnt_ptr, blk, NUM_E, BM: gl.constexpr, E_POW2: gl.constexpr):
         """(expert, first token, row count) of token block blk of the block list in which expert e owns
         ⌈cnt[e] / BM⌉ blocks, experts in order (NUM_E of them, E_POW2 ≥ NUM_E a power of two); past the last
-        block the count is 0. Computed from the counts by each program (no schedule kernel before it)."""
+        block the count is 0. Computed from the counts by each program (no schedule kernel before it); the Triton
+        kernels' copy is nvfp4_moe.listed_block."""
         EL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         ei = gl.arange(0, E_POW2, layout=EL)
         cnt = gl.load(cnt_ptr + ei, mask=ei < NUM_E, other=0)
@@ -646,8 +639,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     offsets[e] + counts[e] - 1, run as a block list: expert e owns ⌈counts[e] / block_m⌉ token blocks, experts in
     order (`block_schedule`; each program finds its block from the counts). The grid launches `blocks` token
     blocks per N tile (None: `max_blocks(N, E, block_m)` for contiguous rows, E·⌈M / block_m⌉ for a slab), programs
-    past the last block exit. A slab runs the same block list with `listed` (the blocks of experts with rows first, so that
-    they spread over the SMs as one wave), else one program per (expert, token block) of the slab.
+    past the last block exit. A slab runs the same block list with `listed` (the blocks of experts with rows first, so
+    that they spread over the SMs as one wave; `slab_blocks` of them), else one program per (expert, token block).
     x: fp16, ·2^-8, columns in MMA K order: `prepare_activations`' output for the gate_up GEMM, the gate_up output
     for the down GEMM (written so when fuse_silu).
     wp, sp: `pack_weights` / `pack_scales` of W [E, N, K/2] (gate_up: N = 2·n_out, gate rows then up rows).
@@ -684,8 +677,7 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
         strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
         offsets = counts  # (not read)
         if listed:
-            slab_blocks = E * -(-M // block_m)
-            grid = (n_tiles, slab_blocks if blocks is None else min(slab_blocks, blocks))
+            grid = (n_tiles, slab_blocks(E, M, block_m, blocks))
         else:
             grid = (n_tiles, E, -(-M // block_m))
     else:
@@ -697,8 +689,8 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     _frag_gemm[grid](wp, sp, x, out, counts, scale_2, K, n_out, M, up_tiles, *strides, offsets, E,
                      BM=block_m, FUSE_SILU=fuse_silu, OUT_PERMUTED=fuse_silu,
-                     UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=contig, LIST=len(grid) == 2,
-                     E_POW2=max(128, triton.next_power_of_2(E)), X_ASYNC=x_async and not w_stages,
+                     UNROLL=unroll if (K // TILE) % unroll == 0 else 1, CONTIG=contig, LIST=contig or listed,
+                     E_POW2=_e_pow2(E), X_ASYNC=x_async and not w_stages,
                      W_STAGES=w_stages, PAIR_N=pair_n, PDL=pdl, X_RING=x_ring and w_stages > 0, MMA_ASYNC=mma_async,
                      num_warps=4,
                      launch_pdl=pdl, **extra)
@@ -711,6 +703,18 @@ def max_blocks(rows: int, experts: int, block_m: int) -> int:
     and there are at most `rows` of them. The contiguous grid's size (programs past the last block exit at once):
     1 token routed to 8 of 256 experts launches 9 token blocks per N tile instead of 257."""
     return -(-rows // block_m) + min(experts, rows)
+
+
+def slab_blocks(experts: int, rows: int, block_m: int, cap: int | None = None) -> int:
+    """The token blocks a slab of `experts` × `rows` runs as a block list: E·⌈rows / block_m⌉, at most `cap`
+    (`max_blocks` of the layout's max_rows; None: no cap). What the GEMMs and the activation kernel launch."""
+    n = experts * -(-rows // block_m)
+    return n if cap is None else min(n, cap)
+
+
+def _e_pow2(experts: int) -> int:
+    """The block search's width: a power of two ≥ experts, at least 128 (one lane per expert over four warps)."""
+    return max(128, triton.next_power_of_2(experts))
 
 
 def block_schedule(counts: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -743,9 +747,9 @@ def run_frag(layout, packs: dict, intermediate: int, out_dtype: torch.dtype, blo
 
     On an H200 (DeepSeek-R1 experts, bf16 activations, CUDA graphs), one token on 8 of 256 experts: 154 → 85 µs in
     a one-row slab, 473 → 85 µs in a 256-row slab; 4 tokens on 31: 570 → 232 µs, 16 on 98: 986 → 662 µs in the
-    256-row slab (bench/results/NVIDIA_H200/moe_experts/2026-12-02_slab_list). Without a bound the list launches as many
-    programs as the slab has blocks, each searching the list: 4–12 % slower than the plain grid in the 256-row slab
-    from 4 tokens on, hence the automatic choice."""
+    256-row slab (bench/results/NVIDIA_H200/moe_experts/2026-12-02_slab_list). Without a bound the list launches as
+    many programs as the slab has blocks, each scanning the counts: 4–12 % slower than the plain grid in the 256-row
+    slab from 4 tokens on, hence the automatic choice."""
     masked = layout.hidden.dim() == 3
     counts = (layout.masked_m if masked else layout.counts).to(torch.int32)
     offsets = None if masked else layout.offsets.to(torch.int32)
@@ -811,9 +815,8 @@ def prepare_activations(x: torch.Tensor, counts: torch.Tensor, payload: str = "b
         if block % 128 or K % block:
             raise ValueError(f"prepare_activations: block={block} must be a multiple of 128 dividing K={K}")
         if block_m and not rows:
-            slab_blocks = E * -(-M // block_m)
-            progs = block_m * (slab_blocks if blocks is None else min(blocks, slab_blocks))
-            extra = dict(NUM_E=E, BM=block_m, E_POW2=max(128, triton.next_power_of_2(E)))
+            progs = block_m * slab_blocks(E, M, block_m, blocks)
+            extra = dict(NUM_E=E, BM=block_m, E_POW2=_e_pow2(E))
         else:
             progs, extra = E * M, {}
         if progs:

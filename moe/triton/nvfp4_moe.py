@@ -275,6 +275,23 @@ def _load_a_half(a_rows, a_sf_ptr, sf_rows, m_mask, kk, A_KIND: tl.constexpr, MM
     return a
 
 
+@triton.jit
+def listed_block(cnt_ptr, blk, NUM_E, BM: tl.constexpr, E_POW2: tl.constexpr):
+    """(expert, first row, row count) of token block blk of the block list in which expert e owns ⌈cnt[e] / BM⌉
+    blocks, experts in order (NUM_E of them, E_POW2 ≥ NUM_E a power of two), computed from the counts; past the last
+    block the expert is NUM_E - 1 and the count 0. (The Gluon GEMMs of nvfp4_frag.py have their own copy,
+    `_listed_block`: a Gluon kernel cannot call a Triton function.)"""
+    ei = tl.arange(0, E_POW2)
+    cnt = tl.load(cnt_ptr + ei, mask=ei < NUM_E, other=0)
+    nb = (cnt + (BM - 1)) // BM
+    ends = tl.cumsum(nb, 0)  # past NUM_E: the total, never ≤ blk while blk is a block
+    found = tl.sum((ends <= blk).to(tl.int32), 0)  # experts whose blocks all come before blk
+    mine = ei == found
+    start = tl.sum(tl.where(mine, ends - nb, 0), 0)
+    count = tl.sum(tl.where(mine, cnt, 0), 0)  # 0 past the last block (found ≥ NUM_E)
+    return tl.minimum(found, NUM_E - 1), (blk - start) * BM, count
+
+
 # num_m_tiles follows the token count: not specialised (== 1, % 16), or a new count class would compile anew
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _moe_nvfp4_gemm(
@@ -304,16 +321,8 @@ def _moe_nvfp4_gemm(
         count = tl.load(cnt_ptr + e)
         row_base = 0
     else:
-        ee = tl.arange(0, E_POW2)
-        cnts = tl.load(cnt_ptr + ee, mask=ee < E, other=0)
-        tiles = (cnts + BLOCK_M - 1) // BLOCK_M
-        cum = tl.cumsum(tiles, 0)
-        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        start_tile = tl.sum(tl.where(ee == e, cum - tiles, 0), 0)
-        count = tl.sum(tl.where(ee == e, cnts, 0), 0)
-        m0 = (pid_m - start_tile) * BLOCK_M
-        row_base = tl.load(off_ptr + tl.minimum(e, E - 1))
-        count = tl.where(e >= E, 0, count)
+        e, m0, count = listed_block(cnt_ptr, pid_m, E, BLOCK_M, E_POW2)
+        row_base = tl.load(off_ptr + e)
     if m0 < count:
         e64 = e.to(tl.int64)
         offs_m = m0 + tl.arange(0, BLOCK_M)
