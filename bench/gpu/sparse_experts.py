@@ -1,7 +1,8 @@
 """The experts stage when few experts get tokens (EP1 decode: T tokens × top-8 of 256 experts), per fragment-GEMM
 config: CUDA-graph and eager (CUDA events) median µs and the host's time per call, contiguous rows and masked slabs
 (`--slab-rows` rows per expert, default T; "masked" carries the rows bound a dispatcher gives, T·top-k, as
-`max_rows`, "masked_unbounded" does not); --profile adds a torch.profiler table per config.
+`max_rows`, "masked_unbounded" does not); --profile adds a torch.profiler table per config. `--weights tiled`
+stores the experts tiled (`ExpertWeights.tile_()`) instead of in fragment order: the in-loop Triton kernel runs them.
 
     python3 bench/gpu/sparse_experts.py --tokens 1,16 --config '{}' --config '{"FRAG_RING": 0, "FRAG_PAIR_DOWN": 0}'
 """
@@ -30,9 +31,12 @@ def main() -> None:
     ap.add_argument("--slab-rows", type=int, default=0, help="rows per expert of the masked slab (0: T)")
     ap.add_argument("--unbounded", action="store_true", help="also the masked slab without max_rows")
     ap.add_argument("--profile", action="store_true", help="also a torch.profiler table per config (contiguous)")
+    ap.add_argument("--weights", choices=("frag", "tiled"), default="frag",
+                    help="fragment order (the fragment GEMMs) or tiled (the in-loop kernel)")
     args = ap.parse_args()
     E, H, I, dev = args.experts, 7168, 2048, torch.device("cuda")
-    w = random_nvfp4_weights(E, H, I, dev, with_bf16=False).frag_()
+    w = random_nvfp4_weights(E, H, I, dev, with_bf16=False)
+    w = w.frag_() if args.weights == "frag" else w.tile_()
     g = torch.Generator().manual_seed(0)
     for T in map(int, args.tokens.split(",")):
         ids = torch.stack([torch.randperm(E, generator=g)[:args.top_k] for _ in range(T)]).reshape(-1)
@@ -66,7 +70,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 eager = statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
                 print(json.dumps({"tokens": T, "active_experts": int((counts > 0).sum()), "layout": name,
-                                  "slab_rows": slab.shape[1], "experts": E,
+                                  "slab_rows": slab.shape[1], "experts": E, "weights": args.weights,
                                   "config": raw, "graph_us": round(graph, 1), "eager_us": round(eager, 1),
                                   "host_us": round(statistics.median(host) * 1e6, 1)}), flush=True)
         if args.profile:

@@ -188,6 +188,7 @@ def run_triton(layout, weights, *, config):
     masked = isinstance(layout, Masked)
     counts = layout.masked_m if masked else layout.counts
     offsets = None if masked else layout.offsets
+    max_rows = layout.max_rows if masked else None  # bounded: the slab as a block list
     kind, mma, inter, mma_down = gemm_dtypes(layout.payload, x.dtype, cfg, interpret)
     a_sf = layout.scales
     if a_sf is not None and kind == A_NVFP4:
@@ -201,13 +202,13 @@ def run_triton(layout, weights, *, config):
     lead = x.shape[:-1]
     h = torch.empty(lead + (I,), dtype=inter, device=x.device)
     moe_nvfp4_gemm(x, kind, a_sf, a_gs, w["w13"], w["w13_sf"], w["w13_s2"], h, counts, offsets, masked=masked,
-                   n=I, k=H, fuse_silu=True, mma_dtype=mma, cfg=cfg)
+                   n=I, k=H, fuse_silu=True, mma_dtype=mma, cfg=cfg, max_rows=max_rows)
     out_dtype = layout.hidden.dtype if layout.payload == "bf16" else torch.bfloat16
     split = cfg.get("SPLIT_K", 1) > 1
     out = (torch.zeros if split else torch.empty)(lead + (H,), dtype=torch.float32 if split else out_dtype,
                                                   device=x.device)
     moe_nvfp4_gemm(h, A_FLOAT, None, None, w["w2"], w["w2_sf"], w["w2_s2"], out, counts, offsets, masked=masked,
-                   n=H, k=I, fuse_silu=False, cfg=cfg, mma_dtype=mma_down)
+                   n=H, k=I, fuse_silu=False, cfg=cfg, mma_dtype=mma_down, max_rows=max_rows)
     return out.to(out_dtype) if split else out
 
 

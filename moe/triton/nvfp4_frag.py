@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from pdlab.kernels.arch import wgmma_unavailable
-from pdlab.moe.triton.nvfp4_moe import deq_ptx, listed_block
+from pdlab.moe.triton.nvfp4_moe import deq_ptx, listed_block, max_blocks, slab_blocks
 
 try:  # Gluon (Triton ≥ 3.5): explicit layouts
     from triton.experimental import gluon
@@ -695,21 +695,6 @@ def frag_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, scale_2: torc
                      num_warps=4,
                      launch_pdl=pdl, **extra)
     return out
-
-
-def max_blocks(rows: int, experts: int, block_m: int) -> int:
-    """An upper bound of the token blocks of `rows` contiguous rows over `experts` experts (Σ ⌈counts[e] / block_m⌉,
-    whatever the counts): ⌈rows / block_m⌉ + min(experts, rows), since only experts with rows add a partial block
-    and there are at most `rows` of them. The contiguous grid's size (programs past the last block exit at once):
-    1 token routed to 8 of 256 experts launches 9 token blocks per N tile instead of 257."""
-    return -(-rows // block_m) + min(experts, rows)
-
-
-def slab_blocks(experts: int, rows: int, block_m: int, cap: int | None = None) -> int:
-    """The token blocks a slab of `experts` × `rows` runs as a block list: E·⌈rows / block_m⌉, at most `cap`
-    (`max_blocks` of the layout's max_rows; None: no cap). What the GEMMs and the activation kernel launch."""
-    n = experts * -(-rows // block_m)
-    return n if cap is None else min(n, cap)
 
 
 def _e_pow2(experts: int) -> int:

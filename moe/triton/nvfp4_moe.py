@@ -22,7 +22,9 @@ change.
 
 Rows: masked layout → expert e, row m at a + e·stride_ae + m·stride_am, m < masked_m[e]; contiguous
 layout → rows offsets[e] + m, m < counts[e], the tile → expert map computed in-kernel from counts
-(no host sync; the grid is cdiv(N, BLOCK_M) + E tiles, extra programs exit). Rows past the valid
+(no host sync; the grid is `max_blocks(N)` tiles, extra programs exit). A masked slab whose producer bounds its rows
+(`max_rows`) runs as the same block list (expert e owns ⌈masked_m[e] / BLOCK_M⌉ blocks, the blocks of experts with
+rows first, at most `max_blocks(max_rows)`), else as one program per (expert, slab block). Rows past the valid
 ones are never read, never written.
 """
 
@@ -292,6 +294,22 @@ def listed_block(cnt_ptr, blk, NUM_E, BM: tl.constexpr, E_POW2: tl.constexpr):
     return tl.minimum(found, NUM_E - 1), (blk - start) * BM, count
 
 
+def max_blocks(rows: int, experts: int, block_m: int) -> int:
+    """An upper bound of the token blocks of `rows` contiguous rows over `experts` experts (Σ ⌈counts[e] / block_m⌉,
+    whatever the counts): ⌈rows / block_m⌉ + min(experts, rows), since only experts with rows add a partial block
+    and there are at most `rows` of them. The contiguous grid's size (programs past the last block exit at once):
+    1 token routed to 8 of 256 experts launches 9 token blocks per N tile instead of 257."""
+    return -(-rows // block_m) + min(experts, rows)
+
+
+def slab_blocks(experts: int, rows: int, block_m: int, cap: int | None = None) -> int:
+    """The token blocks a slab of `experts` × `rows` runs as a block list: E·⌈rows / block_m⌉, at most `cap`
+    (`max_blocks` of the layout's max_rows; None: no cap). What the GEMMs and the activation kernel launch."""
+    n = experts * -(-rows // block_m)
+    return n if cap is None else min(n, cap)
+
+
+
 # num_m_tiles follows the token count: not specialised (== 1, % 16), or a new count class would compile anew
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _moe_nvfp4_gemm(
@@ -305,6 +323,7 @@ def _moe_nvfp4_gemm(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr, A_DOWN: tl.constexpr, UNPACK16: tl.constexpr,
     DEQ_ASM: tl.constexpr = 0, PERM_K: tl.constexpr = False, TILED: tl.constexpr = False,
+    LIST: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -315,10 +334,13 @@ def _moe_nvfp4_gemm(
     pid_n = (pid % in_group) // group_m
 
     if MASKED:
-        tiles_per_expert = tl.cdiv(M_MAX, BLOCK_M)
-        e = pid_m // tiles_per_expert
-        m0 = (pid_m % tiles_per_expert) * BLOCK_M
-        count = tl.load(cnt_ptr + e)
+        if LIST:  # the slab's token blocks as a block list: the blocks of experts with rows first
+            e, m0, count = listed_block(cnt_ptr, pid_m, E, BLOCK_M, E_POW2)
+        else:  # one program per (expert, slab block)
+            tiles_per_expert = tl.cdiv(M_MAX, BLOCK_M)
+            e = pid_m // tiles_per_expert
+            m0 = (pid_m % tiles_per_expert) * BLOCK_M
+            count = tl.load(cnt_ptr + e)
         row_base = 0
     else:
         e, m0, count = listed_block(cnt_ptr, pid_m, E, BLOCK_M, E_POW2)
@@ -456,13 +478,16 @@ _MMA = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: t
 def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs: torch.Tensor | None,
                    w: torch.Tensor, w_sf: torch.Tensor, w_s2: torch.Tensor, out: torch.Tensor,
                    counts: torch.Tensor, offsets: torch.Tensor | None, *, masked: bool, n: int, k: int,
-                   fuse_silu: bool, mma_dtype: torch.dtype, cfg: dict) -> torch.Tensor:
+                   fuse_silu: bool, mma_dtype: torch.dtype, cfg: dict, max_rows: int | None = None) -> torch.Tensor:
     """out[rows, :n] = act(A[rows] @ W[e][:n]ᵀ) per expert (see module docstring).
 
     a: masked [E, M, K] / contiguous [R, K] float, or fp8 bytes (a_sf fp32 [.., K/128]), or nvfp4 bytes
     [.., K/2] (a_sf uint8 [.., K/16], a_gs fp32 [1] or [E]). w: [E, N_total, K/2] uint8, w_sf uint8
     [E, N_total, K/16], w_s2 fp32 [E]. out: [E, M, n] or [R, n] (zeroed fp32 when SPLIT_K > 1).
     counts: [E] int32 (masked_m or counts); offsets: [E+1] int32 (contiguous only).
+    max_rows (masked only): an upper bound of sum(masked_m) (`Masked.max_rows`); given, the slab runs as the block
+    list of its experts' token blocks, at most `max_blocks(max_rows)` of them (rows past the bound are not
+    computed); None: one program per (expert, slab block).
     cfg: block sizes, warps, stages and the knobs of moe/runners/triton_nvfp4.py (DEQ_ASM needs an fp16
     MMA and runs the integer unpack under TRITON_INTERPRET=1; PERM_K is ignored for fp8 activations).
     Graph-safe (no host sync)."""
@@ -487,15 +512,16 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
     if tiled and (bk % 128 or bn % 16 or n % 16):
         raise ValueError(f"moe_nvfp4_gemm: tiled weights need BLOCK_K % 128 == 0 and BLOCK_N, N multiples of 16 "
                          f"(got BLOCK_K={bk}, BLOCK_N={bn}, N={n}, K={k}); use the plain layout (TILED=0)")
+    listed = masked and max_rows is not None
     if masked:
         m_max = a.shape[1]
-        num_m = E * triton.cdiv(m_max, bm)
+        num_m = slab_blocks(E, m_max, bm, max_blocks(max_rows, E, bm) if listed else None)
         stride_ae, stride_am = a.stride(0), a.stride(1)
         stride_oe, stride_om = out.stride(0), out.stride(1)
         sf_e, sf_m = (a_sf.stride(0), a_sf.stride(1)) if a_sf is not None else (0, 0)
     else:
         m_max = 0
-        num_m = triton.cdiv(a.shape[0], bm) + E
+        num_m = max_blocks(a.shape[0], E, bm)
         stride_ae, stride_am = 0, a.stride(0)
         stride_oe, stride_om = 0, out.stride(0)
         sf_e, sf_m = (0, a_sf.stride(0)) if a_sf is not None else (0, 0)
@@ -515,7 +541,7 @@ def moe_nvfp4_gemm(a: torch.Tensor, a_kind: int, a_sf: torch.Tensor | None, a_gs
         MASKED=masked, FUSE_SILU=fuse_silu, MMA=_MMA[mma_dtype],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), SPLIT_K=split_k,
         SPLIT_NIBBLES=bool(cfg.get("SPLIT_NIBBLES", 0)), A_DOWN=a_down,
-        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=perm_k, TILED=tiled,
+        UNPACK16=bool(cfg.get("UNPACK16", 0)), DEQ_ASM=deq_asm, PERM_K=perm_k, TILED=tiled, LIST=listed,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

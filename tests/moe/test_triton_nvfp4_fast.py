@@ -132,6 +132,41 @@ def test_tiled_weights_give_the_plain_layouts_result(kind, payload, extra):
     _check(layout, weights, 2e-4, config={**cfg, "TILED": 1})
 
 
+@pytest.mark.parametrize("payload,extra", [("bf16", {}), ("nvfp4", {"TILED": 1}), ("bf16", {"SPLIT_K": 2})],
+                         ids=["bf16", "nvfp4-tiled", "bf16-split-k"])
+def test_in_loop_kernel_runs_a_bounded_slab_as_a_block_list(monkeypatch, payload, extra):
+    # a slab whose producer bounds its rows (max_rows) runs as the block list of its experts' token blocks: the
+    # programs per N tile are max_blocks(max_rows), not E · ⌈M / BLOCK_M⌉, and every valid row gets the bits one
+    # program per (expert, slab block) gives it (experts 0, 2, 4, 5 without rows, before, between and after)
+    from dataclasses import replace
+
+    from pdlab.moe.triton import nvfp4_moe as M
+
+    grids = []
+    kernel = M._moe_nvfp4_gemm
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(M, "_moe_nvfp4_gemm", Spy())
+    layout, weights = _problem(6, 256, 256, 40, 1, payload, skew="zero", x_dtype=torch.bfloat16)
+    masked = _as("masked", layout)
+    rows, slab = int(masked.masked_m.sum()), masked.hidden.shape[1]
+    assert masked.max_rows == rows == 40 and slab > 16
+    cfg = {"FRAG": 0, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, **extra}
+    keep = torch.arange(slab, device=DEV)[None, :] < masked.masked_m[:, None]
+    grid = run_experts(replace(masked, max_rows=None), weights, runner="triton", config=cfg).hidden[keep]
+    assert [g[0] // (256 // 32) for g in grids[-1:]] == [6 * -(-slab // 16)]
+    for bound in (rows, 4 * rows):
+        grids.clear()
+        out = run_experts(replace(masked, max_rows=bound), weights, runner="triton", config=cfg).hidden
+        assert torch.equal(out[keep], grid), bound
+        assert grids[-1][0] // (256 // 32) == min(6 * -(-slab // 16), M.max_blocks(bound, 6, 16))
+    _check(masked, weights, 2e-4, config=cfg)
+
+
 def test_tiled_is_ignored_where_it_does_not_fit():
     # I = 96 is not a multiple of 128: the plain layout runs, no tiled copy is made
     layout, weights = _problem(2, 128, 96, 6, 1, "bf16", x_dtype=torch.bfloat16)
