@@ -26,11 +26,16 @@ def test_console_scripts_are_declared_and_installed():
 
 
 def test_no_top_level_kernels_module_in_a_clean_process(tmp_path):
-    code = ("import importlib.util, pdlab.kernels.nvfp4, pdlab.bench.cli;"
-            "print(importlib.util.find_spec('kernels'), pdlab.kernels.__name__)")
+    # pdlab's kernels/ is pdlab.kernels only: a top-level `kernels` (transformers probes for one; recent transformers
+    # install the Hugging Face package of that name) must never be pdlab's folder
+    code = ("import importlib.util, os, pdlab, pdlab.kernels.nvfp4, pdlab.bench.cli;"
+            "spec = importlib.util.find_spec('kernels');"
+            "root = os.path.dirname(os.path.abspath(pdlab.__file__));"
+            "print(spec is None or not os.path.abspath(spec.origin or '').startswith(root + os.sep),"
+            " pdlab.kernels.__name__)")
     proc = _run([sys.executable, "-c", code], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["None", "pdlab.kernels"]
+    assert proc.stdout.split() == ["True", "pdlab.kernels"]
 
 
 @pytest.mark.parametrize("argv", [["pdlab", "--help"], ["pdlab", "bench", "--help"], ["bench", "--help"],

@@ -309,7 +309,6 @@ def slab_blocks(experts: int, rows: int, block_m: int, cap: int | None = None) -
     return n if cap is None else min(n, cap)
 
 
-
 # num_m_tiles follows the token count: not specialised (== 1, % 16), or a new count class would compile anew
 @triton.jit(do_not_specialize=["num_m_tiles"])
 def _moe_nvfp4_gemm(
