@@ -1,6 +1,7 @@
 """The fp8 two-warpgroup MLA decode test (tests/attention/test_gluon_mla_wide.py,
 test_gpu_seesaw_decode_over_fp8_matches_the_reference) over many seeds instead of one: each of its five cases at
-seed 4064410839 (sequence 0 holds two near-tied tokens) and at --seeds more; prints each failure and a count.
+seed 4064410839 (sequence 0 holds two near-tied tokens) and at --seeds more; prints each failure and a count. The
+cases are the test's own (its parametrize mark).
 
     python3 bench/gpu/seesaw_fp8_seeds.py --seeds 24
 """
@@ -12,9 +13,6 @@ import os
 import random
 import sys
 
-CASES = [(128, 1, 64, {"num_splits": 1}, 3000), (128, 1, 128, {}, 16000), (128, 2, 64, {"num_splits": 1}, 3000),
-         (16, 4, 128, {"num_splits": 1}, 3000), (64, 1, 64, {"num_splits": 2}, 6000)]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -23,17 +21,19 @@ def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "attention"))
     import test_gluon_mla_wide as T
 
+    test = T.test_gpu_seesaw_decode_over_fp8_matches_the_reference
+    cases = next(m.args[1] for m in test.pytestmark if m.name == "parametrize")
     seeds = [4064410839] + [random.Random(7000 + i).getrandbits(32) for i in range(args.seeds)]
     runs = failed = 0
     for seed in seeds:
-        for case in CASES:
+        for case in cases:
             runs += 1
             try:
-                T.test_gpu_seesaw_decode_over_fp8_matches_the_reference(*case, seed)
+                test(*case, seed)
             except AssertionError as e:
                 failed += 1
                 print("FAIL", seed, case[:4], str(e)[:300], flush=True)
-    print(f"{runs} runs ({len(seeds)} seeds x {len(CASES)} cases), {failed} failed")
+    print(f"{runs} runs ({len(seeds)} seeds x {len(cases)} cases), {failed} failed")
     sys.exit(1 if failed else 0)
 
 
