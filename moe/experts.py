@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from pdlab.kernels import registry
+from pdlab.kernels.env import ENV
 from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
 from pdlab.kernels.tuned import register_bucket_upgrade, resolve_config
 from pdlab.moe.layouts import Contiguous, Layout, Masked, layout_op, with_hidden
@@ -105,7 +106,9 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
         payload "bf16"; rows past the valid ones (masked rows >= masked_m) are unspecified.
     Raises:
         ShapeError when the layout does not fit the runner's contract (wrong layout kind, shapes,
-        dtypes, or weights of another size); ValueError for an unsupported payload.
+        dtypes, or weights of another size), and for row counts beyond the slab or the layout's bound
+        (`check_rows`: the torch runner always, the others under PDLAB_CHECK_INVARIANTS=1); ValueError for an
+        unsupported payload.
     """
     if not isinstance(layout, (Contiguous, Masked)):
         raise ShapeError(OP, runner, "layout", "must be a Contiguous or Masked layout object", "Contiguous | Masked",
@@ -132,8 +135,15 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
     if runner is not None:
         backend = select_runner(layout, weights, runner)  # availability, after the shape checks
     cfg = _config(backend, layout, wdims["I"], expected_m, active_experts, config)
+    if ENV.check_invariants and not backend.reference and not _capturing(layout.hidden):
+        layout.check_rows(OP, backend.name)  # one sync; the torch reference checks its rows itself
     out = backend.impl(layout, weights, config=cfg)
     return with_hidden(layout, out)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream (no host sync allowed)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def bucket(layout: Layout, intermediate: int, expected_m: int, active_experts: int | None = None

@@ -158,6 +158,26 @@ class Contiguous(_PayloadFields):
             _check_global_scale(op, backend, gs, dims["E"])
         return dims
 
+    def check_rows(self, op_name: str = "moe_layout", backend: str | None = None) -> None:
+        """Check the row counts the contract cannot (one host sync): counts[e] >= 0, offsets[0] = 0,
+        offsets[e+1] - offsets[e] = counts[e] and offsets[E] <= N, the rows of hidden. Raises ShapeError naming the
+        first expert that breaks one; a kernel handed such counts would read or write rows of another expert or
+        past the tensor. (`run_experts` calls it under PDLAB_CHECK_INVARIANTS=1; the torch runner always.)"""
+        counts = self.counts.tolist()
+        offsets = self.offsets.tolist()
+        n = self.hidden.shape[0]
+        bad = next((e for e, c in enumerate(counts) if c < 0 or offsets[e + 1] - offsets[e] != c), None)
+        if offsets[:1] != [0] or bad is not None:
+            e = 0 if bad is None else bad
+            raise ShapeError(op_name, backend, "offsets", "does not accumulate counts",
+                             "offsets[0] = 0, offsets[e+1] = offsets[e] + counts[e], counts[e] >= 0",
+                             f"counts[{e}] = {counts[e]}, offsets[{e}:{e + 2}] = {offsets[e:e + 2]}",
+                             "build the layout with group_tokens or take it from dispatch()")
+        if offsets[-1] > n:
+            raise ShapeError(op_name, backend, "counts", "holds more rows than hidden",
+                             f"sum(counts) <= {n} (the rows of hidden)", f"sum(counts) = {offsets[-1]}",
+                             "hidden must hold every counted row")
+
 
 @dataclass(frozen=True)
 class Masked(_PayloadFields):
@@ -204,6 +224,26 @@ class Masked(_PayloadFields):
         if self.payload == "nvfp4":
             _check_global_scale(op, backend, gs, dims["E"])
         return dims
+
+    def check_rows(self, op_name: str = "moe_layout", backend: str | None = None) -> None:
+        """Check the row counts the contract cannot (one host sync): 0 <= masked_m[e] <= M_max, and sum(masked_m)
+        <= max_rows where the producer bounded it. Raises ShapeError naming the first expert that breaks one: a
+        kernel handed a count above the slab reads and writes the next expert's rows (or past the tensor), and one
+        whose sum exceeds max_rows leaves the rows past the bound unwritten. (`run_experts` calls it under
+        PDLAB_CHECK_INVARIANTS=1; the torch runner always.)"""
+        m = self.masked_m.tolist()
+        m_max = self.hidden.shape[1]
+        bad = next((e for e, c in enumerate(m) if not 0 <= c <= m_max), None)
+        if bad is not None:
+            raise ShapeError(op_name, backend, "masked_m", "counts rows the slab does not have",
+                             f"0 <= masked_m[e] <= {m_max} (the slab's M)", f"masked_m[{bad}] = {m[bad]}",
+                             "size the slab by the most rows one expert can receive (num_max_dispatch_tokens_per_rank "
+                             "× ranks)")
+        if self.max_rows is not None and sum(m) > self.max_rows:
+            raise ShapeError(op_name, backend, "masked_m", "sums above the layout's max_rows",
+                             f"sum(masked_m) <= max_rows = {self.max_rows}", f"sum(masked_m) = {sum(m)}",
+                             "max_rows must bound the rows received (tokens × top-k), or be None: kernels size "
+                             "their grids by it and would leave the rows past it unwritten")
 
 
 Layout = Contiguous | Masked

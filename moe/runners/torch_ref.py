@@ -1,5 +1,5 @@
 """Runner "torch": the reference. Dequantises activations and weights, computes in fp32, any layout
-and payload, one expert at a time (syncs to read counts)."""
+and payload, one expert at a time (syncs to read counts, which it checks: `check_rows`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
                                     "weights": ("bf16", "nvfp4")})
 def run_torch(layout, weights, *, config):
     """fp32 reference. config["weights"]: "auto" (NVFP4 when present, else bf16) | "bf16" | "nvfp4"."""
+    layout.check_rows("moe_experts", "torch")
     form = config.get("weights", "auto")
     if form == "bf16" or (form == "auto" and not weights.has_nvfp4):
         w13, w2 = weights.w13.float(), weights.w2.float()

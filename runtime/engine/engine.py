@@ -15,7 +15,7 @@ import torch
 from pdlab.runtime.config import ConfigError, EngineConfig
 from pdlab.runtime.context import ForwardContext
 from pdlab.runtime.core import Batch
-from pdlab.runtime.env import ENV
+from pdlab.kernels.env import ENV
 from pdlab.runtime.engine.sample import SampleOutput, SamplingTensors, sample
 from pdlab.runtime.memory.pool import MLAKVPool
 from pdlab.runtime.memory.table import PageTable

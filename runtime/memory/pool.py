@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdlab.runtime.env import ENV
+from pdlab.kernels.env import ENV
 from pdlab.runtime.memory.allocator import BaseAllocator, create_allocator
 
 LATENT_DIM = 576  # kv_lora_rank 512 + qk_rope_head_dim 64

@@ -22,7 +22,7 @@ from typing import Callable
 
 from pdlab.runtime.config import SchedulerConfig
 from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, SamplingParams, StepOutput, filler_ids
-from pdlab.runtime.env import ENV
+from pdlab.kernels.env import ENV
 from pdlab.runtime.scheduler.decode import DecodeManager
 from pdlab.runtime.scheduler.output import TextCodec, process_token
 from pdlab.runtime.scheduler.prefill import PrefillManager

@@ -89,3 +89,40 @@ def test_contract_violations_name_the_argument():
                    torch.zeros(8, 4, dtype=torch.float8_e4m3fn), torch.ones(3)).validate()
     with pytest.raises(ShapeError, match="payload 'bf16'"):
         Contiguous(packed, counts, torch.zeros(5, dtype=torch.int32)).validate()
+
+
+def test_check_rows_accepts_what_the_builders_make():
+    x = torch.randn(7, 16)
+    ids = torch.tensor([[0, 2], [2, 1], [2, 0], [2, 3], [2, 0], [1, 3], [2, 1]])
+    layout, _ = group_tokens(x, ids, 5)  # expert 4 gets no row
+    layout.check_rows()
+    masked = to_masked(layout)
+    assert masked.max_rows == 14 and masked.hidden.shape[1] == 6
+    masked.check_rows()
+    Masked(masked.hidden, masked.masked_m).check_rows()  # unbounded
+
+
+def test_check_rows_names_the_first_bad_expert():
+    h = torch.randn(3, 4, 16)
+    with pytest.raises(ShapeError, match=r"'masked_m' counts rows the slab does not have.*<= 4.*masked_m\[1\] = 5"):
+        Masked(h, torch.tensor([4, 5, 0], dtype=torch.int32)).check_rows("moe_experts", "triton")
+    with pytest.raises(ShapeError, match=r"masked_m\[2\] = -1"):
+        Masked(h, torch.tensor([0, 0, -1], dtype=torch.int32)).check_rows()
+    # within the slab, but more rows than the producer's bound: kernels sized by max_rows would skip the rest
+    with pytest.raises(ShapeError, match=r"sums above the layout's max_rows.*max_rows = 6.*sum\(masked_m\) = 7"):
+        Masked(h, torch.tensor([4, 3, 0], dtype=torch.int32), max_rows=6).check_rows()
+    Masked(h, torch.tensor([4, 2, 0], dtype=torch.int32), max_rows=6).check_rows()
+    rows = torch.randn(5, 16)
+    with pytest.raises(ShapeError, match=r"'offsets' does not accumulate counts.*counts\[1\] = 2, offsets\[1:3\] = "
+                                         r"\[1, 4\]"):
+        Contiguous(rows, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 4], dtype=torch.int32)
+                   ).check_rows()
+    with pytest.raises(ShapeError, match=r"counts\[0\] = -1"):
+        Contiguous(rows, torch.tensor([-1, 2], dtype=torch.int32), torch.tensor([0, -1, 1], dtype=torch.int32)
+                   ).check_rows()
+    with pytest.raises(ShapeError, match=r"offsets\[0:2\] = \[2, 3\]"):
+        Contiguous(rows, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([2, 3, 5], dtype=torch.int32)
+                   ).check_rows()
+    with pytest.raises(ShapeError, match=r"'counts' holds more rows than hidden.*<= 5.*= 6"):
+        Contiguous(rows, torch.tensor([4, 2], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32)
+                   ).check_rows()

@@ -111,6 +111,28 @@ def test_masked_reference_ignores_rows_beyond_masked_m():
     assert torch.isfinite(_valid(a, a)).all()
 
 
+def test_row_counts_beyond_the_slab_or_its_bound_are_named(monkeypatch):
+    layout, weights = _problem(4, 64, 32, 9, 2, "bf16")
+    masked = to_masked(layout)
+    over = masked.masked_m.clone()
+    over[int(over.argmax())] += 1  # one row more than the slab holds
+    bad = Masked(masked.hidden, over, max_rows=None)
+    # the reference reads the counts anyway: it always checks them
+    with pytest.raises(ShapeError, match=r"moe_experts\[torch\] argument 'masked_m' counts rows the slab does not"):
+        run_experts(bad, weights, runner="torch")
+    # the other runners never sync the host for them, unless asked to (PDLAB_CHECK_INVARIANTS=1)
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    with pytest.raises(ShapeError, match=r"moe_experts\[torch_grouped\] argument 'masked_m'"):
+        run_experts(bad, weights, runner="torch_grouped")
+    short = Masked(masked.hidden, masked.masked_m, max_rows=masked.max_rows - 1)
+    with pytest.raises(ShapeError, match="max_rows"):
+        run_experts(short, weights, runner="torch_grouped")
+    # a well-formed layout passes the check and runs (torch_grouped computes with the bf16 weights)
+    out = run_experts(masked, weights, runner="torch_grouped")
+    ref = run_experts(masked, weights, runner="torch", config={"weights": "bf16"})
+    assert cosine_error(_valid(out, masked), _valid(ref, masked)) < 1e-4
+
+
 def test_wrong_layout_raises_shape_error_with_hint():
     layout, weights = _problem(4, 64, 32, 9, 2, "nvfp4")
     # a masked-only runner handed the 2-D contiguous layout: ShapeError naming runner, argument and fix

@@ -1,6 +1,8 @@
-"""Environment switches of the runtime, read when asked (never at import), in one place.
+"""Environment switches, read when asked (never at import), in one place (here, so that the ops may read them too).
 
-PDLAB_CHECK_INVARIANTS=1  the scheduler checks page ownership after every step (tests, debugging).
+PDLAB_CHECK_INVARIANTS=1  the scheduler checks page ownership after every step, and `run_experts` checks its
+                          layout's row counts against the slab and the row bound (one host sync per call, none
+                          while a CUDA graph is captured) (tests, debugging).
 PDLAB_STEP_PROFILE=1      the engine records host-side time per decode step (scheduler/Python share).
 """
 
