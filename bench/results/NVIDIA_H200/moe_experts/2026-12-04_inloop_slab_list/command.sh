@@ -6,3 +6,7 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/moe/test_triton_nvfp4_fast.py
 # at e6a1b59
 python3 -m pytest -q -rs -p no:cacheprovider -m gpu --durations=10 tests/moe > moe_gpu.txt
 python3 -m pytest -q -rs -p no:cacheprovider -m "not gpu" tests/moe/test_triton_nvfp4_fast.py > inloop_unmarked_on_gpu.txt
+# at 3d8d28c (the kernels as at b60f9d9): slabs at or near full occupancy, list (max_rows = 8·T) against the grid
+for spec in "64 8" "512 32" "2048 96"; do set -- $spec
+  python3 bench/gpu/sparse_experts.py --weights tiled --tokens $1 --slab-rows $2 --unbounded
+done > full_slab_tiled.jsonl
