@@ -119,6 +119,33 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _unicode(text: str, param: str) -> str:
+    """`text` when it is valid Unicode; else ApiError 400 naming the first lone surrogate (JSON may escape one,
+    \\ud800-\\udfff without its pair, which no tokenizer can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid Unicode: a lone surrogate \\u{ord(text[exc.start]):04x} at "
+                       f"character {exc.start} (a JSON \\ud800-\\udfff escape without its pair); send UTF-8 text",
+                       param) from None
+    return text
+
+
+# request fields of several types: pydantic reports one error per type tried, which says little
+_UNION_FIELDS = {"prompt": "expects a string, a list of token ids or a list of one string",
+                 "stop": "expects a string or a list of strings",
+                 "content": 'expects a string or a list of {"type": "text", "text": ...} parts'}
+
+
+def _union_field(loc: list[str]) -> int | None:
+    """The index in `loc` of a field of `_UNION_FIELDS` followed by the type pydantic tried there, or None."""
+    for i, part in enumerate(loc[:-1]):
+        nxt = loc[i + 1]
+        if part in _UNION_FIELDS and (nxt in ("str", "int") or "[" in nxt):
+            return i
+    return None
+
+
 def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
@@ -146,7 +173,12 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = first.get("msg", "invalid request")
-        if first.get("type") == "extra_forbidden":
+        u = _union_field(loc)
+        if u is not None:  # one problem however many of the field's types pydantic tried
+            loc = loc[:u + 1]
+            errs = [first] + [e for e in errs if [str(x) for x in e.get("loc", ()) if x != "body"][:u + 1] != loc]
+            msg = f"{'.'.join(loc)}: {_UNION_FIELDS[loc[-1]]}"
+        elif first.get("type") == "extra_forbidden":
             msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
         elif first.get("type") == "json_invalid":
             msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
@@ -289,10 +321,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                               stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
 
-    def _encode(text: str) -> list[int]:
+    def _encode(text: str, param: str = "prompt") -> list[int]:
         if codec is None:
-            raise ApiError(400, "this server has no tokenizer: send token ids instead of text", "prompt")
-        return codec.encode(text)
+            raise ApiError(400, "this server has no tokenizer: send token ids instead of text", param)
+        return codec.encode(_unicode(text, param))
 
     # ---- /v1/completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -336,8 +368,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     async def chat(body: ChatRequest, request: Request):
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
-        msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                for m in body.messages]
+        msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)
+                                                     else "".join(p.text for p in m.content), f"messages[{i}].content")}
+                for i, m in enumerate(body.messages)]
         try:
             ids = codec.chat_prompt(msgs)
         except Exception as exc:  # template errors (unknown role, ...) are the request's fault
@@ -384,7 +417,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     async def generate(body: GenerateRequest, request: Request):
         if (body.text is None) == (body.input_ids is None):
             raise ApiError(400, "send exactly one of 'text' or 'input_ids'", "text")
-        ids = _encode(body.text) if body.text is not None else list(body.input_ids)
+        ids = _encode(body.text, "text") if body.text is not None else list(body.input_ids)
         s = body.sampling_params
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         if any(not x for x in stop):

@@ -48,6 +48,11 @@ def client(server):
         yield c
 
 
+def _post(client, path, body):
+    """POST `body` as JSON with non-ASCII escaped (\\uXXXX), as most clients send it: a lone surrogate travels too."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 def _sse(resp):
     events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]", events[-3:]
@@ -137,12 +142,34 @@ def test_generate_stream_and_logprobs(client):
     ({"prompt": "x", "n": 2}, "n"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "ok \ud800"}, "prompt is not valid Unicode: a lone surrogate \\ud800 at character 3"),
+    ({"prompt": [[1, 2], [3]]}, "prompt: expects a string, a list of token ids or a list of one string"),
+    ({"prompt": "x", "stop": [1]}, "stop: expects a string or a list of strings"),
 ])
 def test_bad_completion_requests_are_400(client, body, needle):
-    r = client.post("/v1/completions", json=body)
+    r = _post(client, "/v1/completions", body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
+
+
+def test_text_that_is_not_unicode_or_of_no_accepted_type_is_400(client):
+    """JSON may carry a lone UTF-16 surrogate, which no tokenizer takes (it was a 500 from inside the tokenizer); and
+    a field of several types gets one message listing them, not one per type pydantic tried."""
+    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+              "messages[1].content is not valid Unicode: a lone surrogate \\udfff at character 0"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+              'messages.0.content: expects a string or a list of {"type": "text", "text": ...} parts'),
+             ("/generate", {"text": "a\ud83d", "sampling_params": {"max_new_tokens": 2}},
+              "text is not valid Unicode: a lone surrogate \\ud83d at character 1")]
+    for path, body, needle in cases:
+        r = _post(client, path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(needle), r.json()
+    # a surrogate pair is one valid character
+    r = _post(client, "/v1/completions", {"prompt": "\ud83d\ude00", "max_tokens": 1})
+    assert r.status_code == 200, r.text
 
 
 def test_malformed_json_and_unknown_route(client):

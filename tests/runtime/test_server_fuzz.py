@@ -15,7 +15,7 @@ from pdlab.runtime.config import ServerConfig, build_config
 from pdlab.runtime.engine.testing import load_toy
 from pdlab.runtime.server.serve import Server
 
-BAD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**64, -2**63, 1e308, -1e308, 0.5, -0.5, "", "x", "\u0000\ud7ff",
+BAD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**64, -2**63, 1e308, -1e308, 0.5, -0.5, "", "x", "\u0000\ud7ff", "\ud800",
               "a" * 5000, [], [None], [1, "a"], {}, {"k": 1}, [[[[]]]]]
 MAX_REQUESTS = 2000
 TIME_BUDGET_S = 40.0
