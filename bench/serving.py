@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms, e.g. ttft:5000 tpot:50 (keys: ttft tpot e2e itl)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or HF directory to decode prompts into text")
-    p.add_argument("--vocab-size", type=int, default=None, help="token-id range of random prompts (default: tokenizer's, else 1000)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token-id range of random prompts (default: the tokenizer's, else the vocab_size GET /v1/models "
+                        "publishes, else 1000)")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may stop early)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -211,12 +213,13 @@ async def run_benchmark(args, prompts: list[tuple[object, int, int]], model: str
     return results, duration
 
 
-def _get_model(args) -> str:
+def _get_model(args) -> dict:
+    """The first model card of the server's GET /v1/models (id, and vocab_size where the server publishes it)."""
     import urllib.request
     req = urllib.request.Request(args.base_url.rstrip("/") + "/v1/models",
                                  headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
     with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())["data"][0]["id"]
+        return json.loads(r.read())["data"][0]
 
 
 def _load_tokenizer(path: str):
@@ -256,21 +259,30 @@ def run(args: argparse.Namespace) -> int:
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-        vocab = args.vocab_size or (tok.get_vocab_size() if tok else 1000)
-        reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, vocab, args.seed)
     except (ValueError, OSError, Exception) as exc:
         print(f"bench serving: {exc}", file=sys.stderr)
         return 2
     if args.endpoint.endswith("chat/completions") and tok is None:
         print("bench serving: the chat endpoint needs text prompts: pass --tokenizer", file=sys.stderr)
         return 2
+    card: dict = {}
+    if args.model is None or not (args.vocab_size or tok):
+        try:
+            card = _get_model(args)
+        except Exception as exc:
+            if args.model is None:
+                print(f"bench serving: cannot reach {args.base_url}/v1/models ({exc}); is the server up? "
+                      "(or pass --model)", file=sys.stderr)
+                return 1
+    model = args.model or card["id"]
+    # token ids of random prompts: --vocab-size, the tokenizer's, the server's (pdlab and others that publish it)
+    vocab = args.vocab_size or (tok.get_vocab_size() if tok else None) or card.get("vocab_size") or 1000
     try:
-        model = args.model or _get_model(args)
-    except Exception as exc:
-        print(f"bench serving: cannot reach {args.base_url}/v1/models ({exc}); is the server up? "
-              "(or pass --model)", file=sys.stderr)
-        return 1
+        reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, int(vocab), args.seed)
+    except ValueError as exc:
+        print(f"bench serving: {exc}", file=sys.stderr)
+        return 2
     prompts = [(tok.decode(ids) if tok else ids, len(ids), n) for ids, n in reqs]
     results, duration = asyncio.run(run_benchmark(args, prompts, model))
     summary = summarize(results, duration, slos)

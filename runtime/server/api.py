@@ -165,6 +165,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
 
     app = FastAPI(title="pdlab runtime", version="0.1.0", dependencies=[Depends(_auth)])
     ctx_len = max_context_len or loop.scheduler.max_context_len
+    vocab = getattr(getattr(loop.scheduler, "engine", None), "vocab_size", None)
     inflight: dict[str, Any] = {}
 
     @app.exception_handler(RequestValidationError)
@@ -216,8 +217,11 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "pdlab", "max_model_len": ctx_len}]}
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pdlab",
+                "max_model_len": ctx_len}
+        if vocab is not None:  # the range of prompt token ids (load generators draw random prompts in it)
+            card["vocab_size"] = int(vocab)
+        return {"object": "list", "data": [card]}
 
     # ---- shared machinery ------------------------------------------------------------------------
     def _start(ids: list[int], sp: SamplingParams, rid: str | None = None) -> tuple[Req, asyncio.Queue]:

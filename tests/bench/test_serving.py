@@ -55,9 +55,12 @@ def test_against_a_live_server(tmp_path):
                               max_context_len=256), model=m, tokenizer=tok, model_config=cfg)
     srv.start()
     try:
+        # no --vocab-size: the prompts' token ids come from the vocab_size the server publishes (the toy's is below
+        # the fallback 1000, so a server that did not say would answer every request with a 400)
         args = _args(base_url=f"http://127.0.0.1:{srv.port}", num_prompts=12, random_input_len=40,
                      random_output_len=10, random_range_ratio=0.5, request_rate=50, max_concurrency=4,
-                     vocab_size=200, goodput=["ttft:60000", "tpot:60000"], out=tmp_path, tag="t")
+                     goodput=["ttft:60000", "tpot:60000"], out=tmp_path, tag="t")
+        assert serving._get_model(args)["vocab_size"] == cfg.vocab_size < 1000
         assert serving.run(args) == 0
     finally:
         srv.stop()
