@@ -98,11 +98,16 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     if bad:
         print(f"{prog}: --op {','.join(bad)} is not tuned here; choose from {', '.join(ops)} or all", file=sys.stderr)
         return 2
-    from pdlab.tuning.models import load_model_shape
+    from pdlab.tuning.models import cpu_shape, load_model_shape
     from pdlab.tuning.target import filter_buckets, get_target
 
     try:
         model = load_model_shape(args.model)
+        if arch == "cpu" and cpu_shape(args.model, model) is not model:
+            model = cpu_shape(args.model, model)
+            print(f"{prog}: --arch cpu: small shapes ({model.name}: {model.n_routed_experts} experts, top-"
+                  f"{model.num_experts_per_tok}, hidden {model.hidden_size}, intermediate {model.moe_intermediate_size}"
+                  f", {model.num_heads} heads) instead of {args.model}'s; pass a config.json to tune at its shapes")
         only = parse_only(args.only)
         budget = parse_duration(args.budget)
         bucket_budget = parse_duration(args.bucket_budget)

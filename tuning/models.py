@@ -40,6 +40,16 @@ DEEPSEEK_R1 = ModelShape("deepseek-r1", hidden_size=7168, num_heads=128, kv_lora
 
 NAMED = {"deepseek-r1": DEEPSEEK_R1, "deepseek-v3": DEEPSEEK_R1}
 
+# what `tune --arch cpu` runs for a named model (the shapes of `bench moe` on a CPU machine, MLA's cache row kept):
+# R1's experts alone take minutes to quantise on a CPU, before the first trial
+CPU_SMALL = ModelShape("deepseek-r1-cpu-small", hidden_size=256, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                       qk_nope_head_dim=128, moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4)
+
+
+def cpu_shape(name_or_path: str | None, model: ModelShape) -> ModelShape:
+    """The shape a CPU target tunes at: `CPU_SMALL` for a named model (or none), a config file's as it is."""
+    return CPU_SMALL if not name_or_path or name_or_path.lower() in NAMED else model
+
 
 def load_model_shape(name_or_path: str | None) -> ModelShape:
     """A named model ("deepseek-r1", "deepseek-v3") or an HF config.json (file or its folder)."""

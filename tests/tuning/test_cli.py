@@ -94,6 +94,24 @@ def test_dry_run_real_ops_without_gpu(capsys):
     assert "tokens_per_rank" in capsys.readouterr().out
 
 
+def test_arch_cpu_tunes_a_named_model_at_small_shapes(tmp_path, capsys):
+    """R1's experts take minutes to quantise on a CPU before the first trial: `--arch cpu` tunes a named model at
+    bench moe's CPU shapes (and says so), a config file at its own shapes."""
+    assert main(["moe", "--arch", "cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "small shapes (deepseek-r1-cpu-small: 16 experts, top-4, hidden 256, intermediate 128" in out
+    assert "experts: 4, 16" in out and "hidden: 256" in out and "intermediate: 128" in out
+    cfg = {"hidden_size": 512, "num_attention_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "qk_nope_head_dim": 128, "moe_intermediate_size": 64, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["moe", "--arch", "cpu", "--dry-run", "--model", str(tmp_path / "config.json")]) == 0
+    out = capsys.readouterr().out
+    assert "small shapes" not in out and "hidden: 512" in out and "intermediate: 64" in out
+    assert main(["moe", "--arch", "sm90", "--dry-run"]) == 0  # a GPU target keeps R1's
+    out = capsys.readouterr().out
+    assert "small shapes" not in out and "hidden: 7168" in out
+
+
 def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     args = _args("--arch", "cpu", "--backends", "blocked", "--only", "m=16", "--repeats", "3", "--budget", "60s",
                  "--storage", str(isolated / "t.db"), "--out", str(isolated / "out"), "--no-progress")
@@ -103,7 +121,8 @@ def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     path = isolated / "configs" / "cpu" / "toy_matmul.json"
     data = json.loads(path.read_text())
     assert list(data["entries"]) == ["dtype=fp32,k=64,m=16"]
-    assert data["metadata"]["model_shape"]["hidden_size"] == 7168 and data["metadata"]["versions"]["torch"]
+    # the model shape the buckets came from: --arch cpu tunes the named default at its small CPU shapes
+    assert data["metadata"]["model_shape"]["name"] == "deepseek-r1-cpu-small" and data["metadata"]["versions"]["torch"]
     assert (isolated / "out" / "tuning.csv").exists() and (isolated / "out" / "plots" / "toy_matmul" / "speedup.png").exists()
     assert main(["show", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
