@@ -40,8 +40,9 @@ def _page_size(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--backend", default="triton,flashmla,trtllm_mla,flashinfer,torch",
-                   help="comma list of backends (unavailable ones are listed with the reason)")
+    p.add_argument("--backend", default=None,
+                   help="comma list of backends (default: every backend of the op, e.g. for decode triton, flashmla, "
+                        "trtllm_mla, flashinfer, torch; unavailable ones are listed with the reason)")
     p.add_argument("--batch", type=comma_list(positive_int, "batch sizes >= 1, e.g. 1,32,128"),
                    help="comma list (GPU default 128; CPU 2)")
     p.add_argument("--seqlen", type=comma_list(positive_int, "token counts >= 1, e.g. 1024,8192"),
@@ -116,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
     facts = device_facts()
     configs = parse_configs(args.config)
 
-    names = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if args.backend is None:  # each op its own backends: prefill has no flashmla / trtllm_mla
+        names = [b.name for b in registry.backends(op.name)]
+    else:
+        names = [b.strip() for b in args.backend.split(",") if b.strip()]
     problem = registry.unknown_names(op.name, names)
     if problem:
         print(f"bench attention: {problem}")

@@ -133,3 +133,16 @@ def test_a_backend_name_nobody_registered_is_an_error_not_an_unavailable_row(tmp
     assert "mla_decode has no backend named 'flashmal'; registered: flashinfer, flashmla, torch, triton" in out
     assert not list(tmp_path.iterdir())
     assert registry.unknown_names("mla_decode", ["torch", "triton"]) is None
+
+
+def test_bench_attention_prefill_runs_with_the_default_backends(tmp_path, capsys):
+    # tried as a new user would: `bench attention --op prefill` exited 2 at once, its default backend list being
+    # decode's (flashmla and trtllm_mla have no prefill)
+    from pdlab.bench.cli import main
+
+    assert main(["attention", "--op", "prefill", "--batch", "1", "--seqlen", "64", "--heads", "16",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no backend named" not in out and "mla_prefill" in out
+    rows = pd.read_csv(next(tmp_path.glob("*.csv")))
+    assert "torch" in set(rows["backend"]) and not {"flashmla", "trtllm_mla"} & set(rows["backend"])
