@@ -176,6 +176,23 @@ def resolved_config(layout: Layout, weights: ExpertWeights, runner: str, config:
     return _config(backend, layout, weights.intermediate_size, expected_m, active_experts, config, with_source=True)
 
 
+def launch_key(layout: Layout, weights: ExpertWeights, runner: str, config: Mapping[str, Any] | None = None,
+               expected_m: int | None = None, active_experts: int | None = None) -> tuple:
+    """What decides the kernels `run_experts(layout, weights, runner=runner, config=config, expected_m=...,
+    active_experts=...)` compiles and launches, as a hashable value: equal keys launch the same kernels (other sizes,
+    same code). The runner's own `launch_key` option where it has one (its config resolved at this expected_m), else
+    the config it would get (without "_expected_m"). Reads no tensor: `layout` only gives the kind, payload, sizes
+    and device (a warm-up passes an empty one). Used to warm up every kernel the token counts of a serving range
+    reach."""
+    backend = registry.get_backend(OP, runner)
+    cfg, _ = resolved_config(layout, weights, runner, config=config, expected_m=expected_m,
+                             active_experts=active_experts)
+    fn = backend.options.get("launch_key")
+    if fn is not None:
+        return (runner, fn(layout, weights, cfg))
+    return (runner, tuple(sorted((k, repr(v)) for k, v in cfg.items() if k != "_expected_m")))
+
+
 def _expected(layout: Layout, num_experts: int, expected_m: int | None, active_experts: int | None
               ) -> tuple[int, int]:
     """(tokens per expert, experts holding tokens) the call's bucket names. Not given: rows over experts and

@@ -196,14 +196,44 @@ class MoELayer:
                              describe_tensor(hidden),
                              "normal dispatch gives Contiguous [N, K], low-latency dispatch gives Masked [E, M, K]; "
                              "hand the runner the layout of the mode it was paired with")
-        expected_m = active = None
-        if num_tokens is not None:
-            # balanced routing: T·world·k (token, expert) pairs over E experts, T·k of them on this rank, so at
-            # most T·k of its experts hold tokens (one token on 8 of 256 experts is not one on each)
-            expected_m = max(1, -(-num_tokens * self.world_size * self.cfg.top_k // self.cfg.num_experts))
-            active = max(1, num_tokens * self.cfg.top_k)
+        expected_m, active = self._expected(num_tokens) if num_tokens is not None else (None, None)
         return run_experts(layout, self.weights, runner=self.runners[mode], config=self.runner_config or None,
                            expected_m=expected_m, active_experts=active)
+
+    def _expected(self, num_tokens: int) -> tuple[int, int]:
+        """(tokens per expert, experts holding tokens) this rank expects for a step of `num_tokens` tokens: balanced
+        routing spreads T·world·k (token, expert) pairs over E experts, T·k of them on this rank, so at most T·k of
+        its experts hold tokens (one token on 8 of 256 experts is not one on each)."""
+        expected_m = max(1, -(-num_tokens * self.world_size * self.cfg.top_k // self.cfg.num_experts))
+        return expected_m, max(1, num_tokens * self.cfg.top_k)
+
+    def warmup_token_counts(self, max_tokens: int, mode: str = "normal") -> list[int]:
+        """The smallest step size T in 1..max_tokens of each distinct expert launch (`pdlab.moe.experts.launch_key`:
+        the config, tuned or default, and the kernels it picks) that steps of T tokens in `mode` reach, ascending.
+        A start-up warm-up that runs a step of each compiles every kernel these steps launch: tuned configs change
+        at bucket boundaries that need not be powers of two. Host work only (no kernel, no sync)."""
+        from pdlab.moe.experts import launch_key
+        from pdlab.moe.layouts import Contiguous, Masked
+
+        w = self.weights
+        dev = w.device
+        width = self.cfg.hidden_size // 2 if self.payload == "nvfp4" else self.cfg.hidden_size
+        dtype = {"nvfp4": torch.uint8, "fp8": torch.float8_e4m3fn}.get(self.payload, torch.bfloat16)
+        E = self.num_local_experts
+        counts = torch.zeros(E, dtype=torch.int32, device=dev)
+        if LAYOUT_OF_MODE[mode] == "masked":
+            stub = Masked(torch.empty((E, 0, width), dtype=dtype, device=dev), counts, self.payload)
+        else:
+            stub = Contiguous(torch.empty((0, width), dtype=dtype, device=dev), counts,
+                              torch.zeros(E + 1, dtype=torch.int32, device=dev), self.payload)
+        seen, out = set(), []
+        for t in range(1, max_tokens + 1):
+            expected_m, active = self._expected(t)
+            key = launch_key(stub, w, self.runners[mode], self.runner_config or None, expected_m, active)
+            if key not in seen:
+                seen.add(key)
+                out.append(t)
+        return out
 
     def combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
         """The experts' output (same layout as dispatched, bf16 hidden) → [T, H] weighted sum per token

@@ -157,10 +157,22 @@ def gemm_dtypes(payload: str, act_dtype: torch.dtype, cfg: dict, interpret: bool
     return kind, mma, inter, down
 
 
+def launch_key(layout, weights, config: dict) -> tuple:
+    """What decides the kernels `run_triton(layout, weights, config=config)` compiles (`config` as run_experts passes
+    it, with "_expected_m"): the path, the config with its auto knobs resolved at that expected_m, and the two
+    choices the fragment GEMMs derive from it (`program_tokens`, and one token per expert or more for
+    `default_mma_async`). Every launch option of the paths is a function of these."""
+    cfg = dict(config)
+    expected_m = int(cfg.pop("_expected_m", 16))
+    cfg = resolve_config({**_DEFAULT, **cfg}, expected_m, os.environ.get("TRITON_INTERPRET") == "1")
+    return (_choose_path(layout, weights, cfg, expected_m), tuple(sorted(cfg.items())), program_tokens(expected_m),
+            expected_m >= 2)
+
+
 @registry.register_backend("moe_experts", "triton", archs=("cuda",), packages=("triton",), probe=_probe,
                            priority=20, config_space=_SPACE, default_config=_DEFAULT,
                            options={"layouts": ("contiguous", "masked"), "payloads": ("bf16", "fp8", "nvfp4"),
-                                    "weights": ("nvfp4",), "interpretable": True})
+                                    "weights": ("nvfp4",), "interpretable": True, "launch_key": launch_key})
 def run_triton(layout, weights, *, config):
     """NVFP4 W4A16 experts: fused gate_up+SiLU·mul GEMM, then down GEMM."""
     from pdlab.moe.triton.nvfp4_moe import A_FLOAT, A_FP8, A_NVFP4, moe_nvfp4_gemm

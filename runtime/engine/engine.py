@@ -249,6 +249,13 @@ class Engine:
             kv_caches=self.pool.kv_caches, kv_scale=self.pool.kv_scale, max_q_len=1)
         return input_ids, positions, ctx
 
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """Prefill step sizes (tokens, 1..max_tokens) at which the model's MoE experts first launch each of their
+        kernel variants (`MoELayer.warmup_token_counts` of its first MoE layer: all have the same shapes), for the
+        start-up warm-up; [] for a model without one."""
+        moe = _first_moe(self.model)
+        return moe.warmup_token_counts(max_tokens, "normal") if moe is not None else []
+
     # ---- start-up report ----------------------------------------------------------------------
     def describe(self) -> list[str]:
         """Lines for the start-up log: KV pool, graphs, and which backend + config each op uses."""
@@ -264,16 +271,20 @@ class Engine:
         return lines
 
 
+def _first_moe(model):
+    """The first MoELayer of the model (a module's `moe` attribute with runners), or None."""
+    for m in (model.modules() if hasattr(model, "modules") else []):
+        moe = getattr(m, "moe", None)
+        if moe is not None and hasattr(moe, "runners"):
+            return moe
+    return None
+
+
 def _with_model_choices(lines: list[str], model) -> list[str]:
     """Replace the MoE ops' generic lines by what the model's MoE layers were built with (runner and
     dispatcher per dispatch mode, payload), which is what is served."""
-    moe = None
-    modules = model.modules() if hasattr(model, "modules") else []
-    for m in modules:
-        moe = getattr(m, "moe", None)
-        if moe is not None and hasattr(moe, "runners"):
-            break
-    if moe is None or not hasattr(moe, "runners"):
+    moe = _first_moe(model)
+    if moe is None:
         return lines
     runners = ", ".join(f"{mode}: {name}" for mode, name in moe.runners.items())
     dispatchers = ", ".join(f"{mode}: {d.name}" for mode, d in moe.dispatchers.items())

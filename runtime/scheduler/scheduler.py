@@ -160,14 +160,17 @@ class Scheduler:
     # ---- start-up ------------------------------------------------------------------------------
     def warmup_batches(self) -> list[list[int]]:
         """The prompt lengths of `warmup`, one list per prefill batch: totals of 1, 2, 4, … tokens up to
-        max_prefill_tokens (and max_prefill_tokens itself), each as few prompts of at most chunked_prefill_size
-        tokens as add up to it. Kernel configs are picked by tokens per expert at powers of two, so every
-        config a prefill batch can take is compiled. Batches are capped by the running-request limit and the
-        free pages."""
+        max_prefill_tokens (and max_prefill_tokens itself), and the step sizes at which the model's MoE experts
+        first launch each of their kernel variants (`Engine.warmup_token_counts`: tuned configs change at bucket
+        boundaries that need not be powers of two), each as few prompts of at most chunked_prefill_size tokens as
+        add up to it, so that every kernel a prefill batch can launch is compiled. Batches are capped by the
+        running-request limit and the free pages."""
         cfg = self.cfg
         chunk = max(1, min(cfg.chunked_prefill_size, self.max_context_len - 2))
         top = max(1, cfg.max_prefill_tokens)
-        totals = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top})
+        counts = getattr(self.engine, "warmup_token_counts", None)
+        experts = {t for t in counts(top) if 1 <= t <= top} if counts is not None else set()
+        totals = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top} | experts)
         free = self.pool.num_free_pages
         batches = []
         for total in totals:

@@ -151,3 +151,38 @@ def test_layer_names_the_experts_a_step_reaches(moe, mode):
             layer(torch.randn(T, CFG.hidden_size).to(torch.bfloat16))
         asked = [b for op, _, b in seen if op == "moe_experts"]
         assert asked and all(b["active_experts"] == active and b["experts"] == CFG.num_experts for b in asked), asked
+
+
+def test_warmup_token_counts_name_the_first_step_of_each_expert_launch(moe, monkeypatch, tmp_path):
+    """The start-up warm-up runs a prefill step of each size returned: on an H200 a server warmed at powers of two
+    still compiled five fragment GEMMs under the first load (TTFT p99 2.1 s, 37 ms once warm), its tuned configs
+    changing at bucket boundaries no power of two reaches."""
+    from pdlab.kernels import tuned
+    from pdlab.tuning import store
+
+    weights, gate, bias = moe
+    layer = MoELayer(CFG, weights, gate, bias, dispatcher="local", runner="torch")
+    assert layer.warmup_token_counts(4096) == [1]  # the reference launches the same code at every size
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("PDLAB_CONFIG_DIR", str(tmp_path))
+    tuned.clear_cache()
+    monkeypatch.setitem(layer.runners, "normal", "triton")
+    # T tokens expect ceil(3T/8) per expert: 1 (T=1), 2 (T=3: asynchronous MMAs), 17 (T=43: 32-token programs),
+    # 33 (T=86: 64-token programs), 65 (T=171: prefill tiles), 256 (T=681: dequantise + grouped GEMM)
+    assert layer.warmup_token_counts(16384) == [1, 3, 43, 86, 171, 681]
+    assert layer.warmup_token_counts(100) == [1, 3, 43, 86]
+    # two tuned entries (4 and 8 tokens per expert, 8 experts holding tokens), other configs: each step takes the
+    # nearest one (Σ|log2 ratio|), B from ceil(3T/8) = 6 on (T = 14), a boundary no power of two reaches
+    meta = {"device": "cpu", "device_key": "cpu", "arch": "cpu", "versions": tuned.running_versions(["torch"])}
+    results = {}
+    for m, cfg in ((4, {"FRAG_PDL": 1}), (8, {"FRAG_PDL": 0})):
+        bucket = {"layout": "contiguous", "payload": "bf16", "experts": 8, "hidden": 128, "intermediate": 64,
+                  "tokens_per_expert": m, "active_experts": 8}
+        results.update(store.merge_bucket(bucket, {"triton": store.backend_result(cfg, 1.0, 2.0)}))
+    store.write_results(tmp_path, "cpu", "moe_experts", meta, results)
+    tuned.clear_cache()
+    try:
+        with_entry = layer.warmup_token_counts(16384)
+    finally:
+        tuned.clear_cache()
+    assert with_entry == [1, 3, 14, 43, 86, 171, 681]

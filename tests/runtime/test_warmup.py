@@ -53,6 +53,18 @@ def test_warmup_runs_the_ladder_and_leaves_nothing(role):
     assert len(out[0]["token_ids"]) == (3 if role == "colocated" else 1)  # serving works afterwards
 
 
+def test_warmup_adds_the_step_sizes_of_each_expert_launch(monkeypatch):
+    # a model's MoE experts name the prefill sizes at which a new kernel variant starts (Engine.warmup_token_counts):
+    # each becomes a warm-up batch of its own, between the powers of two
+    llm = _llm("colocated")
+    assert llm.engine.warmup_token_counts(350) == []  # the toy has no MoE layer
+    monkeypatch.setattr(llm.engine, "warmup_token_counts", lambda top: [1, 3, 43, 171])
+    assert llm.scheduler.warmup_batches() == [[1], [2], [3], [4], [8], [16], [32], [43], [64], [64, 64], [86, 85],
+                                              [86, 85, 85], [88, 88, 87, 87]]
+    res = llm.scheduler.warmup()
+    assert res["tokens"] == 1 + 2 + 3 + 4 + 8 + 16 + 32 + 43 + 64 + 128 + 171 + 256 + 350
+
+
 def test_warmup_skips_decode_role_and_refuses_a_busy_scheduler():
     assert _llm("decode").scheduler.warmup()["requests"] == 0
     llm = _llm("colocated")
