@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Does a started server still compile kernels under load? `runtime serve` (the embedded tiny model unless MODEL is
-# set) on the GPU with an empty Triton cache and a hook that logs every kernel compile (jit_hook/sitecustomize.py:
+# Does a started server still compile kernels under load? `runtime serve $SERVE_ARGS` (e.g. SERVE_ARGS=--disagg: a
+# prefill server, a decode server and the router, whose children log their compiles too; the embedded tiny model
+# unless MODEL is set) on the GPU with an empty Triton cache and a hook that logs every kernel compile (jit_hook/sitecustomize.py:
 # kernel, warps, stages, constexprs and the pdlab call stack), then RUNS runs of `bench serving` (256 in / 64 out,
 # 64 prompts, 16 requests/s, concurrency 16), each with its latency summary and the kernels compiled during it.
 # A warm-up that covers what serving launches compiles nothing in run 1. Results in $OUT (default
@@ -21,7 +22,7 @@ MODEL_ARGS=()
 [[ -n ${MODEL:-} ]] && MODEL_ARGS=(--model-path "$MODEL")
 PDLAB_JIT_LOG=$OUT/jit.log PYTHONPATH="$(dirname "$0")/jit_hook:${PYTHONPATH:-}" \
   $PY -c 'import sys; from pdlab.runtime.cli import main; sys.exit(main(sys.argv[1:]))' serve --device cuda \
-  --port "$PORT" "${MODEL_ARGS[@]}" > "$OUT/serve.txt" 2>&1 &
+  --port "$PORT" "${MODEL_ARGS[@]}" ${SERVE_ARGS:-} > "$OUT/serve.txt" 2>&1 &
 PID=$!
 for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break; sleep 1; done
 names() { find "$TRITON_CACHE_DIR" -newer "$1" -name '*.json' ! -name '__grp*' | xargs -r grep -ho '"name": *"[^"]*"' \

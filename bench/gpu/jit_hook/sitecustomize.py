@@ -1,5 +1,5 @@
 """Diagnostics only (bench/gpu/serve_compiles.sh puts this folder first on PYTHONPATH): with PDLAB_JIT_LOG set, every
-Triton/Gluon kernel compile is logged there (time, kernel, warps, stages, constexprs, the pdlab frames of the call
+Triton/Gluon kernel compile is logged there (time, process, kernel, warps, stages, constexprs, the pdlab frames of the call
 stack) through Triton's jit_cache_hook, which runs before each compile."""
 import os
 import time
@@ -17,7 +17,7 @@ if _log:
             frames = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_stack()
                       if any(p in f.filename for p in ("/moe/", "/runtime/", "/attention/", "/kernels/"))]
             with open(_log, "a") as fh:
-                fh.write(f"{time.time():.3f} {kw.get('fn').name if kw.get('fn') else '?'} "
+                fh.write(f"{time.time():.3f} pid {os.getpid()} {kw.get('fn').name if kw.get('fn') else '?'} "
                          f"w{comp.get('num_warps')} s{comp.get('num_stages')} {cons}\n    "
                          + " < ".join(frames[::-1][:14]) + "\n")
             return False  # compile as usual
