@@ -4,3 +4,5 @@
 # before/, before_hook/: tree at cdd7c85 (warm-up at powers of two)
 # after/: tree at e567840 (warm-up also at MoELayer.warmup_token_counts' sizes)
 bash bench/gpu/serve_compiles.sh
+# after_disagg/: tree at 46e805d, the script as at 6b54eae (one GPU: prefill, decode and router share it)
+SERVE_ARGS=--disagg OUT=$OUT/disagg bash bench/gpu/serve_compiles.sh
