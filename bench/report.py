@@ -93,22 +93,66 @@ def _cell(value: object, floatfmt: str) -> str:
     return floatfmt.format(value) if isinstance(value, float) else str(value)
 
 
+class ProgressBar:
+    """Progress over `total` steps: a rich bar on a terminal; elsewhere (a log file, a pipe, CI), where rich shows
+    nothing until the end, one plain line to stderr at most every `every_s` seconds and at the last step, so that
+    long work redirected to a file still shows where it is. `advance(n, text)` counts steps, `note(text)` changes
+    the text after the count (e.g. the best time so far). A context manager; enabled=False shows nothing."""
+
+    def __init__(self, total: int, description: str, enabled: bool = True, every_s: float = 10.0, stream=None):
+        self.total, self.description, self.enabled, self.every_s = total, description, enabled, every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.done, self.text = 0, ""
+        self._bar = self._task = None
+        self._t0 = self._last = 0.0
+
+    def __enter__(self) -> "ProgressBar":
+        self._t0 = self._last = time.monotonic()
+        if self.enabled and getattr(self.stream, "isatty", lambda: False)():
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            except ImportError:
+                return self
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[note]}"), transient=False,
+                                 console=Console(file=self.stream))
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.description, total=self.total, note="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def advance(self, n: int = 1, text: str | None = None) -> None:
+        self.done += n
+        if text is not None:
+            self.text = text
+        self._show(final=self.done >= self.total)
+
+    def note(self, text: str) -> None:
+        self.text = text
+        self._show()
+
+    def _show(self, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, note=self.text)
+            return
+        now = time.monotonic()
+        if final or now - self._last >= self.every_s:
+            self._last = now
+            print(f"{self.description}: {self.done}/{self.total} in {now - self._t0:.0f} s  {self.text}".rstrip(),
+                  file=self.stream, flush=True)
+
+
 @contextmanager
 def progress(total: int, description: str) -> Iterator:
-    """A rich progress bar; yields `advance(text=None)`."""
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        yield lambda text=None: None
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[note]}"), transient=False) as bar:
-        task = bar.add_task(description, total=total, note="")
-
-        def advance(text: str | None = None) -> None:
-            bar.update(task, advance=1, note=text or "")
-
-        yield advance
+    """A `ProgressBar` over `total` steps; yields `advance(text=None)` (one step)."""
+    with ProgressBar(total, description) as bar:
+        yield lambda text=None: bar.advance(1, text or "")
 
 
 def plot_bars(df: pd.DataFrame, x: str, y: str, group: str, path: str | os.PathLike, title: str,

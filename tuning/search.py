@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from pdlab.bench.harness import bench
+from pdlab.bench.report import ProgressBar
 from pdlab.kernels import tuned
 from pdlab.kernels.registry import Backend
 from pdlab.tuning import store
@@ -175,7 +176,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     notes: list[str] = []
     checked = False
     prior = stored_entries(key, target.op, store_root)  # what is stored before this run writes (seeds, `run_study`)
-    with _Progress(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
+    with ProgressBar(total, f"tune {target.op} on {name}", settings.show_progress) as bar:
         for i, (bucket, bs) in enumerate(plan):
             now = time.perf_counter()
             if now >= deadline:
@@ -269,7 +270,7 @@ def stored_configs(files: Sequence[Mapping], op: str, backend: str, bucket: Mapp
 
 def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any, ref: Any,
               settings: SearchSettings, *, device: torch.device, device_key: str, deadline: float,
-              bar: "_Progress | None" = None, lockstep: "Lockstep | None" = None,
+              bar: "ProgressBar | None" = None, lockstep: "Lockstep | None" = None,
               warm_start: Sequence[dict] | None = None, broken: Mapping[str, str] | None = None,
               edge: Sequence[tuple[Any, Any]] = (), stored: Sequence[dict] = ()) -> StudyResult:
     """Search `backend`'s config space on one bucket until `deadline` (perf_counter), the trial
@@ -735,33 +736,3 @@ def _sync(device: torch.device) -> None:
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-class _Progress:
-    """A rich progress bar over the studies of one op, with the current study's best time."""
-
-    def __init__(self, total: int, description: str, enabled: bool) -> None:
-        self.total, self.description, self.enabled = total, description, enabled
-        self._bar = self._task = None
-
-    def __enter__(self) -> "_Progress":
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[note]}"))
-            self._bar.__enter__()
-            self._task = self._bar.add_task(self.description, total=self.total, note="")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-    def advance(self, n: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, advance=n)
-
-    def note(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, note=text)

@@ -35,6 +35,27 @@ def test_print_table_and_progress(capsys):
     assert seen == [1]
 
 
+def test_progress_off_a_terminal_prints_plain_lines(monkeypatch):
+    """Redirected to a file (a GPU box under nohup, CI), a rich bar shows nothing until the end: the progress prints
+    a plain line at most every every_s seconds and at the last step, with the note (e.g. the best time so far)."""
+    import io
+    import types
+
+    clock = iter([0.0, 1.0, 12.0, 13.0, 14.0, 20.0, 21.0])  # enter, then one reading per call
+    monkeypatch.setattr(report, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    out = io.StringIO()  # not a terminal
+    with report.ProgressBar(3, "tune op", stream=out) as bar:
+        bar.advance(1, "first")  # 1 s: quiet
+        bar.note("best 1.5 ms")  # 12 s: a line
+        bar.advance()  # 13 s: quiet
+        bar.advance()  # 14 s: the last step, a line
+    assert out.getvalue().splitlines() == ["tune op: 1/3 in 12 s  best 1.5 ms", "tune op: 3/3 in 14 s  best 1.5 ms"]
+    quiet = io.StringIO()
+    with report.ProgressBar(1, "x", enabled=False, stream=quiet) as bar:
+        bar.advance()
+    assert quiet.getvalue() == ""
+
+
 def test_plots_are_written(tmp_path):
     df = pd.DataFrame({"shape": ["a", "a", "b", "b"], "backend": ["torch", "triton"] * 2,
                        "gbps": [1.0, 3.0, 2.0, 4.0], "route": [1, 2, 3, 4], "gemm": [4, 3, 2, 1]})
