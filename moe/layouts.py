@@ -159,10 +159,12 @@ class Contiguous(_PayloadFields):
         return dims
 
     def check_rows(self, op_name: str = "moe_layout", backend: str | None = None) -> None:
-        """Check the row counts the contract cannot (one host sync): counts[e] >= 0, offsets[0] = 0,
-        offsets[e+1] - offsets[e] = counts[e] and offsets[E] <= N, the rows of hidden. Raises ShapeError naming the
-        first expert that breaks one; a kernel handed such counts would read or write rows of another expert or
-        past the tensor. (`run_experts` calls it under PDLAB_CHECK_INVARIANTS=1; the torch runner always.)"""
+        """`validate`, then the row counts the contract cannot check (one host sync): counts[e] >= 0,
+        offsets[0] = 0, offsets[e+1] - offsets[e] = counts[e] and offsets[E] <= N, the rows of hidden. Raises
+        ShapeError naming the first expert that breaks one; a kernel handed such counts would read or write rows of
+        another expert or past the tensor. (`run_experts` calls it under PDLAB_CHECK_INVARIANTS=1; the torch runner
+        always.)"""
+        self.validate(op_name, backend)  # shapes first: offsets has E+1 entries
         counts = self.counts.tolist()
         offsets = self.offsets.tolist()
         n = self.hidden.shape[0]
@@ -226,11 +228,12 @@ class Masked(_PayloadFields):
         return dims
 
     def check_rows(self, op_name: str = "moe_layout", backend: str | None = None) -> None:
-        """Check the row counts the contract cannot (one host sync): 0 <= masked_m[e] <= M_max, and sum(masked_m)
-        <= max_rows where the producer bounded it. Raises ShapeError naming the first expert that breaks one: a
-        kernel handed a count above the slab reads and writes the next expert's rows (or past the tensor), and one
-        whose sum exceeds max_rows leaves the rows past the bound unwritten. (`run_experts` calls it under
-        PDLAB_CHECK_INVARIANTS=1; the torch runner always.)"""
+        """`validate`, then the row counts the contract cannot check (one host sync): 0 <= masked_m[e] <= M_max,
+        and sum(masked_m) <= max_rows where the producer bounded it. Raises ShapeError naming the first expert that
+        breaks one: a kernel handed a count above the slab reads and writes the next expert's rows (or past the
+        tensor), and one whose sum exceeds max_rows leaves the rows past the bound unwritten. (`run_experts` calls
+        it under PDLAB_CHECK_INVARIANTS=1; the torch runner always.)"""
+        self.validate(op_name, backend)  # shapes first: hidden is [E, M, K]
         m = self.masked_m.tolist()
         m_max = self.hidden.shape[1]
         bad = next((e for e, c in enumerate(m) if not 0 <= c <= m_max), None)

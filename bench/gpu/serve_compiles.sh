@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Does a started server still compile kernels under load? `runtime serve $SERVE_ARGS` (e.g. SERVE_ARGS=--disagg: a
 # prefill server, a decode server and the router, whose children log their compiles too; the embedded tiny model
-# unless MODEL is set) on the GPU with an empty Triton cache and a hook that logs every kernel compile (jit_hook/sitecustomize.py:
-# kernel, warps, stages, constexprs and the pdlab call stack), then RUNS runs of `bench serving` (256 in / 64 out,
+# unless MODEL is set) on the GPU with an empty Triton cache and a hook that logs every kernel compile
+# (jit_hook/sitecustomize.py: kernel, warps, stages, constexprs and the pdlab call stack), then RUNS runs of `bench serving` (256 in / 64 out,
 # 64 prompts, 16 requests/s, concurrency 16), each with its latency summary and the kernels compiled during it.
 # A warm-up that covers what serving launches compiles nothing in run 1. Results in $OUT (default
 # /tmp/pdlab_serve_compiles): serve.txt, jit.log, compiled.txt, serving<N>.txt, s<N>/. Run from the repository root
@@ -32,10 +32,13 @@ echo "after the warm-up: $(find "$TRITON_CACHE_DIR" -name '*.json' ! -name '__gr
 for run in $(seq 1 "$RUNS"); do
   touch "$OUT/.mark$run"; echo "== run $run starts $(date +%s.%N)" >> "$OUT/jit.log"; sleep 1
   timeout 200 "${BENCH[@]}" serving --base-url "http://127.0.0.1:$PORT" --random-input-len 256 --random-output-len 64 \
-    --num-prompts 64 --request-rate 16 --max-concurrency 16 --seed "$run" --out "$OUT/s$run" > "$OUT/serving$run.txt" 2>&1
+    --num-prompts 64 --request-rate 16 --max-concurrency 16 --seed "$run" --out "$OUT/s$run" \
+    > "$OUT/serving$run.txt" 2>&1
   { echo "== run $run compiled:"; names "$OUT/.mark$run"; } >> "$OUT/compiled.txt"
   echo "run $run"; grep -E "TTFT|TPOT|ITL|E2E|completed" "$OUT/serving$run.txt"
 done
-kill -TERM $PID; for _ in $(seq 1 20); do kill -0 $PID 2>/dev/null || break; sleep 0.5; done; kill -KILL $PID 2>/dev/null
+kill -TERM $PID
+for _ in $(seq 1 20); do kill -0 $PID 2>/dev/null || break; sleep 0.5; done
+kill -KILL $PID 2>/dev/null
 rm -rf "$TRITON_CACHE_DIR" "$OUT"/.mark*
 cat "$OUT/compiled.txt"

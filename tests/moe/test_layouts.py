@@ -123,6 +123,10 @@ def test_check_rows_names_the_first_bad_expert():
     with pytest.raises(ShapeError, match=r"offsets\[0:2\] = \[2, 3\]"):
         Contiguous(rows, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([2, 3, 5], dtype=torch.int32)
                    ).check_rows()
+    with pytest.raises(ShapeError, match=r"'offsets'.*E\+1"):  # the shapes first: no bare IndexError
+        Contiguous(rows, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)).check_rows()
+    with pytest.raises(ShapeError, match="2 dims instead of 3"):
+        Masked(rows, torch.tensor([1, 2], dtype=torch.int32)).check_rows()
     with pytest.raises(ShapeError, match=r"'counts' holds more rows than hidden.*<= 5.*= 6"):
         Contiguous(rows, torch.tensor([4, 2], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32)
                    ).check_rows()

@@ -1,6 +1,6 @@
-"""Diagnostics only (bench/gpu/serve_compiles.sh puts this folder first on PYTHONPATH): with PDLAB_JIT_LOG set, every
-Triton/Gluon kernel compile is logged there (time, process, kernel, warps, stages, constexprs, the pdlab frames of the call
-stack) through Triton's jit_cache_hook, which runs before each compile."""
+"""Diagnostics only (bench/gpu/serve_compiles.sh puts this folder first on PYTHONPATH): with PDLAB_JIT_LOG set,
+every Triton/Gluon kernel compile is logged there (time, process, kernel, warps, stages, constexprs, the pdlab
+frames of the call stack) through Triton's jit_cache_hook, which runs before each compile."""
 import os
 import time
 import traceback
