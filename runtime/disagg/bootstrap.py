@@ -36,8 +36,10 @@ _CURRENT: contextvars.ContextVar[PDHeaders | None] = contextvars.ContextVar("pdl
 class HttpLink:
     """PeerLink over HTTP (blocking; the decode role calls it from a worker thread)."""
 
-    def __init__(self, timeout: float = 10.0):
-        self.client = httpx.Client(timeout=timeout)
+    def __init__(self, timeout: float = 10.0, api_key: str | None = None):
+        # the servers of one deployment share --api-key: the prefill's /disagg endpoints ask for it as every other
+        self.client = httpx.Client(timeout=timeout,
+                                   headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     def send_pages(self, prefill: str, msg: dict) -> None:
         r = self.client.post(f"{prefill.rstrip('/')}/disagg/pages", json=msg)

@@ -130,7 +130,7 @@ def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwar
     if cfg.role == "prefill":
         role = PrefillRole(transfer, transfer_timeout=cfg.transfer_timeout)
     else:
-        role = DecodeRole(transfer, HttpLink(), transfer_timeout=cfg.transfer_timeout)
+        role = DecodeRole(transfer, HttpLink(api_key=cfg.api_key), transfer_timeout=cfg.transfer_timeout)
     server = Server(cfg, model, tok, mcfg, hooks=role)
     role.attach(server.loop)
     # the same OpenAI handlers, over a loop that hands router-tagged requests to the role

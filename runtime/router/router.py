@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Mapping
 
 import httpx
 from fastapi import FastAPI, Request
@@ -202,7 +202,7 @@ class Router:
             d.errors += 1
             d.mark(False, f"{type(e).__name__}: {e}")
             if prefill_task is not None:
-                asyncio.create_task(self._abort(p, tid, "decode server unreachable"))
+                asyncio.create_task(self._abort(p, tid, "decode server unreachable", headers))
             return _error(502, f"decode server {d.url} failed: {type(e).__name__}: {e}", "bad_gateway")
         if not stream or upstream.status_code != 200:
             try:
@@ -232,9 +232,9 @@ class Router:
                 release()
                 if not finished:  # the client went away mid-stream: both servers drop the request
                     log.info("client left %s; aborting on both servers", tid)
-                    asyncio.create_task(self._abort(d, tid, "client disconnected"))
+                    asyncio.create_task(self._abort(d, tid, "client disconnected", headers))
                     if p is not None:
-                        asyncio.create_task(self._abort(p, tid, "client disconnected"))
+                        asyncio.create_task(self._abort(p, tid, "client disconnected", headers))
 
         return StreamingResponse(relay(), status_code=200,
                                  media_type=upstream.headers.get("content-type", "text/event-stream"),
@@ -249,14 +249,17 @@ class Router:
         except httpx.HTTPError as e:
             p.errors += 1
             p.mark(False, f"{type(e).__name__}: {e}")
-            await self._abort(d, tid, f"prefill server {p.url} failed: {type(e).__name__}: {e}")
+            await self._abort(d, tid, f"prefill server {p.url} failed: {type(e).__name__}: {e}", headers)
         finally:
             p.inflight -= 1
 
-    async def _abort(self, b: Backend, tid: str, why: str) -> None:
+    async def _abort(self, b: Backend, tid: str, why: str, headers: Mapping[str, str] | None = None) -> None:
+        """Tell server b to drop transfer tid, with the client request's credentials (`headers`: its Authorization
+        is what a server started with --api-key asks for; the router holds no key of its own)."""
+        auth = {k: v for k, v in (headers or {}).items() if k.lower() == "authorization"}
         try:
             await self.client.post(f"{b.url}/disagg/abort", json={"transfer_id": tid, "reason": why},
-                                   timeout=self.cfg.health_timeout)
+                                   headers=auth, timeout=self.cfg.health_timeout)
         except httpx.HTTPError as e:
             log.info("abort of %s on %s failed: %s", tid, b.url, e)
 
@@ -304,10 +307,11 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok_d and ok_p else 503)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
             _, d = router.pick()
-            r = await router.client.get(f"{d.url}/v1/models", timeout=cfg.health_timeout)
+            r = await router.client.get(f"{d.url}/v1/models", headers=auth, timeout=cfg.health_timeout)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         except (LookupError, httpx.HTTPError) as e:
             return _error(503, str(e), "service_unavailable")

@@ -261,3 +261,51 @@ def test_valid_role_configs():
     build_config(RoleConfig, role="decode", moe_dispatch_mode="low_latency", moe_runner="cutedsl")
     build_config(RoleConfig, role="prefill", moe_runner="triton", chunked_prefill_size=4096)
 
+
+
+def test_disagg_with_an_api_key():
+    """Tried as a new user would: `runtime serve --disagg --api-key K` failed every request with the key (the decode
+    server handed its page ids to the prefill's /disagg/pages without it: 401), and the router's /v1/models
+    answered 401 to a client holding the key. The servers of one deployment share the key; the router passes the
+    client's on (its own calls too: /v1/models, aborts)."""
+    key = {"api_key": "sekret"}
+    sup = Supervisor(start_timeout=120, stop_timeout=5)
+    try:
+        acks = sup.start([
+            ChildSpec("prefill", serve_role, args=({**BASE, **key, "role": "prefill"},),
+                      kwargs={"model_factory": FACTORY}),
+            ChildSpec("decode", serve_role, args=({**BASE, **key, "role": "decode"},),
+                      kwargs={"model_factory": FACTORY}),
+        ])
+        rcfg = RouterConfig(prefill=[acks["prefill"]["url"]], decode=[acks["decode"]["url"]], port=0,
+                            health_interval=0.5, health_timeout=1.0)
+        acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
+        url = acks["router"]["url"]
+        auth = {"Authorization": "Bearer sekret"}
+        with httpx.Client(timeout=60, headers=auth) as c:
+            assert len(_generate(c, url, [5, 6, 7, 8] * 5, max_new=6)) == 6
+            assert len(_generate(c, url, [9, 10] * 20, max_new=4, stream=True)) == 4
+            r = c.get(f"{url}/v1/models")
+            assert r.status_code == 200 and r.json()["data"][0]["id"], r.text
+            # a client that leaves mid-stream: the router's aborts carry its key, both servers free the pages
+            body = {"input_ids": [5] * 40, "sampling_params": {"temperature": 0.0, "max_new_tokens": 400,
+                                                               "ignore_eos": True}, "stream": True}
+            with c.stream("POST", f"{url}/generate", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                d = c.get(f"{acks['decode']['url']}/metrics").text
+                p = c.get(f"{acks['prefill']['url']}/metrics").text
+                if _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0:
+                    break
+                time.sleep(0.1)
+            assert _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0, (d, p)
+        with httpx.Client(timeout=30) as c:  # without the key: 401 through the router, on both paths
+            body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+            assert c.post(f"{url}/generate", json=body).status_code == 401
+            assert c.get(f"{url}/v1/models").status_code == 401
+            assert c.post(f"{acks['prefill']['url']}/disagg/pages", json={}).status_code == 401
+    finally:
+        sup.stop()
