@@ -174,6 +174,9 @@ class StepOutput:
     completion_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)  # per new token: (logprob, [(id, logprob), ...])
     error: str | None = None
+    # the HTTP status of a failure (`error`): 400 the request's fault, 500 an internal error, 502 a peer server
+    # (the prefill of a disaggregated pair) failed, 503 no capacity within the timeout
+    error_status: int = 400
 
 
 def filler_ids(n: int, vocab: int, stride: int = 7, salt: int = 0) -> list[int]:

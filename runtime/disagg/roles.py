@@ -401,7 +401,7 @@ class DecodeRole(RoleHooks):
         try:
             pages = sched.preallocate(rec.req)
         except ValueError as e:
-            self._finish_failed(sched, rec, str(e))
+            self._finish_failed(sched, rec, str(e), 400)  # the request itself (too long, bad ids)
             return
         if pages is None:
             return  # no room now; poll() retries (bounded by the timeout)
@@ -470,15 +470,16 @@ class DecodeRole(RoleHooks):
         else:
             sched.abort(tid, why)
 
-    def _finish_failed(self, sched, rec: Record, why: str) -> None:
+    def _finish_failed(self, sched, rec: Record, why: str, status: int = 502) -> None:
+        """Fail the request with `why`; status: its HTTP status (502 the prefill side failed, the default)."""
         if rec.state in TERMINAL:
             return
         self.metrics.move(rec, State.FAILED, why)
         if rec.req.rid in sched.by_rid:
-            sched.kv_failed(rec.transfer_id, why)  # frees the pre-allocated pages, emits the error
+            sched.kv_failed(rec.transfer_id, why, status)  # frees the pre-allocated pages, emits the error
         else:  # never admitted: no pages; answer the client directly
             self.loop.drop_sink(rec.transfer_id)
-            rec.sink(StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, error=why))
+            rec.sink(StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, error=why, error_status=status))
 
     def poll(self, sched) -> None:
         now = time.monotonic()
@@ -489,7 +490,7 @@ class DecodeRole(RoleHooks):
                     self.metrics.forget(rec)
             elif rec.state is State.BOOTSTRAPPING:
                 if now - rec.since > self.timeout:
-                    self._finish_failed(sched, rec, f"no free KV pages for {self.timeout} s")
+                    self._finish_failed(sched, rec, f"no free KV pages for {self.timeout} s", 503)
                 else:
                     self._try_allocate(sched, rec)
             elif rec.state in (State.WAITING, State.TRANSFERRING) and now - rec.since > self.timeout:

@@ -94,7 +94,7 @@ class EngineLoop:
             self.errors += 1
             log.error("engine step failed: %s\n%s", exc, traceback.format_exc())
             for rid in list(self.scheduler.by_rid):
-                self.scheduler.abort(rid, f"internal error: {type(exc).__name__}: {exc}")
+                self.scheduler.abort(rid, f"internal error: {type(exc).__name__}: {exc}", error_status=500)
             return False
 
     def _handle(self, item) -> None:

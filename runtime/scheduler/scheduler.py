@@ -104,14 +104,16 @@ class Scheduler:
         self.by_rid[req.rid] = req
         self._enqueue(req)
 
-    def abort(self, rid: str, reason: str = "aborted") -> bool:
-        """Stop a request wherever it is and free its pages. False if it is unknown or finished."""
+    def abort(self, rid: str, reason: str = "aborted", error_status: int = 400) -> bool:
+        """Stop a request wherever it is and free its pages. False if it is unknown or finished.
+        error_status: the HTTP status of the failure (`StepOutput.error_status`)."""
         req = self.by_rid.get(rid)
         if req is None:
             return False
         if rid in self.parked and self.hooks.on_abort(self, req, reason):
             return True  # pages stay until the role's peer stops using them
-        self._finish(req, FinishReason.ABORT, error=reason if reason != "aborted" else None)
+        self._finish(req, FinishReason.ABORT, error=reason if reason != "aborted" else None,
+                     error_status=error_status)
         return True
 
     # ---- disaggregation hooks ----------------------------------------------------------------
@@ -144,10 +146,12 @@ class Scheduler:
         if not req.finished:
             self.decode.add(req)
 
-    def kv_failed(self, rid: str, why: str) -> None:
+    def kv_failed(self, rid: str, why: str, error_status: int = 502) -> None:
+        """Decode role: the prompt KV of a preallocated request will not come (`error_status`: 502 the peer failed,
+        400 the request itself, 503 no pages in time)."""
         req = self.by_rid.get(rid)
         if req is not None:
-            self._finish(req, FinishReason.ERROR, error=why)
+            self._finish(req, FinishReason.ERROR, error=why, error_status=error_status)
 
     def release(self, rid: str) -> None:
         """Prefill role: the hook is done with a handed-off request; free its pages."""
@@ -315,7 +319,7 @@ class Scheduler:
     def _fail_batch(self, batch: Batch, exc: Exception) -> None:
         log.exception("forward step failed for %d request(s)", batch.size)
         for r in batch.reqs:
-            self._finish(r, FinishReason.ERROR, error=f"internal error: {type(exc).__name__}: {exc}")
+            self._finish(r, FinishReason.ERROR, error=f"internal error: {type(exc).__name__}: {exc}", error_status=500)
 
     def _schedule(self) -> Batch | None:
         for _ in range(len(self.prefill.prefilling) + len(self.decode.running) + 2):
@@ -420,7 +424,7 @@ class Scheduler:
                                       [lp] if lp is not None else []))
 
     def _finish(self, r: Req, reason: FinishReason, text: str = "", new_ids: list[int] | None = None,
-                new_lps: list | None = None, error: str | None = None) -> None:
+                new_lps: list | None = None, error: str | None = None, error_status: int = 400) -> None:
         if r.finished:
             return
         if r in self.decode.running:
@@ -439,7 +443,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.on_finish(r)
         self.on_output(StepOutput(r.rid, new_ids or [], text, True, reason, r.prompt_len, len(r.output_ids),
-                                  new_lps or [], error))
+                                  new_lps or [], error, error_status))
 
     def _free_pages(self, r: Req) -> None:
         if r.pages:

@@ -146,6 +146,12 @@ def _union_field(loc: list[str]) -> int | None:
     return None
 
 
+def _error_type(status: int) -> str:
+    """The OpenAI-style error type of an HTTP status: the request's fault, or the server's side."""
+    return {500: "server_error", 502: "bad_gateway", 503: "service_unavailable"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+
+
 def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
@@ -277,8 +283,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             await gen.aclose()
         final = outs[-1]
         if final.error and not final.token_ids and final.completion_tokens == 0:
-            raise ApiError(400 if "internal" not in final.error else 500, final.error,
-                           type_="invalid_request_error" if "internal" not in final.error else "server_error")
+            raise ApiError(final.error_status, final.error, type_=_error_type(final.error_status))
         return outs, final
 
     def _usage(final: StepOutput) -> dict:
@@ -298,7 +303,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             async for out in _outputs(req, q):
                 final = out
                 if out.error:
-                    yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
+                    yield _sse(error_body(out.error_status, out.error, type_=_error_type(out.error_status)))
                     continue  # an error output is the request's last one
                 if out.text or out.finished or out.token_ids:
                     yield _sse({**head, "choices": [choice(out)]})
@@ -444,7 +449,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                 text, ids_out = "", []
                 async for out in _outputs(req, q):
                     if out.error:
-                        yield _sse(error_body(500 if "internal" in out.error else 400, out.error))
+                        yield _sse(error_body(out.error_status, out.error, type_=_error_type(out.error_status)))
                         continue  # an error output is the request's last one
                     text += out.text
                     ids_out += out.token_ids

@@ -22,6 +22,15 @@ class SlowToy(ToyModel):
         return super().forward(input_ids, positions, ctx)
 
 
+class FailingToy(ToyModel):
+    """Toy model whose forward raises when the batch holds token 13 (a kernel failure, not the request's)."""
+
+    def forward(self, input_ids, positions, ctx):
+        if bool((input_ids == 13).any()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().forward(input_ids, positions, ctx)
+
+
 def _server(model_cls=ToyModel, **settings):
     torch.set_num_threads(1)
     m, tok, cfg = load_toy(max_position_embeddings=CTX)
@@ -170,6 +179,24 @@ def test_text_that_is_not_unicode_or_of_no_accepted_type_is_400(client):
     # a surrogate pair is one valid character
     r = _post(client, "/v1/completions", {"prompt": "\ud83d\ude00", "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+def test_a_failing_step_is_a_500_and_the_server_keeps_serving():
+    # the server's fault is a 5xx (clients and routers may retry it), the request's a 4xx
+    srv = _server(FailingToy)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            r = c.post("/v1/completions", json={"prompt": [5, 13, 7], "max_tokens": 3})
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "internal error: RuntimeError: CUDA error" in err["message"]
+            r = c.post("/v1/completions", json={"prompt": [5, 13], "max_tokens": 3, "stream": True})
+            chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            assert chunks[-1]["error"]["code"] == 500 and chunks[-1]["error"]["type"] == "server_error"
+            ok = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    finally:
+        srv.stop()
 
 
 def test_malformed_json_and_unknown_route(client):
