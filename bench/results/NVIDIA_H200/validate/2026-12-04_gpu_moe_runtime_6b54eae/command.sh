@@ -3,3 +3,5 @@
 # installed editable. The two groups side by side, as bench/gpu/gpu_suite.sh runs them.
 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/moe > moe.txt
 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime tests/disagg tests/tuning tests/bench tests/test_package.py > runtime_rest.txt
+# at bdabd34 (the server's error statuses, disagg with --api-key): the runtime and disagg GPU tests
+python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/runtime tests/disagg > runtime_disagg_bdabd34.txt
