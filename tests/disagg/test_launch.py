@@ -88,20 +88,26 @@ def test_http_greedy_equals_colocated(stack):
 def test_http_client_disconnect_frees_pages_on_both_sides(stack):
     url, acks, _ = stack
     with httpx.Client(timeout=30) as c:
-        body = {"input_ids": [5] * 40, "sampling_params": {"temperature": 0.0, "max_new_tokens": 400,
-                                                           "ignore_eos": True}, "stream": True}
-        with c.stream("POST", f"{url}/generate", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    break  # first token arrived: leave
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            d = c.get(f"{acks['decode']['url']}/metrics").text
-            p = c.get(f"{acks['prefill']['url']}/metrics").text
-            if _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0:
-                break
-            time.sleep(0.1)
-        assert _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0, (d, p)
+        _leave_after_the_first_token_and_check_pages(c, url, acks)
+
+
+def _leave_after_the_first_token_and_check_pages(c, url, acks):
+    """Stream a long generation through the router, leave at the first token, then wait until both servers hold no
+    KV page (the router's aborts reached them)."""
+    body = {"input_ids": [5] * 40, "sampling_params": {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True},
+            "stream": True}
+    with c.stream("POST", f"{url}/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # first token arrived: leave
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        d = c.get(f"{acks['decode']['url']}/metrics").text
+        p = c.get(f"{acks['prefill']['url']}/metrics").text
+        if _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0:
+            break
+        time.sleep(0.1)
+    assert _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0, (d, p)
 
 
 def _gauge(text, name):
@@ -290,20 +296,7 @@ def test_disagg_with_an_api_key():
             r = c.get(f"{url}/v1/models")
             assert r.status_code == 200 and r.json()["data"][0]["id"], r.text
             # a client that leaves mid-stream: the router's aborts carry its key, both servers free the pages
-            body = {"input_ids": [5] * 40, "sampling_params": {"temperature": 0.0, "max_new_tokens": 400,
-                                                               "ignore_eos": True}, "stream": True}
-            with c.stream("POST", f"{url}/generate", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        break
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                d = c.get(f"{acks['decode']['url']}/metrics").text
-                p = c.get(f"{acks['prefill']['url']}/metrics").text
-                if _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0:
-                    break
-                time.sleep(0.1)
-            assert _gauge(d, "kv_cache_usage_ratio") == 0 and _gauge(p, "kv_cache_usage_ratio") == 0, (d, p)
+            _leave_after_the_first_token_and_check_pages(c, url, acks)
         with httpx.Client(timeout=30) as c:  # without the key: 401 through the router, on both paths
             body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
             assert c.post(f"{url}/generate", json=body).status_code == 401
