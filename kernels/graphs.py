@@ -20,6 +20,11 @@ import torch
 log = logging.getLogger("pdlab.kernels")
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (no host sync, no host read of device values)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @contextlib.contextmanager
 def capture_graph(graph: "torch.cuda.CUDAGraph", *, stream: "torch.cuda.Stream | None" = None,
                   pool=None) -> Iterator["torch.cuda.CUDAGraph"]:

@@ -22,6 +22,7 @@ import torch
 
 from pdlab.kernels import registry
 from pdlab.kernels.env import ENV
+from pdlab.kernels.graphs import capturing
 from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
 from pdlab.kernels.tuned import register_bucket_upgrade, resolve_config
 from pdlab.moe.layouts import Contiguous, Layout, Masked, layout_op, with_hidden
@@ -135,15 +136,10 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
     if runner is not None:
         backend = select_runner(layout, weights, runner)  # availability, after the shape checks
     cfg = _config(backend, layout, wdims["I"], expected_m, active_experts, config)
-    if ENV.check_invariants and not backend.reference and not _capturing(layout.hidden):
+    if ENV.check_invariants and not backend.reference and not capturing():
         layout.check_rows(OP, backend.name)  # one sync; the torch reference checks its rows itself
     out = backend.impl(layout, weights, config=cfg)
     return with_hidden(layout, out)
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph is being captured on the current stream (no host sync allowed)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def bucket(layout: Layout, intermediate: int, expected_m: int, active_experts: int | None = None

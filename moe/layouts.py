@@ -242,9 +242,10 @@ class Masked(_PayloadFields):
                              f"0 <= masked_m[e] <= {m_max} (the slab's M)", f"masked_m[{bad}] = {m[bad]}",
                              "size the slab by the most rows one expert can receive (num_max_dispatch_tokens_per_rank "
                              "× ranks)")
-        if self.max_rows is not None and sum(m) > self.max_rows:
+        total = sum(m)
+        if self.max_rows is not None and total > self.max_rows:
             raise ShapeError(op_name, backend, "masked_m", "sums above the layout's max_rows",
-                             f"sum(masked_m) <= max_rows = {self.max_rows}", f"sum(masked_m) = {sum(m)}",
+                             f"sum(masked_m) <= max_rows = {self.max_rows}", f"sum(masked_m) = {total}",
                              "max_rows must bound the rows received (tokens × top-k), or be None: kernels size "
                              "their grids by it and would leave the rows past it unwritten")
 

@@ -103,8 +103,9 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
 
     try:
         model = load_model_shape(args.model)
-        if arch == "cpu" and cpu_shape(args.model, model) is not model:
-            model = cpu_shape(args.model, model)
+        small = cpu_shape(args.model, model) if arch == "cpu" else model
+        if small is not model:
+            model = small
             print(f"{prog}: --arch cpu: small shapes ({model.name}: {model.n_routed_experts} experts, top-"
                   f"{model.num_experts_per_tok}, hidden {model.hidden_size}, intermediate {model.moe_intermediate_size}"
                   f", {model.num_heads} heads) instead of {args.model}'s; pass a config.json to tune at its shapes")

@@ -80,6 +80,7 @@ import os
 import torch
 
 from pdlab.kernels import registry
+from pdlab.kernels.graphs import capturing
 from pdlab.moe.layouts import Masked
 from pdlab.moe.weights import tile_nvfp4
 
@@ -284,7 +285,7 @@ def dense_path_taken(layout, config: dict, expected_m: int) -> bool:
 def _dense_path(layout, cfg: dict, expected_m: int) -> bool:
     m = cfg.get("DENSE_MIN_M", 0)
     return (m > 0 and expected_m >= m and layout.payload == "bf16" and not isinstance(layout, Masked)
-            and hasattr(torch, "_grouped_mm") and not _capturing())
+            and hasattr(torch, "_grouped_mm") and not capturing())
 
 
 def frag_path_taken(layout, weights, config: dict) -> bool:
@@ -307,7 +308,7 @@ def frag_path_taken(layout, weights, config: dict) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1" or nvfp4_frag.available(layout.hidden.device) is not None:
         return False
-    return weights.nvfp4_frag or "triton_frag" in weights.prepared or not _capturing()
+    return weights.nvfp4_frag or "triton_frag" in weights.prepared or not capturing()
 
 
 def kernel_path(layout, weights, config: dict) -> str:
@@ -369,11 +370,6 @@ def _repack_frag(w) -> dict:
     p = w.plain_nvfp4()
     return nvfp4_frag.pack_experts(p["w13_weight"], p["w13_weight_scale"], p["w2_weight"], p["w2_weight_scale"],
                                    w.w13_weight_scale_2, w.w2_weight_scale_2)
-
-
-def _capturing() -> bool:
-    """A CUDA graph is being captured: the dense path's host read of the offsets is not allowed."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _SIDE_STREAMS: dict = {}  # device index → the stream the dense path dequantises on (one per device, reused)

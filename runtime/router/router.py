@@ -65,6 +65,12 @@ class RouterConfig(BaseModel):
         return self
 
 
+def _credentials(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's Authorization header out of `headers`, for the router's own calls on the client's behalf (a
+    server started with --api-key asks for it; the router holds no key)."""
+    return {k: v for k, v in headers.items() if k.lower() == "authorization"}
+
+
 @dataclass
 class Backend:
     url: str
@@ -256,10 +262,9 @@ class Router:
     async def _abort(self, b: Backend, tid: str, why: str, headers: Mapping[str, str] | None = None) -> None:
         """Tell server b to drop transfer tid, with the client request's credentials (`headers`: its Authorization
         is what a server started with --api-key asks for; the router holds no key of its own)."""
-        auth = {k: v for k, v in (headers or {}).items() if k.lower() == "authorization"}
         try:
             await self.client.post(f"{b.url}/disagg/abort", json={"transfer_id": tid, "reason": why},
-                                   headers=auth, timeout=self.cfg.health_timeout)
+                                   headers=_credentials(headers or {}), timeout=self.cfg.health_timeout)
         except httpx.HTTPError as e:
             log.info("abort of %s on %s failed: %s", tid, b.url, e)
 
@@ -308,10 +313,10 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
             _, d = router.pick()
-            r = await router.client.get(f"{d.url}/v1/models", headers=auth, timeout=cfg.health_timeout)
+            r = await router.client.get(f"{d.url}/v1/models", headers=_credentials(request.headers),
+                                        timeout=cfg.health_timeout)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         except (LookupError, httpx.HTTPError) as e:
             return _error(503, str(e), "service_unavailable")

@@ -91,7 +91,7 @@ def test_dense_path_steps_aside_while_a_cuda_graph_is_captured(monkeypatch):
     layout, weights = _problem(4, 64, 32, 9, 2, "bf16", x_dtype=torch.bfloat16)
     cfg = {"DENSE_MIN_M": 1}
     assert dense_path_taken(layout, cfg, 4)
-    monkeypatch.setattr(triton_nvfp4, "_capturing", lambda: True)
+    monkeypatch.setattr(triton_nvfp4, "capturing", lambda: True)
     assert not dense_path_taken(layout, cfg, 4)
     _check(layout, weights, 1e-4 if not CUDA else 2e-4, config=cfg)
 
