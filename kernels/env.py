@@ -4,6 +4,9 @@ PDLAB_CHECK_INVARIANTS=1  the scheduler checks page ownership after every step, 
                           layout's row counts against the slab and the row bound (one host sync per call, none
                           while a CUDA graph is captured) (tests, debugging).
 PDLAB_STEP_PROFILE=1      the engine records host-side time per decode step (scheduler/Python share).
+PDLAB_STEP_LOG=FILE       the scheduler appends one JSON line per step to FILE: wall time, role, pid, prefill or decode,
+                          requests, tokens, schedule / forward / process ms, queue, whether it was a warm-up step,
+                          the CUDA allocator's reserved MiB (to find which steps make a latency tail).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ class _Env:
     @property
     def step_profile(self) -> bool:
         return _flag("PDLAB_STEP_PROFILE")
+
+    @property
+    def step_log(self) -> str | None:
+        return os.environ.get("PDLAB_STEP_LOG") or None
 
 
 ENV = _Env()

@@ -16,7 +16,9 @@ writes with `preallocate(req)` → `kv_ready(rid, first_token)` / `kv_failed(rid
 from __future__ import annotations
 
 import bisect
+import json
 import logging
+import os
 import time
 from typing import Callable
 
@@ -68,6 +70,8 @@ class Scheduler:
         self.parked: dict[str, Req] = {}  # WAITING_FOR_KV / HANDED_OFF: pages held for a role hook
         self.by_rid: dict[str, Req] = {}
         self.num_retractions = 0
+        self._warming = False
+        self._step_log = open(ENV.step_log, "a", buffering=1) if ENV.step_log else None  # line-buffered JSONL
         self.num_admitted = 0
         self._last_was_chunk = False
         self.overlap = cfg.overlap_schedule  # may be switched between steps (benchmarks compare both)
@@ -203,6 +207,7 @@ class Scheduler:
         saved = self.hooks, self.metrics, self.on_output
         errors: list[str] = []
         self.hooks, self.metrics = RoleHooks(), None
+        self._warming = True
         self.on_output = lambda out: errors.append(out.error) if out.error else None
         vocab = max(3, self.engine.vocab_size)
         steps = 2 if self.cfg.role == "colocated" else 1
@@ -223,6 +228,7 @@ class Scheduler:
                                        "warm-up)")
         finally:
             self.hooks, self.metrics, self.on_output = saved
+            self._warming = False
         if self.by_rid:
             raise RuntimeError(f"warmup left {len(self.by_rid)} request(s) behind")
         return {"requests": n_req, "tokens": n_tok, "seconds": time.perf_counter() - t0}
@@ -262,6 +268,7 @@ class Scheduler:
         t3 = time.perf_counter()
         self.last_step = {"decode": batch.is_decode, "bs": batch.size, "tokens": batch.num_tokens,
                           "schedule_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "process_ms": (t3 - t2) * 1e3}
+        self._record_step()
         if ENV.check_invariants:
             self.check_invariants()
         return True
@@ -312,9 +319,33 @@ class Scheduler:
         self.last_step = {"decode": True, "bs": prev.batch.size, "tokens": prev.batch.size,
                           "schedule_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3,
                           "process_ms": (time.perf_counter() - t2) * 1e3}
+        self._record_step()
         if ENV.check_invariants and nxt is None:
             self.check_invariants()
         return True
+
+    def _record_step(self) -> None:
+        """Hand the step that just produced outputs (`last_step`) to the metrics (step-time histograms) and to the
+        PDLAB_STEP_LOG file (with the allocator's reserved MiB on CUDA). An overlapped decode step is recorded when it is collected: its forward_ms is the wait
+        for the GPU, its schedule_ms includes launching the next step."""
+        st = self.last_step
+        if self.metrics is not None:
+            self.metrics.on_step(st["decode"], (st["schedule_ms"] + st["forward_ms"] + st["process_ms"]) / 1e3)
+        if self._step_log is not None:
+            rec = {"t": round(time.time(), 6), "role": self.cfg.role, "pid": os.getpid(),
+                   "kind": "decode" if st["decode"] else "prefill", "bs": st["bs"], "tokens": st["tokens"],
+                   **{k: round(st[k], 3) for k in ("schedule_ms", "forward_ms", "process_ms")},
+                   "waiting": len(self.waiting), "running": len(self.decode.running), "warmup": self._warming,
+                   "reserved_mib": self._reserved_mib()}
+            self._step_log.write(json.dumps(rec) + "\n")
+
+    def _reserved_mib(self) -> int | None:
+        """The CUDA caching allocator's reserved memory (MiB; it grows by cudaMalloc calls), None off CUDA."""
+        dev = getattr(self.engine, "device", None)
+        if dev is None or getattr(dev, "type", None) != "cuda":
+            return None
+        import torch
+        return torch.cuda.memory_reserved(dev) >> 20
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> None:
         log.exception("forward step failed for %d request(s)", batch.size)

@@ -1,5 +1,5 @@
 """Prometheus text metrics of one server: queue and running requests, KV usage, retractions,
-TTFT / TPOT / ITL / E2E histograms, tokens served. Observed from the engine loop thread (the
+TTFT / TPOT / ITL / E2E histograms, prefill and decode step times, tokens served. Observed from the engine loop thread (the
 scheduler calls on_token / on_finish / on_retract), rendered from the HTTP thread."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import threading
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.00025, 0.0005) + LATENCY_BUCKETS  # a decode step of a small model takes well under 1 ms
 
 
 class Histogram:
@@ -42,6 +43,10 @@ class RuntimeMetrics:
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "gap between consecutive tokens of a request")
         self.tpot = Histogram(f"{p}_time_per_output_token_seconds", "(last - first token time) / (tokens - 1), per request")
         self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "arrival to finish, per request")
+        self.prefill_step = Histogram(f"{p}_prefill_step_seconds", "one prefill step: schedule, forward, process",
+                                      STEP_BUCKETS)
+        self.decode_step = Histogram(f"{p}_decode_step_seconds", "one decode step: schedule, forward (or the wait "
+                                     "for an overlapped step), process", STEP_BUCKETS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.retractions = 0
@@ -67,6 +72,10 @@ class RuntimeMetrics:
             if n > 1 and req.first_token_time is not None and req.last_token_time is not None:
                 self.tpot.observe((req.last_token_time - req.first_token_time) / (n - 1))
 
+    def on_step(self, decode: bool, seconds: float) -> None:
+        with self._lock:
+            (self.decode_step if decode else self.prefill_step).observe(seconds)
+
     def on_retract(self) -> None:
         with self._lock:
             self.retractions += 1
@@ -91,6 +100,6 @@ class RuntimeMetrics:
             lines += [f"# HELP {p}_requests_finished_total requests finished, by reason",
                       f"# TYPE {p}_requests_finished_total counter"]
             lines += [f'{p}_requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(self.finished.items())]
-            for h in (self.ttft, self.itl, self.tpot, self.e2e):
+            for h in (self.ttft, self.itl, self.tpot, self.e2e, self.prefill_step, self.decode_step):
                 lines += h.render()
         return "\n".join(lines) + "\n"

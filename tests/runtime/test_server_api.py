@@ -81,8 +81,26 @@ def test_health_models_metrics(client):
     for name in ("pdlab_num_requests_waiting", "pdlab_num_requests_running", "pdlab_kv_cache_usage_ratio",
                  "pdlab_retractions_total", "pdlab_time_to_first_token_seconds_bucket",
                  "pdlab_time_per_output_token_seconds_count", "pdlab_inter_token_latency_seconds_sum",
-                 "pdlab_generation_tokens_total"):
+                 "pdlab_generation_tokens_total", "pdlab_prefill_step_seconds_bucket",
+                 "pdlab_decode_step_seconds_count"):
         assert name in text
+
+
+def _metric(client, name: str) -> float:
+    line = next(ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_metrics_count_the_steps_of_a_request(client):
+    """Twelve tokens: the prompt's prefill step makes the first, eleven decode steps the rest (overlapped steps are
+    counted when collected)."""
+    before = [_metric(client, f"pdlab_{k}_step_seconds_count") for k in ("prefill", "decode")]
+    r = client.post("/v1/completions", json={"prompt": "steps", "max_tokens": 12, "temperature": 0,
+                                             "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    after = [_metric(client, f"pdlab_{k}_step_seconds_count") for k in ("prefill", "decode")]
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 11)
+    assert _metric(client, "pdlab_decode_step_seconds_sum") > 0
 
 
 def test_completion_matches_offline_greedy(client, server):

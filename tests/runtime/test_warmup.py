@@ -110,3 +110,25 @@ def test_a_failing_warmup_says_so_and_leaves_nothing(monkeypatch):
     with pytest.raises(RuntimeError, match="warm-up .* failed: internal error: RuntimeError: out of memory"):
         llm.scheduler.warmup()
     assert not llm.scheduler.by_rid and eng.pool.num_free_pages == eng.pool.allocator.capacity
+
+
+def test_step_log_names_every_step_and_the_warm_up(tmp_path, monkeypatch):
+    """PDLAB_STEP_LOG: one JSON line per step, warm-up steps flagged; a prompt's prefill step carries its tokens and
+    each later token one decode step."""
+    import json
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PDLAB_STEP_LOG", str(log))
+    llm = _llm("colocated")
+    warm = llm.scheduler.warmup()
+    out = llm.generate([[5] * 37], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 6
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    warmup, served = [r for r in recs if r["warmup"]], [r for r in recs if not r["warmup"]]
+    assert sum(r["tokens"] for r in warmup if r["kind"] == "prefill") == warm["tokens"]
+    assert [(r["kind"], r["bs"], r["tokens"]) for r in served] == [("prefill", 1, 37)] + [("decode", 1, 1)] * 5
+    for r in recs:
+        assert r["role"] == "colocated" and min(r["schedule_ms"], r["forward_ms"], r["process_ms"]) >= 0
+        assert set(r) == {"t", "role", "pid", "kind", "bs", "tokens", "schedule_ms", "forward_ms", "process_ms",
+                          "waiting", "running", "warmup", "reserved_mib"}
+        assert r["reserved_mib"] is None  # on CUDA: the allocator's reserved MiB
+    assert [r["t"] for r in recs] == sorted(r["t"] for r in recs)
