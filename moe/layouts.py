@@ -278,7 +278,7 @@ def infer_payload(hidden: torch.Tensor) -> str:
 
 def group_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, expert_start: int = 0,
                  scales: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
-                 payload: str | None = None) -> tuple[Contiguous, GroupInfo]:
+                 payload: str | None = None, num_rows: int | None = None) -> tuple[Contiguous, GroupInfo]:
     """Group each (token, slot) pair by its expert (one rank, no communication).
 
     Args:
@@ -287,9 +287,11 @@ def group_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, e
             [expert_start, expert_start + num_experts) are not local and are dropped.
         num_experts: local expert count E. expert_start: first local expert id.
         scales: fp8 [T, K/128] fp32 | nvfp4 [T, K/16] e4m3. global_scale: nvfp4 fp32 scalar or [E].
+        num_rows: host-known row count N of the layout, at least the local pairs (T·k always is): no host sync.
+            Rows past offsets[E] then hold the dropped pairs (padding the experts never read; their row_of is -1).
+            None: N = the number of local pairs, read back once (a host sync).
     Returns:
-        (Contiguous with N = number of local pairs, rows ordered by expert then token (stable);
-        GroupInfo to scatter results back). Syncs once (N is data-dependent).
+        (Contiguous [N, K(/2)], rows ordered by expert then token (stable); GroupInfo to scatter results back).
     """
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ShapeError("group_tokens", None, "x/topk_ids", "must be [T, K] and [T, k] with the same T",
@@ -300,14 +302,23 @@ def group_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, e
     valid = (local >= 0) & (local < num_experts)
     key = torch.where(valid, local, torch.full_like(local, num_experts)).flatten()
     order = torch.sort(key, stable=True).indices
-    counts_all = torch.bincount(key, minlength=num_experts + 1)
+    # scatter_add, not bincount: bincount on CUDA reads max(key) back to the host (a sync)
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))
     counts = counts_all[:num_experts].to(torch.int32)
-    n = int(counts.sum())
+    if num_rows is None:
+        n = int(counts.sum())
+    elif not T * k >= num_rows >= 0:
+        raise ValueError(f"group_tokens: num_rows={num_rows} must lie in 0..T·k={T * k} (T·k always holds the "
+                         "local pairs; None reads their count back)")
+    else:
+        n = num_rows
     order = order[:n]
     src_token = order // k
     src_slot = order % k
     row_of = torch.full((T * k,), -1, dtype=torch.long, device=x.device)
-    row_of[order] = torch.arange(n, device=x.device)
+    rows = torch.arange(n, device=x.device)
+    row_of[order] = rows if num_rows is None else torch.where(key[order] < num_experts, rows, -1)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
     offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
     layout = Contiguous(x[src_token], counts, offsets, payload,

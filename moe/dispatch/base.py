@@ -161,16 +161,18 @@ class Expansion:
 
 
 def expand(recv: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_start: int,
-           num_local_experts: int, mode: str, max_m: int = 0) -> tuple[Layout, Expansion]:
+           num_local_experts: int, mode: str, max_m: int = 0, all_local: bool = False) -> tuple[Layout, Expansion]:
     """Turn received token rows into the expert layout.
 
     Args:
         recv: M received rows (data [M, ..], scales [M, ..]).
         topk_ids: [M, k] int32|int64 global expert ids of each row; topk_weights: [M, k] fp32.
         expert_start / num_local_experts: this rank's experts are [expert_start, expert_start + E_l).
-        mode: "normal" → Contiguous (one host sync: the row count); "low_latency" → Masked
+        mode: "normal" → Contiguous (one host sync: the row count, unless all_local); "low_latency" → Masked
             [E_l, max_m, ..] without any host sync (rows past masked_m are left uninitialised), so the
             local low-latency path can be captured in a CUDA graph.
+        all_local: every expert is on this rank (one rank): a normal-mode layout then has M·k rows, known on the
+            host, and is built without a host sync (rows of ids outside the experts are padding, never read).
     Returns: (layout, Expansion for `reduce_rows`)."""
     M, k = topk_ids.shape
     local = topk_ids.long() - expert_start
@@ -178,7 +180,8 @@ def expand(recv: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     weights = torch.where(valid, topk_weights.float(), torch.zeros((), device=topk_weights.device))
     if mode == "normal":
         layout, info = group_tokens(recv.data, local, num_local_experts, scales=recv.scales,
-                                    global_scale=recv.global_scale, payload=recv.kind)
+                                    global_scale=recv.global_scale, payload=recv.kind,
+                                    num_rows=M * k if all_local else None)
         return layout, Expansion(mode, M, info.row_of, weights, num_local_experts)
     if mode != "low_latency":
         raise ValueError(f"unknown dispatch mode {mode!r}; choose one of {', '.join(MODES)}")

@@ -1,8 +1,8 @@
 """`local` dispatch: one rank, no communication (the default on one GPU or the CPU).
 
-Dispatch groups the (token, expert) pairs by expert (normal) or scatters them into the masked slab
-(low-latency, no host sync, so it can be captured in a CUDA graph); combine is the fp32 weighted
-sum over each token's experts."""
+Dispatch groups the (token, expert) pairs by expert (normal: T·k rows, so no host sync either) or scatters them
+into the masked slab (low-latency, no host sync, so it can be captured in a CUDA graph); combine is the fp32
+weighted sum over each token's experts."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class LocalDispatcher(BaseDispatcher):
         # one rank: an expert gets each token at most once, so T rows per expert always suffice (T is
         # static within a captured graph, so this stays graph-safe)
         rows = min(self.max_m(), topk_ids.shape[0]) if mode == "low_latency" else self.max_m()
-        layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, rows)
+        layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, rows, all_local=True)
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
         return layout, self._handle(mode, layout, topk_ids.shape[0], out_dtype, exp)
 

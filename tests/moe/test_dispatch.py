@@ -189,12 +189,14 @@ def test_a_failing_rank_surfaces_its_own_traceback():
 
 
 @pytest.mark.gpu
-def test_local_low_latency_dispatch_and_combine_never_sync_the_host():
-    """Decode steps are captured in CUDA graphs: the local low-latency path must not read back."""
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_local_dispatch_and_combine_never_sync_the_host(mode):
+    """Decode steps are captured in CUDA graphs: the local low-latency path must not read back. Nor does the normal
+    path on one rank (its T·k rows are known on the host), so a prefill step's host work runs ahead of the GPU."""
     x, ids, w = (t.cuda() for t in global_tokens(4, 1, 64, 7168, 256, 8, dtype=torch.bfloat16))
     gs = torch.tensor(448 * 6 / 5.0, device="cuda")
     for payload in ("bf16", "nvfp4"):
-        d = create_dispatcher("local", 256, 7168, mode="low_latency", num_max_dispatch_tokens_per_rank=64)
+        d = create_dispatcher("local", 256, 7168, mode=mode, num_max_dispatch_tokens_per_rank=64)
         tokens = d.quantize(x, payload, gs)
         layout, handle = d.dispatch(tokens, ids, w, payload)  # warm-up (kernel compilation)
         y = with_hidden(layout, torch.zeros(layout.hidden.shape[:-1] + (7168,), dtype=torch.bfloat16, device="cuda"))

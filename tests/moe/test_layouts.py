@@ -30,6 +30,27 @@ def test_group_tokens_local_expert_range_drops_remote():
     assert info.row_of.tolist() == [[-1, 1], [2, 3], [0, -1]]
 
 
+@pytest.mark.parametrize("start", [0, 4])
+def test_group_tokens_with_host_known_rows_matches_the_read_back(start):
+    """num_rows = T·k (no host sync): the local rows, counts, offsets and row_of are those of the read-back layout;
+    the rows past offsets[E] are the dropped pairs' padding, with row_of -1. Start 0: every id is local; start 4:
+    ids 0..3 are another rank's, dropped."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 16)
+    ids = torch.randint(0, 4 + start, (9, 3))
+    exact, info = group_tokens(x, ids, 4, expert_start=start)
+    padded, pinfo = group_tokens(x, ids, 4, expert_start=start, num_rows=27)
+    n = int(exact.offsets[-1])
+    assert padded.hidden.shape == (27, 16) and exact.hidden.shape == (n, 16)
+    assert torch.equal(padded.counts, exact.counts) and torch.equal(padded.offsets, exact.offsets)
+    assert torch.equal(padded.hidden[:n], exact.hidden) and torch.equal(pinfo.src_token[:n], info.src_token)
+    assert torch.equal(pinfo.row_of, info.row_of)
+    assert (pinfo.row_of >= 0).sum() == n and (n < 27) == (start == 4)
+    padded.check_rows()
+    with pytest.raises(ValueError, match="num_rows=28 must lie in 0..T·k=27"):
+        group_tokens(x, ids, 4, expert_start=start, num_rows=28)
+
+
 def test_to_masked_roundtrip_and_fill():
     x = torch.randn(6, 32)
     ids = torch.randint(0, 5, (6, 3))
