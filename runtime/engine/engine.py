@@ -214,34 +214,26 @@ class Engine:
             host = host.pin_memory() if self.device.type == "cuda" else host
             dev = host.to(self.device, non_blocking=True)
             return self.decode_tensors(dev[0] if input_ids is None else input_ids, dev[1], dev[2], len(reqs))
-        B, T = len(reqs), int(sum(ext))
-        # one host buffer, one copy (pinned and asynchronous on CUDA): ids, positions, slots [T], rows, seqlens [B],
-        # qo_indptr [B + 1], logits_indices [B]; each part starts 16-byte aligned, as a tensor of its own would
-        # (Triton specialises kernels on it)
-        sizes = (T, T, T, B, B, B + 1, B)
-        starts = np.cumsum([0] + [n + (n & 1) for n in sizes])
-        host = np.zeros(int(starts[-1]), dtype=np.int64)
-        ids, pos, slots, rows, seqlens, qo, last = (host[a:a + n] for a, n in zip(starts, sizes))
-        t = 0
+        ids, pos, slots = [], [], []
         for r, n in zip(reqs, ext):
-            ids[t:t + n] = r.tokens(r.cached_len, r.cached_len + n)
-            p = pos[t:t + n]
-            p[:] = np.arange(r.cached_len, r.cached_len + n, dtype=np.int64)
-            slots[t:t + n] = np.asarray(r.pages, dtype=np.int64)[p // ps] * ps + p % ps
-            t += n
-        rows[:] = [r.table_row for r in reqs]
-        seqlens[:] = [r.cached_len + n for r, n in zip(reqs, ext)]
-        np.cumsum(ext, out=qo[1:])
-        last[:] = qo[1:] - 1
-        max_pages = int(max(-(-int(s) // ps) for s in seqlens))
-        buf = torch.from_numpy(host)
-        dev = (buf.pin_memory() if self.device.type == "cuda" else buf).to(self.device, non_blocking=True)
-        ids, pos, slots, rows, seqlens, qo, last = (dev[a:a + n] for a, n in zip(starts.tolist(), sizes))
+            ids.extend(r.tokens(r.cached_len, r.cached_len + n))
+            p = np.arange(r.cached_len, r.cached_len + n, dtype=np.int64)
+            pos.append(p)
+            slots.append(np.asarray(r.pages, dtype=np.int64)[p // ps] * ps + p % ps)
+        lens = np.asarray(ext, dtype=np.int64)
+        seqlens = np.asarray([r.cached_len + n for r, n in zip(reqs, ext)], dtype=np.int32)
+        qo = np.zeros(len(reqs) + 1, dtype=np.int32)
+        qo[1:] = np.cumsum(lens)
+        d = self.device
+        max_pages = int(max(-(-s // ps) for s in seqlens))
+        rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64, device=d)
         ctx = ForwardContext(
-            is_decode=False, block_table=self.page_table.table[rows, :max_pages], seqlens=seqlens.to(torch.int32),
-            qo_indptr=qo.to(torch.int32), slots=slots, logits_indices=last, kv_caches=self.pool.kv_caches,
-            kv_scale=self.pool.kv_scale, max_q_len=int(max(ext)))
-        return ids, pos, ctx
+            is_decode=False, block_table=self.page_table.table[rows, :max_pages],
+            seqlens=torch.from_numpy(seqlens).to(d), qo_indptr=torch.from_numpy(qo).to(d),
+            slots=torch.from_numpy(np.concatenate(slots)).to(d),
+            logits_indices=torch.from_numpy(qo[1:].astype(np.int64) - 1).to(d),
+            kv_caches=self.pool.kv_caches, kv_scale=self.pool.kv_scale, max_q_len=int(lens.max()))
+        return (torch.tensor(ids, dtype=torch.int64).to(d), torch.from_numpy(np.concatenate(pos)).to(d), ctx)
 
     def decode_tensors(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                        bs: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
