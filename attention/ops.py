@@ -454,7 +454,8 @@ def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping
         top = int(seqlens.max())
         op.require(name, top <= capacity, "seqlens", f"reaches {top} tokens, beyond the pages given", seqlens,
                    f"seqlens <= pages*page_size = {capacity}", hint)
-        low = int(seqlens.min())
-        need = dims.get("Sq", 1)
-        op.require(name, low >= need, "seqlens", f"has a sequence of {low} tokens, fewer than its {need} new ones",
-                   seqlens, f"seqlens >= S_q = {need}", "seqlens counts the cached prefix plus this step's tokens.")
+        if "Sq" in dims:  # decode: S_q new tokens per sequence (a prefill checks against its qo_indptr, where a
+            # sequence may add no token: the empty sequences of a prefill graph)
+            low, need = int(seqlens.min()), dims["Sq"]
+            op.require(name, low >= need, "seqlens", f"has a sequence of {low} tokens, fewer than its {need} new ones",
+                       seqlens, f"seqlens >= S_q = {need}", "seqlens counts the cached prefix plus this step's tokens.")

@@ -5,6 +5,7 @@ device time, and the host-device syncs), cProfile over the same (the Python func
 the pdlab call site of every host-device sync of one step (torch.cuda.set_sync_debug_mode).
 
     python3 bench/gpu/prefill_profile.py --tokens 16,128,512,2048 --profile-tokens 128 --out DIR
+    python3 bench/gpu/prefill_profile.py --prefill-graph-tokens 0 ...   # every prefill step eager
 """
 
 from __future__ import annotations
@@ -74,15 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="16,128,512,2048")
     p.add_argument("--profile-tokens", type=int, default=128, help="0: the timings only")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--prefill-graph-tokens", type=int, default=None,
+                   help="cuda_graph_max_prefill_tokens (default: the runtime's; 0: eager prefill)")
     p.add_argument("--out", default="prefill_profile")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(x) for x in a.tokens.split(",")]
+    extra = {} if a.prefill_graph_tokens is None else {"cuda_graph_max_prefill_tokens": a.prefill_graph_tokens}
     llm = LLM(model_path=a.model_path, device="cuda", page_size=64, max_total_tokens=65536, max_context_len=8192,
-              max_running_requests=16, cuda_graph_bs=[1])
+              max_running_requests=16, cuda_graph_bs=[1], max_prefill_tokens=max(sizes),
+              chunked_prefill_size=max(sizes), **extra)
     warm = llm.scheduler.warmup()
     lines = [*llm.engine.describe(), f"warm-up: {warm}"]
-    for n in (int(x) for x in a.tokens.split(",")):
+    for n in sizes:
         ms = _prefill_ms(llm, n, a.reps)
         lines.append(f"prefill {n:6d} tokens: median {statistics.median(ms):8.2f} ms  min {min(ms):8.2f}  "
                      f"max {max(ms):8.2f}  ({a.reps} steps)")

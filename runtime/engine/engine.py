@@ -5,6 +5,7 @@ it never calls back into the scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -108,6 +109,8 @@ class Engine:
         self.page_table = PageTable(max_running_requests, max_pages, self.device)
         self.graphs = None
         self.graph_error: str | None = None
+        self.prefill_graphs = None
+        self.prefill_graph_error: str | None = None
         self.profile = ENV.step_profile and self.device.type == "cuda"
         self.last_gpu_ms = 0.0
         if use_graph:
@@ -124,6 +127,41 @@ class Engine:
                 except RuntimeError as sync_exc:  # a sticky error: nothing will run, say it at start
                     raise RuntimeError(f"CUDA graph capture failed ({self.graph_error}) and left the device "
                                        f"unusable ({sync_exc}); start with --disable-cuda-graph") from exc
+        n = self._prefill_graph_tokens(graph_capture)
+        if n:
+            from pdlab.runtime.engine.graph import PrefillGraphRunner, default_prefill_token_sizes
+
+            self.ensure_current_device()
+            try:
+                self.prefill_graphs = PrefillGraphRunner(self, default_prefill_token_sizes(n))
+            except Exception as exc:  # e.g. a dispatcher that syncs with the host: prefill eagerly, and say so
+                self.prefill_graph_error = f"{type(exc).__name__}: {exc}"
+                log.warning("prefill CUDA graph capture failed (%s); prefill runs eagerly", self.prefill_graph_error)
+                try:
+                    torch.cuda.synchronize(self.device)
+                except RuntimeError as sync_exc:
+                    raise RuntimeError(f"prefill CUDA graph capture failed ({self.prefill_graph_error}) and left the "
+                                       f"device unusable ({sync_exc}); start with --cuda-graph-max-prefill-tokens 0"
+                                       ) from exc
+
+    def _prefill_graph_tokens(self, graph_capture: bool | None) -> int:
+        """The largest prefill step (tokens) to capture graphs for: 0 off CUDA, with graphs disabled, on a decode
+        server (it runs no prefill), and at most the context."""
+        cfg = self.cfg
+        if self.device.type != "cuda" or cfg.disable_cuda_graph or graph_capture is False \
+                or getattr(cfg, "role", "colocated") == "decode":
+            return 0
+        return min(cfg.cuda_graph_max_prefill_tokens, self.page_table.max_pages * self.page_size)
+
+    @contextlib.contextmanager
+    def eager_prefill(self):
+        """Prefill steps inside run eagerly (the start-up warm-up: it compiles the kernels of the steps that do not
+        fit a prefill graph)."""
+        saved, self.prefill_graphs = self.prefill_graphs, None
+        try:
+            yield
+        finally:
+            self.prefill_graphs = saved
 
     # ---- sizes -------------------------------------------------------------------------------
     def _num_pages(self) -> int:
@@ -166,6 +204,8 @@ class Engine:
             p.ev0.record()
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
             logits = self.graphs.replay(reqs, input_ids)
+        elif not batch.is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            logits = self.prefill_graphs.replay(batch)
         else:
             ids, positions, ctx = self.prepare(batch, input_ids)
             logits = self.model.forward(ids, positions, ctx)
@@ -266,7 +306,12 @@ class Engine:
                  "cuda graphs: " + (f"batch sizes {self.graphs.batch_sizes}" if self.graphs else
                                     f"off (capture failed: {self.graph_error})" if self.graph_error else
                                     "off (prefill server: no decode steps)" if getattr(self.cfg, "role", "") == "prefill"
-                                    else "off (eager)")]
+                                    else "off (eager)"),
+                 "prefill cuda graphs: " + (f"{self.prefill_graphs.token_sizes} tokens, at most "
+                                            f"{self.prefill_graphs.max_seqs} sequences of {self.prefill_graphs.positions}"
+                                            " tokens" if self.prefill_graphs else
+                                            f"off (capture failed: {self.prefill_graph_error})"
+                                            if self.prefill_graph_error else "off (eager)")]
         lines += _with_model_choices(describe_ops(self.device), self.model)
         return lines
 

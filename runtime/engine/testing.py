@@ -3,7 +3,8 @@ testing the engine, scheduler, server and disaggregation without the real model.
 
 `ToyModel.forward(input_ids [T] int64, positions [T] int64, ctx) -> logits [B, V] fp32` writes each
 new token's latent row into every layer's paged pool (bf16/fp32, or fp8 bytes with ctx.kv_scale),
-then for each sequence attends from its last token over all rows read back through the block table.
+then for each sequence attends from its last token over all rows read back through the block table (an empty
+sequence, length 0, gets zero logits).
 Logits therefore depend on the whole token history as stored in the KV pool: a page lost, misplaced
 or corrupted by retraction, backup or transfer changes the output.
 """
@@ -60,6 +61,9 @@ class ToyModel:
         logits = []
         for b in range(B):
             n = int(ctx.seqlens[b])
+            if n == 0:  # an empty sequence (prefill-graph padding): no row to attend to
+                logits.append(torch.zeros(self.out.shape[1], device=self.device))
+                continue
             pages = ctx.block_table[b, : -(-n // ps)].long()
             q = None
             h = torch.zeros(LATENT, device=self.device)

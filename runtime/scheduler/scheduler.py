@@ -16,6 +16,7 @@ writes with `preallocate(req)` → `kv_ready(rid, first_token)` / `kv_failed(rid
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import os
@@ -212,20 +213,23 @@ class Scheduler:
         vocab = max(3, self.engine.vocab_size)
         steps = 2 if self.cfg.role == "colocated" else 1
         n_req = n_tok = 0
+        # eagerly: the prefill graphs compiled their kernels when captured, the eager steps that do not fit one have not
+        eager = getattr(self.engine, "eager_prefill", contextlib.nullcontext)
         try:
-            for group in self.warmup_batches():
-                for n in group:
-                    self.add_request(Req(filler_ids(n, vocab, salt=n),
-                                         SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))
-                    n_req, n_tok = n_req + 1, n_tok + n
-                while self.has_work and not errors:
-                    self.step()
-                if errors:
-                    for rid in list(self.by_rid):
-                        self.abort(rid, "warm-up failed")
-                    raise RuntimeError(f"the start-up warm-up (a {sum(group)}-token prefill batch) failed: {errors[0]}; "
-                                       "this server would fail the same way on requests (--no-warmup skips the "
-                                       "warm-up)")
+            with eager():
+                for group in self.warmup_batches():
+                    for n in group:
+                        self.add_request(Req(filler_ids(n, vocab, salt=n),
+                                             SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)))
+                        n_req, n_tok = n_req + 1, n_tok + n
+                    while self.has_work and not errors:
+                        self.step()
+                    if errors:
+                        for rid in list(self.by_rid):
+                            self.abort(rid, "warm-up failed")
+                        raise RuntimeError(f"the start-up warm-up (a {sum(group)}-token prefill batch) failed: "
+                                           f"{errors[0]}; this server would fail the same way on requests "
+                                           "(--no-warmup skips the warm-up)")
         finally:
             self.hooks, self.metrics, self.on_output = saved
             self._warming = False

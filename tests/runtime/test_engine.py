@@ -185,6 +185,65 @@ def test_graph_runner_buffers_and_padding_on_cpu(monkeypatch):
     assert [r["token_ids"] for r in res[0]] == [r["token_ids"] for r in res[1]]
 
 
+def test_prefill_graph_runner_padding_on_cpu(monkeypatch):
+    """Prefill graphs' static buffers, empty sequences and padding sequence, replayed eagerly: the same greedy tokens
+    as plain eager prefill, for whole prompts, several prompts in one step and the chunks of a chunked prompt (a
+    cached prefix); steps that do not fit (too many tokens, or a sequence longer than the graphs' positions) run
+    eagerly. Under PDLAB_CHECK_INVARIANTS the padding never touches a real page."""
+    from pdlab.runtime.engine.graph import PrefillGraphRunner
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    prompts = [[3 + i % 50 for i in range(n)] for n in (5, 17, 30, 2, 70)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    res, replays = [], []
+    for use_graph in (False, True):
+        m, tok, cfg = load_toy(max_position_embeddings=128)
+        llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=4, max_total_tokens=1024,
+                  max_context_len=128, max_running_requests=8, chunked_prefill_size=24, max_prefill_tokens=48)
+        if use_graph:
+            runner = llm.engine.prefill_graphs = PrefillGraphRunner(llm.engine, [8, 16, 48], capture=False)
+            assert (runner.max_seqs, runner.width, runner.positions) == (8, 12, 48)
+            real = runner.replay
+
+            def counted(batch):
+                replays.append((len(batch.reqs), sum(batch.extend_lens)))
+                return real(batch)
+
+            runner.replay = counted
+        res.append(llm.generate(prompts, sp))
+    assert [r["token_ids"] for r in res[0]] == [r["token_ids"] for r in res[1]]
+    assert replays and all(b <= 8 and t <= 48 for b, t in replays)
+    # the 70-token prompt is chunked (24 a step): its chunks past 48 positions ran eagerly
+    assert sum(t for _, t in replays) < sum(len(p) for p in prompts)
+    with pytest.raises(ValueError, match="exceed the context"):
+        PrefillGraphRunner(llm.engine, [256], capture=False)
+
+
+def test_prefill_graph_logits_match_eager_on_cpu():
+    """One prefill step of three prompts of the embedded DeepSeek-V3-shaped model through the padded graph path
+    (12 tokens padded to 16, five empty sequences, the padding routed through the MoE layers too) gives the logits
+    of the eager step. The experts run the fp32 reference: the bf16 grouped GEMM's rounding depends on how many
+    rows each expert holds, which the padding changes (up to 0.016 on logits of magnitude 12)."""
+    from pdlab.runtime.engine.graph import PrefillGraphRunner
+    llm = LLM(device="cpu", page_size=4, max_total_tokens=512, max_context_len=64, max_running_requests=8)
+    eng, vocab = llm.engine, llm.engine.vocab_size
+    for layer in eng.model.model.layers:
+        if layer.is_moe:
+            layer.mlp.moe.runners = {"normal": "torch"}
+    reqs = [Req([5 + i for i in range(n)], SamplingParams(max_tokens=1)) for n in (3, 4, 5)]
+    for r in reqs:
+        r.pages = eng.pool.allocate(2)
+    batch = Batch(reqs, [3, 4, 5], is_decode=False)
+    eng.page_table.sync(reqs)
+    ids, pos, ctx = eng.prepare(batch)
+    eager = eng.model.forward(ids, pos, ctx)
+    runner = PrefillGraphRunner(eng, [16], capture=False)
+    graph = runner.replay(batch)
+    assert graph.shape == eager.shape == (3, vocab)
+    torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+    assert runner.qo_indptr.tolist() == [0, 3, 7, 12, 12, 12, 12, 12, 12, 16]
+    assert runner.seqlens.tolist()[-1] == 4 and runner.slots.tolist()[12:] == [-1] * 4
+
+
 def test_a_failed_replan_runs_the_step_eagerly_not_a_stale_graph(monkeypatch, caplog):
     """A host-planned backend in a decode graph is re-planned before each replay with the step's host lengths
     (padding rows: one token). If that re-plan fails, the graph is not replayed (it would run a stale plan): the

@@ -32,6 +32,47 @@ def test_cuda_graph_decode_matches_eager():
     assert [x["token_ids"] for x in o] == [x["token_ids"] for x in e]
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, share: float = 0.02) -> bool:
+    """Every element of got within `share` of want's largest magnitude (bf16 kernels whose row blocking differs)."""
+    return float((got.float() - want.float()).abs().max()) <= share * float(want.float().abs().max())
+
+
+def test_prefill_graphs_match_eager_prefill():
+    """A prefill step of four prompts (62 tokens, padded to the 64-token graph) in the captured graph gives the eager
+    step's logits and writes the same KV rows; served generation runs its small prefill steps in the graphs. The
+    padding tokens change how many rows each expert's bf16 GEMM holds, so the match is within bf16 rounding."""
+    from pdlab.runtime.core import Batch, Req
+
+    llm = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8])
+    eng = llm.engine
+    assert eng.prefill_graphs is not None, eng.prefill_graph_error
+    assert eng.prefill_graphs.token_sizes == [16, 32, 64, 128, 256]
+    reqs = [Req(llm.codec.encode(p), SamplingParams(max_tokens=1)) for p in PROMPTS]
+    for r in reqs:
+        r.pages = eng.pool.allocate(1)
+    batch = Batch(reqs, [r.prompt_len for r in reqs], is_decode=False)
+    assert eng.prefill_graphs.can_run(batch) and 32 < sum(batch.extend_lens) <= 64
+    eng.page_table.sync(reqs)
+    ids, pos, ctx = eng.prepare(batch)
+    graph = eng.prefill_graphs.replay(batch).clone()
+    kv_graph = [c.view(-1, c.shape[-1])[ctx.slots].clone() for c in eng.pool.kv_caches]
+    for c in eng.pool.kv_caches:
+        c.view(-1, c.shape[-1])[ctx.slots] = 0  # the eager step must write them again
+    eager = eng.model.forward(ids, pos, ctx)
+    assert graph.shape == eager.shape == (4, eng.vocab_size) and _close(graph, eager)
+    for g, e in zip(kv_graph, (c.view(-1, c.shape[-1])[ctx.slots] for c in eng.pool.kv_caches)):
+        assert e.abs().max() > 0 and _close(g, e)
+    eng.pool.free([p for r in reqs for p in r.pages])
+    for r in reqs:
+        eng.page_table.release(r)
+
+    replays = []
+    real = eng.prefill_graphs.replay
+    eng.prefill_graphs.replay = lambda b: replays.append(sum(b.extend_lens)) or real(b)
+    out = llm.generate(PROMPTS, SP)
+    assert replays and all(len(o["token_ids"]) == 24 and o["error"] is None for o in out)
+
+
 def test_a_failed_graph_capture_serves_eagerly_and_leaves_the_process_usable(monkeypatch):
     # a decode step that syncs with the host cannot be captured: the engine serves eagerly (the same tokens), and
     # the failed capture leaves neither its capture stream current nor the CUDA generator in capture mode
