@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefill CUDA graphs on one GPU, ~5 minutes: the GPU tests of graph decode and prefill graphs (greedy tokens, logits
 # and KV rows against eager prefill, the sync-free local dispatch), then prefill step times of one prompt with the
-# graphs (the runtime's default, 256 tokens) and without (--prefill-graph-tokens 0): the tiny model, then DeepSeek-R1
+# graphs up to 256 tokens (--prefill-graph-tokens 256) and without (0, the runtime's default): the tiny model, then DeepSeek-R1
 # widths with 4 layers. Results in $OUT (default /tmp/pdlab_prefill_graphs): tests.txt, <model>_<tokens>/. Run from
 # the repository root after `pip install -e .`.
 set -u

@@ -5,7 +5,7 @@ device time, and the host-device syncs), cProfile over the same (the Python func
 the pdlab call site of every host-device sync of one step (torch.cuda.set_sync_debug_mode).
 
     python3 bench/gpu/prefill_profile.py --tokens 16,128,512,2048 --profile-tokens 128 --out DIR
-    python3 bench/gpu/prefill_profile.py --prefill-graph-tokens 0 ...   # every prefill step eager
+    python3 bench/gpu/prefill_profile.py --prefill-graph-tokens 256 ...   # prefill graphs up to 256 tokens
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-tokens", type=int, default=128, help="0: the timings only")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--prefill-graph-tokens", type=int, default=None,
-                   help="cuda_graph_max_prefill_tokens (default: the runtime's; 0: eager prefill)")
+                   help="cuda_graph_max_prefill_tokens (default: the runtime's, 0: eager prefill; e.g. 256)")
     p.add_argument("--out", default="prefill_profile")
     a = p.parse_args(argv)
     out = Path(a.out)

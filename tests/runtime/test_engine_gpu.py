@@ -43,7 +43,7 @@ def test_prefill_graphs_match_eager_prefill():
     padding tokens change how many rows each expert's bf16 GEMM holds, so the match is within bf16 rounding."""
     from pdlab.runtime.core import Batch, Req
 
-    llm = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8])
+    llm = served_llm(max_total_tokens=8192, cuda_graph_bs=[1, 2, 4, 8], cuda_graph_max_prefill_tokens=256)
     eng = llm.engine
     assert eng.prefill_graphs is not None, eng.prefill_graph_error
     assert eng.prefill_graphs.token_sizes == [16, 32, 64, 128, 256]
