@@ -36,9 +36,8 @@ class EngineConfig(BaseModel):
     disable_cuda_graph: bool = Field(False, description="run decode eagerly on CUDA")
     cuda_graph_bs: list[int] | None = Field(None, description="decode batch sizes to capture (default 1,2,4,8,16,24,32,...)")
     cuda_graph_max_prefill_tokens: int = Field(
-        0, ge=0, description="prefill steps of at most this many tokens (e.g. 256), over at most 8 sequences each at "
-                             "most this long, replay CUDA graphs captured at 16, 32, … tokens; 0 (default) = eager "
-                             "prefill")
+        256, ge=0, description="prefill steps of at most this many tokens, over at most 8 sequences each at most "
+                               "this long, replay CUDA graphs captured at 16, 32, … tokens; 0 = eager prefill")
     kv_backup_chunk_pages: int = Field(256, ge=1, description="pages per chunk of a KV backup copy")
     moe_weights_layout: Literal["auto", "fragment", "tiled", "modelopt"] = Field(
         "auto", description="how NVFP4 experts are stored, converted in place at load (auto: fragment order where the "
