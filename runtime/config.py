@@ -33,7 +33,7 @@ class EngineConfig(BaseModel):
     max_total_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (overrides --mem-fraction-static)")
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="share of free device memory for the KV pool")
     max_context_len: int | None = Field(None, ge=2, description="longest prompt+output (default: the model's)")
-    disable_cuda_graph: bool = Field(False, description="run decode eagerly on CUDA")
+    disable_cuda_graph: bool = Field(False, description="run decode and prefill eagerly on CUDA (no CUDA graphs)")
     cuda_graph_bs: list[int] | None = Field(None, description="decode batch sizes to capture (default 1,2,4,8,16,24,32,...)")
     cuda_graph_max_prefill_tokens: int = Field(
         256, ge=0, description="prefill steps of at most this many tokens, over at most 8 sequences each at most "
