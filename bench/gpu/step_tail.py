@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             total = [s["schedule_ms"] + s["forward_ms"] + s["process_ms"] for s in mine if s["kind"] == kind]
             if fw:
                 grew = sum(s["grew"] for s in mine if s["kind"] == kind)
-                print(f"  {kind:7s} {len(fw):5d} steps  allocator grew {grew:5d} MiB  forward ms p50 {_pct(fw, .5):8.2f}  p99 {_pct(fw, .99):8.2f}  "
-                      f"max {max(fw):8.2f}  step total max {max(total):8.2f}")
+                print(f"  {kind:7s} {len(fw):5d} steps  allocator grew {grew:5d} MiB  forward ms p50 "
+                      f"{_pct(fw, .5):8.2f}  p99 {_pct(fw, .99):8.2f}  max {max(fw):8.2f}  step total max "
+                      f"{max(total):8.2f}")
         print(f"  slowest {a.top} (t from the run's start):")
         for s in sorted(mine, key=lambda s: -s["forward_ms"])[:a.top]:
             new = "" if s["kind"] == "decode" else ("  seen" if s["tokens"] in seen else "  NEW token count")

@@ -307,13 +307,15 @@ class Engine:
                                     f"off (capture failed: {self.graph_error})" if self.graph_error else
                                     "off (prefill server: no decode steps)" if getattr(self.cfg, "role", "") == "prefill"
                                     else "off (eager)"),
-                 "prefill cuda graphs: " + (f"{self.prefill_graphs.token_sizes} tokens, at most "
-                                            f"{self.prefill_graphs.max_seqs} sequences of {self.prefill_graphs.positions}"
-                                            " tokens" if self.prefill_graphs else
-                                            f"off (capture failed: {self.prefill_graph_error})"
-                                            if self.prefill_graph_error else "off (eager)")]
+                 "prefill cuda graphs: " + self._prefill_graph_line()]
         lines += _with_model_choices(describe_ops(self.device), self.model)
         return lines
+
+    def _prefill_graph_line(self) -> str:
+        g = self.prefill_graphs
+        if g is not None:
+            return f"{g.token_sizes} tokens, at most {g.max_seqs} sequences of {g.positions} tokens"
+        return f"off (capture failed: {self.prefill_graph_error})" if self.prefill_graph_error else "off (eager)"
 
 
 def _first_moe(model):

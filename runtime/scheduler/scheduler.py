@@ -330,8 +330,8 @@ class Scheduler:
 
     def _record_step(self) -> None:
         """Hand the step that just produced outputs (`last_step`) to the metrics (step-time histograms) and to the
-        PDLAB_STEP_LOG file (with the allocator's reserved MiB on CUDA). An overlapped decode step is recorded when it is collected: its forward_ms is the wait
-        for the GPU, its schedule_ms includes launching the next step."""
+        PDLAB_STEP_LOG file (with the allocator's reserved MiB on CUDA). An overlapped decode step is recorded when
+        it is collected: its forward_ms is the wait for the GPU, its schedule_ms includes launching the next step."""
         st = self.last_step
         if self.metrics is not None:
             self.metrics.on_step(st["decode"], (st["schedule_ms"] + st["forward_ms"] + st["process_ms"]) / 1e3)

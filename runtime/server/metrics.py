@@ -1,6 +1,6 @@
 """Prometheus text metrics of one server: queue and running requests, KV usage, retractions,
-TTFT / TPOT / ITL / E2E histograms, prefill and decode step times, tokens served. Observed from the engine loop thread (the
-scheduler calls on_token / on_finish / on_retract), rendered from the HTTP thread."""
+TTFT / TPOT / ITL / E2E histograms, prefill and decode step times, tokens served. Observed from the engine loop
+thread (the scheduler calls on_token / on_finish / on_retract / on_step), rendered from the HTTP thread."""
 
 from __future__ import annotations
 
