@@ -45,10 +45,13 @@ def _prefill_ms(llm, n: int, reps: int) -> list[float]:
 
 def _sync_sites(llm, n: int) -> list[str]:
     """The pdlab frames (file:line function) under each host-device sync of one prefill step of n tokens."""
+    import pdlab
+
     sites: Counter = Counter()
+    root = str(Path(pdlab.__file__).resolve().parent)  # the package's own files, wherever it is installed
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/pdlab/" in f.filename or "/work/" in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-1] if str(Path(f.filename).resolve()).startswith(root)]
         frames = [f for f in frames if "prefill_profile" not in f.filename][-3:]
         sites[" < ".join(f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
                          for f in reversed(frames))] += 1
