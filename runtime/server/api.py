@@ -10,6 +10,7 @@ disconnects mid-request aborts it, which frees its KV pages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -231,6 +232,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
 
     # ---- shared machinery ------------------------------------------------------------------------
     def _start(ids: list[int], sp: SamplingParams, rid: str | None = None) -> tuple[Req, asyncio.Queue]:
+        if app.state.draining:
+            raise ApiError(503, "server is shutting down: it takes no new requests; retry on another server",
+                           type_="service_unavailable")
         if len(inflight) >= max_queue:
             raise ApiError(503, f"server busy: {len(inflight)} requests in flight (max_queue {max_queue}); retry later",
                            type_="server_busy")
@@ -264,6 +268,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         outs: list[StepOutput] = []
         gen = _outputs(req, q)
         watch = asyncio.ensure_future(_disconnected(request))
+        nxt: asyncio.Future = watch
         try:
             while True:
                 nxt = asyncio.ensure_future(gen.__anext__())
@@ -280,6 +285,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     break
         finally:
             watch.cancel()
+            if not nxt.done():  # cancelled while waiting (the server stopping): the generator is still running
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
             await gen.aclose()
         final = outs[-1]
         if final.error and not final.token_ids and final.completion_tokens == 0:
@@ -461,6 +470,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         ids_out = [t for o in outs for t in o.token_ids]
         return {"text": "".join(o.text for o in outs), "output_ids": ids_out, "meta_info": meta(final, len(ids_out))}
 
+    def abort_inflight(reason: str, status: int) -> None:
+        """End every request in flight with `reason` (HTTP `status` for its client): the server is stopping."""
+        for rid in list(inflight):
+            loop.abort(rid, reason, status)
+
     app.state.loop = loop
     app.state.inflight = inflight
+    app.state.draining = False  # set when the server stops: new requests get a 503
+    app.state.abort_inflight = abort_inflight
     return app
