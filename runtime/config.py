@@ -117,6 +117,8 @@ class ServerConfig(SchedulerConfig):
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY'")
     served_model_name: str = Field("pdlab", min_length=1, description="model id reported by /v1/models")
     max_queue: int = Field(4096, ge=1, description="requests waiting before new ones get 503")
+    shutdown_timeout: float = Field(10.0, ge=0, description="seconds the requests in flight get to finish when the "
+                                    "server stops (Ctrl-C, SIGTERM); those still running then end with a 503")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     warmup: bool = Field(True, description="on CUDA, before serving: prefill batches of 1, 2, 4, … tokens up to "
                          "max_prefill_tokens, so that kernels compile at start-up instead of stalling the first "

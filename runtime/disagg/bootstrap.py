@@ -81,13 +81,13 @@ class RoleLoop:
             req.rid = pd.transfer_id
             self._role.submit(req, pd.transfer_id, sink)
 
-    def abort(self, rid: str, reason: str = "aborted") -> None:
+    def abort(self, rid: str, reason: str = "aborted", error_status: int = 400) -> None:
         if isinstance(self._role, DecodeRole):
             self._role.abort(rid, reason)  # falls back to a plain abort for untagged requests
         elif rid in self._role.records:
             self._role.abort(rid, reason)
         else:
-            self._loop.abort(rid, reason)
+            self._loop.abort(rid, reason, error_status)
 
 
 def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:

@@ -51,7 +51,7 @@ class DisaggLLM:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  timeout: float = 120.0, prefill: list[str] | None = None) -> list[dict]:
-        """Like `LLM.generate`: per prompt {token_ids, text, finish_reason, error, num_retractions,
+        """Like `LLM.generate`: per prompt {token_ids, text, logprobs, finish_reason, error, num_retractions,
         transfer_id}. `prefill`: per prompt the prefill address in `self.link` (default "prefill-0")."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -60,7 +60,7 @@ class DisaggLLM:
         for p, sp, addr in zip(prompts, plist, addrs):
             ids = self.decode.codec.encode(p) if isinstance(p, str) else list(p)
             tid = f"t-{uuid.uuid4().hex[:12]}"
-            res = results[tid] = {"text": "", "token_ids": [], "finish_reason": None, "error": None,
+            res = results[tid] = {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "error": None,
                                   "transfer_id": tid}
             req = Req(ids, sp, rid=tid)
             reqs.append(req)
@@ -89,6 +89,7 @@ class DisaggLLM:
 def _collect(res: dict, out: StepOutput) -> None:
     res["token_ids"] += out.token_ids
     res["text"] += out.text
+    res["logprobs"] += out.logprobs
     if out.finished:
         res["finish_reason"] = out.finish_reason.value if out.finish_reason else None
         res["error"] = out.error

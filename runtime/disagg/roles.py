@@ -67,6 +67,7 @@ class Record:
     sink: Callable[[StepOutput], None] | None = None
     error: str = ""
     first_token: int | None = None
+    first_logprob: Any = None  # (logprob, [(id, logprob), ...]) of the first token when the request asks for them
     abort_requested: bool = False
     done_event: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
@@ -235,6 +236,7 @@ class PrefillRole(RoleHooks):
         if rec is None:
             return False  # a plain request on a prefill server: the scheduler finishes it
         rec.first_token = req.output_ids[0]
+        rec.first_logprob = req.output_logprobs[0] if req.output_logprobs else None
         return True  # parked with its pages until release()
 
     def poll(self, sched) -> None:
@@ -265,7 +267,7 @@ class PrefillRole(RoleHooks):
             self.transfer.notify(peer, {"transfer_id": rec.transfer_id, "event": "transferring"})
             rec.handle = self.transfer.send_pages(
                 peer, rec.transfer_id, rec.req.pages, rec.dst_pages, rec.req.prompt_len,
-                notify={"event": "done", "first_token": rec.first_token})
+                notify={"event": "done", "first_token": rec.first_token, "first_logprob": rec.first_logprob})
         except (KVTransferError, ValueError) as e:
             self._fail(sched, rec, f"KV transfer could not start: {e}")
             return
@@ -440,8 +442,10 @@ class DecodeRole(RoleHooks):
                 self._finish_failed(sched, rec, rec.error)
                 return
             rec.first_token = int(msg["first_token"])
+            lp = msg.get("first_logprob")  # through JSON: lists for tuples
+            lp = (float(lp[0]), [(int(i), float(v)) for i, v in lp[1]]) if lp is not None else None
             self.metrics.move(rec, State.DECODING, f"first token {rec.first_token}")
-            sched.kv_ready(rec.transfer_id, rec.first_token)  # may finish at once (EOS, max_tokens=1)
+            sched.kv_ready(rec.transfer_id, rec.first_token, lp)  # may finish at once (EOS, max_tokens=1)
         elif event == "failed":
             self._finish_failed(sched, rec, rec.error if rec.abort_requested else
                                 f"prefill failed: {msg.get('error', 'unknown error')}")

@@ -39,8 +39,9 @@ class EngineLoop:
         self.scheduler.validate(req)
         self._inbox.put(("add", req, sink))
 
-    def abort(self, rid: str, reason: str = "aborted") -> None:
-        self._inbox.put(("abort", rid, reason))
+    def abort(self, rid: str, reason: str = "aborted", error_status: int = 400) -> None:
+        """Stop request `rid` in the loop thread; `error_status`: the HTTP status its client gets for `reason`."""
+        self._inbox.put(("abort", rid, (reason, error_status)))
 
     def add_sink(self, rid: str, sink: Sink) -> None:
         """Route the outputs of `rid` to `sink` for a request added another way (role hooks,
@@ -106,7 +107,7 @@ class EngineLoop:
             except ValueError as exc:
                 self._dispatch(StepOutput(a.rid, [], "", True, FinishReason.ERROR, error=str(exc)))
         elif kind == "abort":
-            self.scheduler.abort(a, b)
+            self.scheduler.abort(a, b[0], error_status=b[1])
         elif kind == "call":
             a(self.scheduler)
 
@@ -117,6 +118,8 @@ class EngineLoop:
                 sink(out)
             except Exception:
                 log.exception("output sink of %s failed", out.rid)
+                if not out.finished:  # nobody receives its outputs any more (e.g. its HTTP event loop closed)
+                    self.scheduler.abort(out.rid, "its output sink failed", error_status=500)
 
 
 class LLM:

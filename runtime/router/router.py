@@ -34,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("pdlab.router")
 
@@ -230,7 +231,8 @@ class Router:
                 finished = True
             except httpx.HTTPError as e:
                 d.errors += 1
-                msg = json.dumps({"error": {"message": f"decode server broke off: {e}", "type": "bad_gateway"}})
+                msg = json.dumps({"error": {"message": f"decode server broke off: {e}", "type": "bad_gateway",
+                                            "param": None, "code": 502}})
                 yield f"data: {msg}\n\n".encode()
                 finished = True
             finally:
@@ -298,6 +300,21 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdlab router", lifespan=lifespan)
     app.state.router = router
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # an unknown route or method: the servers' OpenAI error shape, not FastAPI's {"detail": ...}
+        if exc.status_code == 404:
+            return _error(404, f"no route {request.url.path}; this router serves /v1/completions, "
+                          "/v1/chat/completions, /generate, /v1/models, /health, /metrics, /router/backends",
+                          "not_found_error")
+        if exc.status_code == 405:
+            allowed = exc.headers.get("Allow", "") if exc.headers else ""
+            return _error(405, f"method {request.method} not allowed on {request.url.path}"
+                          + (f"; use {allowed}" if allowed else ""), "invalid_request_error",
+                          headers=exc.headers)
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                      else "server_error", headers=exc.headers)
+
     for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
         async def handler(request: Request, _path=path):
             return await router.forward(request, _path)
@@ -332,8 +349,10 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
     return app
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The OpenAI error body the servers send: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status, headers=dict(headers) if headers else None)
 
 
 def _why(group: list[Backend]) -> str:

@@ -92,7 +92,8 @@ class Scheduler:
         if req.prompt_len >= self.max_context_len:
             raise ValueError(f"the prompt has {req.prompt_len} tokens; this server's context is "
                              f"{self.max_context_len} tokens (prompt + output); shorten the prompt")
-        if req.prompt_len + req.params.max_tokens > self.max_context_len:
+        if self.cfg.role != "prefill" and req.prompt_len + req.params.max_tokens > self.max_context_len:
+            # (a prefill server samples one token per request: the prompt's check above is its whole limit)
             raise ValueError(f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
                              f"the context of {self.max_context_len} tokens; lower max_tokens to at most "
                              f"{self.max_context_len - req.prompt_len}")
@@ -138,8 +139,10 @@ class Scheduler:
         self.parked[req.rid] = req
         return req.pages
 
-    def kv_ready(self, rid: str, first_token: int) -> None:
-        """Decode role: the prompt KV of a preallocated request is in its pages; continue decoding."""
+    def kv_ready(self, rid: str, first_token: int, first_logprob=None) -> None:
+        """Decode role: the prompt KV of a preallocated request is in its pages; continue decoding.
+        first_logprob: (logprob, [(id, logprob), ...]) of the first token, sampled by the prefill server, when the
+        request asks for logprobs."""
         req = self.parked.pop(rid, None)
         if req is None or req.status != ReqStatus.WAITING_FOR_KV:
             return  # aborted (client gone) while its KV was in flight: nothing to continue
@@ -147,7 +150,7 @@ class Scheduler:
         req.admitted_at = self.num_admitted
         self.num_admitted += 1
         req.status = ReqStatus.RUNNING
-        self._append_token(req, first_token, None)
+        self._append_token(req, first_token, first_logprob if req.params.logprobs is not None else None)
         if not req.finished:
             self.decode.add(req)
 
@@ -451,7 +454,9 @@ class Scheduler:
         if r.first_token_time is None:
             r.first_token_time = now
         r.last_token_time = now
-        text, finish = process_token(r, int(tok), self.codec, self.max_context_len)
+        # a prefill server never runs a step after the first token, so that token may take the last position
+        ctx = self.max_context_len + (self.cfg.role == "prefill")
+        text, finish = process_token(r, int(tok), self.codec, ctx)
         if finish is not None:
             self._finish(r, finish, text=text, new_ids=[int(tok)], new_lps=[lp] if lp is not None else [])
         else:

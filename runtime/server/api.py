@@ -10,6 +10,7 @@ disconnects mid-request aborts it, which frees its KV pages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -146,6 +147,15 @@ def _union_field(loc: list[str]) -> int | None:
     return None
 
 
+def _not_an_object(body: Any) -> str:
+    """The 400 message for a request body that parsed to something other than a JSON object."""
+    if isinstance(body, (bytes, bytearray)):  # a body FastAPI did not parse (no JSON content type)
+        return "the request body was not read as JSON: send a JSON object with 'Content-Type: application/json'"
+    kinds = {list: "an array", type(None): "null", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return f"the request body must be a JSON object, got {kinds.get(type(body), type(body).__name__)}"
+
+
 def _error_type(status: int) -> str:
     """The OpenAI-style error type of an HTTP status: the request's fault, or the server's side."""
     return {500: "server_error", 502: "bad_gateway", 503: "service_unavailable"}.get(
@@ -180,15 +190,21 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = first.get("msg", "invalid request")
+        kind = first.get("type")
         u = _union_field(loc)
-        if u is not None:  # one problem however many of the field's types pydantic tried
+        if kind == "json_invalid":  # loc holds the character offset, which is no field
+            where = f" at character {loc[0]}" if loc else ""
+            msg, loc = f"malformed JSON body{where}: {first.get('ctx', {}).get('error', msg)}", []
+        elif not loc and kind == "missing":
+            msg = "the request body is empty; send a JSON object (Content-Type: application/json)"
+        elif not loc and kind in ("model_attributes_type", "dict_type"):
+            msg = _not_an_object(first.get("input"))
+        elif u is not None:  # one problem however many of the field's types pydantic tried
             loc = loc[:u + 1]
             errs = [first] + [e for e in errs if [str(x) for x in e.get("loc", ()) if x != "body"][:u + 1] != loc]
             msg = f"{'.'.join(loc)}: {_UNION_FIELDS[loc[-1]]}"
-        elif first.get("type") == "extra_forbidden":
+        elif kind == "extra_forbidden":
             msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
-        elif first.get("type") == "json_invalid":
-            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}"
         elif loc:
             msg = f"{'.'.join(loc)}: {msg}"
         if len(errs) > 1:
@@ -231,6 +247,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
 
     # ---- shared machinery ------------------------------------------------------------------------
     def _start(ids: list[int], sp: SamplingParams, rid: str | None = None) -> tuple[Req, asyncio.Queue]:
+        if app.state.draining:
+            raise ApiError(503, "server is shutting down: it takes no new requests; retry on another server",
+                           type_="service_unavailable")
         if len(inflight) >= max_queue:
             raise ApiError(503, f"server busy: {len(inflight)} requests in flight (max_queue {max_queue}); retry later",
                            type_="server_busy")
@@ -264,6 +283,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         outs: list[StepOutput] = []
         gen = _outputs(req, q)
         watch = asyncio.ensure_future(_disconnected(request))
+        nxt: asyncio.Future = watch
         try:
             while True:
                 nxt = asyncio.ensure_future(gen.__anext__())
@@ -280,6 +300,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     break
         finally:
             watch.cancel()
+            if not nxt.done():  # cancelled while waiting (the server stopping): the generator is still running
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
             await gen.aclose()
         final = outs[-1]
         if final.error and not final.token_ids and final.completion_tokens == 0:
@@ -461,6 +485,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         ids_out = [t for o in outs for t in o.token_ids]
         return {"text": "".join(o.text for o in outs), "output_ids": ids_out, "meta_info": meta(final, len(ids_out))}
 
+    def abort_inflight(reason: str, status: int) -> None:
+        """End every request in flight with `reason` (HTTP `status` for its client): the server is stopping."""
+        for rid in list(inflight):
+            loop.abort(rid, reason, status)
+
     app.state.loop = loop
     app.state.inflight = inflight
+    app.state.draining = False  # set when the server stops: new requests get a 503
+    app.state.abort_inflight = abort_inflight
     return app

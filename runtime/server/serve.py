@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -91,7 +92,25 @@ class Server:
             time.sleep(0.02)
         return self.port
 
-    def stop(self) -> None:
+    def stop(self, shutdown_timeout: float | None = None) -> None:
+        """Stop serving. New requests get a 503 at once; the requests in flight get `shutdown_timeout` seconds
+        (default: the config's) to finish, then those left end with a 503 that their clients receive (an error
+        event and [DONE] in a stream); then the HTTP server and the engine loop stop."""
+        grace = self.cfg.shutdown_timeout if shutdown_timeout is None else shutdown_timeout
+        state = self.app.state
+        if self._thread is not None and self._thread.is_alive() and getattr(state, "inflight", None) is not None:
+            state.draining = True
+            deadline = time.monotonic() + grace
+            while state.inflight and time.monotonic() < deadline and self.loop._thread is not None \
+                    and self.loop._thread.is_alive():
+                time.sleep(0.02)
+            if state.inflight:
+                log.warning("shutting down: %d request(s) still in flight after %.1f s get a 503",
+                            len(state.inflight), grace)
+                state.abort_inflight("server is shutting down; retry the request on another server", 503)
+                deadline = time.monotonic() + 5.0  # their handlers send the error, then the connections close
+                while state.inflight and time.monotonic() < deadline:
+                    time.sleep(0.02)
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
         if self._thread is not None:
@@ -99,16 +118,32 @@ class Server:
         self.loop.stop()
 
     def serve_forever(self) -> None:
+        """Serve until Ctrl-C or SIGTERM, then stop gracefully (`stop`)."""
         port = self.start()
         print(f"serving on http://{self.cfg.host}:{port} (OpenAI API under /v1, /generate, /health, /metrics)",
               flush=True)
+        old = None
+        if threading.current_thread() is threading.main_thread():  # SIGTERM (docker stop, kill) as Ctrl-C
+
+            def _on_term(*_):
+                raise KeyboardInterrupt
+
+            old = signal.signal(signal.SIGTERM, _on_term)
         try:
+            # sleep, not join: on Python 3.11 a KeyboardInterrupt inside Thread.join marks the (still running) HTTP
+            # thread as stopped, so stop() would skip the drain and the process exit under the open connections
             while self._thread.is_alive():
-                self._thread.join(0.5)
+                time.sleep(0.2)
         except KeyboardInterrupt:
-            pass
+            print(f"stopping: requests in flight get up to {self.cfg.shutdown_timeout:g} s to finish", flush=True)
         finally:
-            self.stop()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
+            try:
+                self.stop()
+            finally:
+                if old is not None:
+                    signal.signal(signal.SIGTERM, old)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run(args: argparse.Namespace) -> int:
