@@ -95,22 +95,20 @@ class Server:
     def stop(self, shutdown_timeout: float | None = None) -> None:
         """Stop serving. New requests get a 503 at once; the requests in flight get `shutdown_timeout` seconds
         (default: the config's) to finish, then those left end with a 503 that their clients receive (an error
-        event and [DONE] in a stream); then the HTTP server and the engine loop stop."""
+        event and [DONE] in a stream); then the HTTP server and the engine loop stop. A Ctrl-C during the wait
+        ends it: the requests left get their 503 at once."""
         grace = self.cfg.shutdown_timeout if shutdown_timeout is None else shutdown_timeout
         state = self.app.state
         if self._thread is not None and self._thread.is_alive() and getattr(state, "inflight", None) is not None:
             state.draining = True
-            deadline = time.monotonic() + grace
-            while state.inflight and time.monotonic() < deadline and self.loop._thread is not None \
-                    and self.loop._thread.is_alive():
-                time.sleep(0.02)
+            if not _wait_while(lambda: state.inflight and self.loop._thread is not None
+                               and self.loop._thread.is_alive(), grace):
+                log.warning("shutting down: interrupted; the requests in flight end now")
             if state.inflight:
-                log.warning("shutting down: %d request(s) still in flight after %.1f s get a 503",
-                            len(state.inflight), grace)
+                log.warning("shutting down: %d request(s) still in flight get a 503", len(state.inflight))
                 state.abort_inflight("server is shutting down; retry the request on another server", 503)
-                deadline = time.monotonic() + 5.0  # their handlers send the error, then the connections close
-                while state.inflight and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                # their handlers send the error, then the connections close
+                _wait_while(lambda: state.inflight, 5.0)
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
         if self._thread is not None:
@@ -135,15 +133,26 @@ class Server:
             while self._thread.is_alive():
                 time.sleep(0.2)
         except KeyboardInterrupt:
-            print(f"stopping: requests in flight get up to {self.cfg.shutdown_timeout:g} s to finish", flush=True)
+            print(f"stopping: requests in flight get up to {self.cfg.shutdown_timeout:g} s to finish "
+                  "(Ctrl-C again ends them now)", flush=True)
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
             try:
                 self.stop()
             finally:
                 if old is not None:
                     signal.signal(signal.SIGTERM, old)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _wait_while(busy, seconds: float) -> bool:
+    """Poll `busy()` every 20 ms for up to `seconds`; False when a KeyboardInterrupt (a second Ctrl-C, or SIGTERM
+    while stopping) cut the wait short."""
+    deadline = time.monotonic() + seconds
+    try:
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:

@@ -99,7 +99,7 @@ _CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     m, tok, cfg = load_toy(max_position_embeddings=CTX)
     sc = build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048, max_context_len=CTX,
-                      shutdown_timeout=0.5)
+                      shutdown_timeout={grace})
     srv = Server(sc, model=SlowToy(cfg), tokenizer=tok, model_config=cfg)
     srv.start = (lambda start: lambda: print("PORT", start(), flush=True))(srv.start)
     srv.serve_forever()
@@ -107,10 +107,11 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigterm_stops_a_server_gracefully():
-    """`runtime serve` under SIGTERM (docker stop, systemd, kill): the stream in flight ends with a 503 error event
-    and [DONE] instead of a cut connection, and the process exits cleanly."""
-    code = _CHILD.format(tests=os.path.dirname(__file__))
+def _stream_until_stopped(grace: float, signals: int) -> tuple[list[str], float, subprocess.Popen, str]:
+    """Start `runtime serve`'s loop in a child with shutdown_timeout `grace`, read 3 events of a long stream, send
+    SIGTERM `signals` times 0.5 s apart; returns the stream's data events, the seconds from the first signal to the
+    stream's end, the child and its output."""
+    code = _CHILD.format(tests=os.path.dirname(__file__), grace=grace)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port = None
@@ -121,20 +122,41 @@ def test_sigterm_stops_a_server_gracefully():
                 port = int(line.split()[1])
         assert port, "child server did not start"
         body = {"prompt": "go on", "max_tokens": 240, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
             with c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(3)]
-                proc.send_signal(signal.SIGTERM)
+                t0 = time.time()
+                for i in range(signals):
+                    if i:
+                        time.sleep(0.5)
+                    proc.send_signal(signal.SIGTERM)
                 got += list(lines)
-        ev = [g[6:] for g in got if g.startswith("data: ")]
-        assert ev[-1] == "[DONE]", ev[-3:]
-        assert json.loads(ev[-2])["error"]["code"] == 503
+                took = time.time() - t0
         out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0, out
-        assert "CLEAN EXIT" in out, out
+        return [g[6:] for g in got if g.startswith("data: ")], took, proc, out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
+
+def test_sigterm_stops_a_server_gracefully():
+    """`runtime serve` under SIGTERM (docker stop, systemd, kill): the stream in flight ends with a 503 error event
+    and [DONE] instead of a cut connection, and the process exits cleanly."""
+    ev, _, proc, out = _stream_until_stopped(0.5, 1)
+    assert ev[-1] == "[DONE]", ev[-3:]
+    assert json.loads(ev[-2])["error"]["code"] == 503
+    assert proc.returncode == 0, out
+    assert "CLEAN EXIT" in out, out
+
+
+def test_a_second_signal_ends_the_drain_at_once():
+    """A second Ctrl-C / SIGTERM while the server drains ends the wait: the stream gets its 503 then, not after the
+    60 s grace period."""
+    ev, took, proc, out = _stream_until_stopped(60.0, 2)
+    assert ev[-1] == "[DONE]", ev[-3:]
+    assert json.loads(ev[-2])["error"]["code"] == 503
+    assert took < 30, took
+    assert proc.returncode == 0, out
+    assert "interrupted" in out, out
