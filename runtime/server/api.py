@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -166,6 +167,13 @@ def error_body(status: int, message: str, param: str | None = None, type_: str =
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
+def bearer_matches(header: str, api_key: str) -> bool:
+    """Whether an Authorization header carries `api_key` as a bearer token: the scheme is case-insensitive
+    (RFC 7235), the key is compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 # ---- the app -------------------------------------------------------------------------------------
 def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetrics, *, model_name: str = "pdlab",
                api_key: str | None = None, max_queue: int = 4096, max_context_len: int | None = None,
@@ -175,7 +183,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     async def _auth(request: Request) -> None:
         # a dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from handlers
         if api_key and request.url.path not in ("/health", "/metrics"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            if not bearer_matches(request.headers.get("authorization", ""), api_key):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                type_="authentication_error")
 

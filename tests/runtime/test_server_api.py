@@ -262,6 +262,9 @@ def test_api_key():
             assert c.get("/v1/models").status_code == 401
             assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
             assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+            assert c.get("/v1/models", headers={"Authorization": "bearer sekret"}).status_code == 200
+            for bad in ("sekret", "Basic sekret", "Bearer sekret2", "Bearer", "Bearersekret"):
+                assert c.get("/v1/models", headers={"Authorization": bad}).status_code == 401, bad
             assert c.get("/health").status_code == 200
     finally:
         srv.stop()
