@@ -18,7 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdlab.runtime.disagg.roles import DecodeRole, PrefillRole
+from pdlab.runtime.disagg.roles import DecodeRole, PrefillRole, TransferFailed
 
 log = logging.getLogger("pdlab.disagg")
 
@@ -100,9 +100,13 @@ def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
             return JSONResponse({"error": {"message": "this is not a prefill server"}}, status_code=400)
         try:
             body = await request.json()
-            role.on_pages(str(body["transfer_id"]), dict(body["decode_meta"]), [int(p) for p in body["pages"]])
+            tid, meta, ids = str(body["transfer_id"]), dict(body["decode_meta"]), [int(p) for p in body["pages"]]
         except (KeyError, TypeError, ValueError) as e:
             return JSONResponse({"error": {"message": f"bad /disagg/pages body: {e}"}}, status_code=400)
+        try:
+            role.on_pages(tid, meta, ids)
+        except TransferFailed as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=409)
         return {"ok": True}
 
     @app.post("/disagg/abort")
@@ -110,9 +114,16 @@ def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
         try:
             body = await request.json()
             tid, why = str(body["transfer_id"]), str(body.get("reason", "aborted"))
+            refused = body.get("refused_status")  # the router: the prefill server refused the request (a 4xx)
+            refused = int(refused) if refused is not None else None
+            if refused is not None and not 400 <= refused < 500:
+                raise ValueError(f"refused_status {refused} is not a 4xx status")
         except (KeyError, TypeError, ValueError) as e:
             return JSONResponse({"error": {"message": f"bad /disagg/abort body: {e}"}}, status_code=400)
-        role.abort(tid, why)
+        if refused is not None and isinstance(role, DecodeRole):
+            role.abort(tid, why, refused_status=refused)
+        else:
+            role.abort(tid, why)
         return {"ok": True}
 
     @app.get("/disagg/state")

@@ -125,6 +125,10 @@ class RoleMetrics:
         return "\n".join(lines) + "\n"
 
 
+class TransferFailed(Exception):
+    """The prefill server already failed this transfer (e.g. it refused the request): pages for it are refused."""
+
+
 class PeerLink(Protocol):
     """Decode → prefill control messages (HTTP between servers; a direct call in tests)."""
 
@@ -185,9 +189,12 @@ class PrefillRole(RoleHooks):
         return rec
 
     def on_pages(self, transfer_id: str, decode_meta: dict, pages: list[int]) -> None:
-        """The decode side's pre-allocated page ids (and its pool metadata) for transfer_id."""
+        """The decode side's pre-allocated page ids (and its pool metadata) for transfer_id. TransferFailed when
+        this server failed the transfer already (the decode side then fails it too, instead of waiting for KV)."""
         with self._lock:
             rec = self.records.get(transfer_id)
+            if rec is not None and rec.state is State.FAILED:
+                raise TransferFailed(f"transfer {transfer_id} failed on the prefill server: {rec.error}")
             if rec is None:
                 rec = self.records[transfer_id] = Record(transfer_id)
                 self.metrics.move(rec, State.BOOTSTRAPPING, "pages arrived before the request")
@@ -343,6 +350,9 @@ class DecodeRole(RoleHooks):
         self.timeout = transfer_timeout
         self.metrics = RoleMetrics("decode")
         self.records: dict[str, Record] = {}  # touched only in the loop thread
+        # transfer ids the prefill server refused before this server admitted them (the router's abort can overtake
+        # the request): id -> (why, HTTP status, monotonic time); loop thread only, kept 60 s
+        self._refused: dict[str, tuple[str, int, float]] = {}
         self.loop = None
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdlab-disagg-link")
         self._stop = threading.Event()
@@ -375,14 +385,21 @@ class DecodeRole(RoleHooks):
         self.loop.scheduler.validate(req)
         self.loop.call(lambda sched: self._admit(sched, req, prefill, sink))
 
-    def abort(self, transfer_id: str, why: str = "client disconnected") -> None:
-        self.loop.call(lambda sched: self._abort(sched, transfer_id, why))
+    def abort(self, transfer_id: str, why: str = "client disconnected", refused_status: int | None = None) -> None:
+        """Drop transfer_id. `refused_status`: the prefill server refused the request with this HTTP status (a
+        4xx, as the router saw it), so it never took it and writes no KV: a request still waiting for its KV ends
+        at once with that status instead of at the transfer timeout."""
+        self.loop.call(lambda sched: self._abort(sched, transfer_id, why, refused_status))
 
     # ---- loop thread --------------------------------------------------------------------------
     def _admit(self, sched, req: Req, prefill: str, sink) -> None:
         if req.rid in self.records or req.rid in sched.by_rid:
             sink(StepOutput(req.rid, [], "", True, FinishReason.ERROR,
                             error=f"transfer id {req.rid!r} is already in flight; use a unique id"))
+            return
+        refused = self._refused.pop(req.rid, None)
+        if refused is not None:  # the prefill server refused it already
+            sink(StepOutput(req.rid, [], "", True, FinishReason.ERROR, error=refused[0], error_status=refused[1]))
             return
         rec = self.records[req.rid] = Record(req.rid, req=req, peer=prefill, sink=sink)
         self.loop.add_sink(req.rid, self._wrap_sink(rec))
@@ -459,14 +476,18 @@ class DecodeRole(RoleHooks):
             self._pool.submit(_quiet, self.link.send_abort, rec.peer, rec.transfer_id)
         return True
 
-    def _abort(self, sched, tid: str, why: str) -> None:
+    def _abort(self, sched, tid: str, why: str, refused_status: int | None = None) -> None:
         rec = self.records.get(tid)
         if rec is None:
+            if refused_status is not None:  # the refusal overtook the request: answer it when it arrives
+                self._refused[tid] = (why, refused_status, time.monotonic())
             sched.abort(tid, why)  # not a disaggregated request
             return
         if rec.state in TERMINAL:
             return
-        if rec.state in (State.WAITING, State.TRANSFERRING):
+        if refused_status is not None and rec.state in (State.BOOTSTRAPPING, State.WAITING):
+            self._finish_failed(sched, rec, why, refused_status)  # nothing writes its pages: free them now
+        elif rec.state in (State.WAITING, State.TRANSFERRING):
             rec.abort_requested, rec.error = True, why  # free pages once the prefill stops writing
             self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
         elif rec.state is State.BOOTSTRAPPING:
@@ -487,6 +508,8 @@ class DecodeRole(RoleHooks):
 
     def poll(self, sched) -> None:
         now = time.monotonic()
+        for tid in [t for t, (_, _, at) in self._refused.items() if now - at > 60.0]:
+            del self._refused[tid]
         for tid, rec in list(self.records.items()):
             if rec.state in TERMINAL:
                 if now - rec.since > 60.0:

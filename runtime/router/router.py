@@ -254,6 +254,12 @@ class Router:
             if r.status_code >= 500:
                 p.errors += 1
                 log.warning("prefill %s answered %d for %s", p.url, r.status_code, tid)
+            elif r.status_code >= 400:
+                # the prefill server refused what the decode server took (servers started with other settings):
+                # the decode side would wait for KV until its transfer timeout; end the request with the refusal
+                why = f"the prefill server {p.url} refused the request ({r.status_code}): {_message(r)}"
+                log.warning("%s [%s]", why, tid)
+                await self._abort(d, tid, why, headers, refused_status=r.status_code)
         except httpx.HTTPError as e:
             p.errors += 1
             p.mark(False, f"{type(e).__name__}: {e}")
@@ -261,11 +267,16 @@ class Router:
         finally:
             p.inflight -= 1
 
-    async def _abort(self, b: Backend, tid: str, why: str, headers: Mapping[str, str] | None = None) -> None:
+    async def _abort(self, b: Backend, tid: str, why: str, headers: Mapping[str, str] | None = None,
+                     refused_status: int | None = None) -> None:
         """Tell server b to drop transfer tid, with the client request's credentials (`headers`: its Authorization
-        is what a server started with --api-key asks for; the router holds no key of its own)."""
+        is what a server started with --api-key asks for; the router holds no key of its own). refused_status: the
+        prefill server's 4xx for the request, which the decode server then answers the client with."""
+        body = {"transfer_id": tid, "reason": why}
+        if refused_status is not None:
+            body["refused_status"] = refused_status
         try:
-            await self.client.post(f"{b.url}/disagg/abort", json={"transfer_id": tid, "reason": why},
+            await self.client.post(f"{b.url}/disagg/abort", json=body,
                                    headers=_credentials(headers or {}), timeout=self.cfg.health_timeout)
         except httpx.HTTPError as e:
             log.info("abort of %s on %s failed: %s", tid, b.url, e)
@@ -353,6 +364,14 @@ def _error(status: int, message: str, kind: str, headers: Mapping[str, str] | No
     """The OpenAI error body the servers send: {"error": {"message", "type", "param", "code"}}."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status, headers=dict(headers) if headers else None)
+
+
+def _message(r: httpx.Response) -> str:
+    """The error message of a server's OpenAI-shaped error response, else the start of its body."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:300]
 
 
 def _why(group: list[Backend]) -> str:

@@ -117,6 +117,36 @@ def _gauge(text, name):
     raise AssertionError(f"no metric containing {name!r} in:\n{text[:2000]}")
 
 
+def test_a_prompt_only_the_prefill_server_refuses_gets_its_400_at_once():
+    """Servers started with other settings (here the prefill server's context is shorter): the decode server takes a
+    prompt the prefill server refuses. The client gets the prefill server's 400 and its reason at once, not a 502
+    after the decode server's transfer timeout (30 s here), and both servers keep serving."""
+    sup = Supervisor(start_timeout=120, stop_timeout=5)
+    try:
+        acks = sup.start([
+            ChildSpec("prefill", serve_role, args=({**BASE, "role": "prefill", "max_context_len": 64},),
+                      kwargs={"model_factory": FACTORY}),
+            ChildSpec("decode", serve_role, args=({**BASE, "role": "decode", "transfer_timeout": 30.0},),
+                      kwargs={"model_factory": FACTORY}),
+        ])
+        rcfg = RouterConfig(prefill=[acks["prefill"]["url"]], decode=[acks["decode"]["url"]], port=0,
+                            health_interval=0.5, health_timeout=1.0)
+        url = sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))])["router"]["url"]
+        with httpx.Client(timeout=60) as c:
+            t0 = time.monotonic()
+            r = c.post(f"{url}/generate", json={"input_ids": [5] * 100, "sampling_params": {"max_new_tokens": 4}})
+            took = time.monotonic() - t0
+            assert r.status_code == 400, r.text
+            msg = r.json()["error"]["message"]
+            assert "refused the request (400)" in msg and "context is 64 tokens" in msg, msg
+            assert took < 10, took
+            assert len(_generate(c, url, [(7 * i + 3) % 256 for i in range(20)], max_new=6)) == 6
+            state = c.get(f"{acks['decode']['url']}/disagg/state").json()
+            assert all(v["state"] in ("done", "failed") for v in state["requests"].values()), state
+    finally:
+        sup.stop()
+
+
 def test_greedy_check_collects_and_compares(stack, tmp_path):
     from pdlab.runtime.disagg import greedy_check
 

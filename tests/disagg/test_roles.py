@@ -216,6 +216,53 @@ def test_direct_scheduler_abort_keeps_pages_until_the_prefill_stops_writing(disa
     _assert_all_pages_free(d)
 
 
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_request_the_prefill_server_refused_ends_at_once(disagg, order):
+    """The router reports a prefill server's 4xx to the decode server (`refused_status`): the request ends with that
+    status at once and its pages are free, instead of waiting for KV until the transfer timeout (30 s here). The
+    refusal may also overtake the request ("before"): the request then ends as it arrives."""
+    d = disagg(transfer_timeout=30.0)
+    results = {}
+    tid = f"refused-{order}"
+    why = "the prefill server http://p refused the request (400): the prompt exceeds its context"
+    submit = lambda: d.decode_role.submit(Req([3] * 40, GREEDY, rid=tid), tid, "prefill-0",  # noqa: E731
+                                          lambda out: results.setdefault("out", out))
+    t0 = time.monotonic()
+    if order == "before":
+        d.decode_role.abort(tid, why, refused_status=400)
+        d.decode.loop.run_once()
+        submit()
+    else:
+        submit()  # the prefill server never gets it
+        _pump_until(d, lambda: tid in d.decode.scheduler.parked)
+        assert d.decode_role.records[tid].state is State.WAITING
+        d.decode_role.abort(tid, why, refused_status=400)
+    _pump_until(d, lambda: "out" in results, seconds=5.0)
+    out = results["out"]
+    assert out.finished and out.error == why and out.error_status == 400
+    assert time.monotonic() - t0 < 5.0
+    _assert_all_pages_free(d)
+    assert d.generate([[1, 2]], GREEDY)[0]["token_ids"] == _colocated([[1, 2]])[0]
+
+
+def test_pages_for_a_transfer_the_prefill_server_failed_are_refused(disagg):
+    """Without the router's word: the prefill server (a shorter context) refused the request, then the decode server
+    hands it the pages: the hand-off is refused with the prefill's reason, and the decode side fails the request
+    then, not at the transfer timeout (30 s here)."""
+    d = disagg(prefill=_settings(max_context_len=64), decode=_settings(max_context_len=512), transfer_timeout=30.0)
+    results = {}
+    tid = "refused-by-prefill"
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        d.prefill_role.submit(Req([3] * 100, GREEDY, rid=tid), tid)
+    t0 = time.monotonic()
+    d.decode_role.submit(Req([3] * 100, GREEDY, rid=tid), tid, "prefill-0", lambda out: results.setdefault("out", out))
+    _pump_until(d, lambda: "out" in results, seconds=5.0)
+    out = results["out"]
+    assert out.finished and "failed on the prefill server" in out.error and "context is 64 tokens" in out.error
+    assert time.monotonic() - t0 < 5.0
+    _assert_all_pages_free(d)
+
+
 def test_layout_mismatch_rejected_unless_converted(disagg):
     prompts = _prompts()[:5]
     d = disagg(prefill=_settings(page=16), decode=_settings(page=32))

@@ -21,6 +21,7 @@ class Fake:
     def __init__(self, name, chunks=3, delay=0.0):
         self.name, self.chunks, self.delay = name, chunks, delay
         self.healthy = True
+        self.refuse = False  # answer every completion with a 400 (a server started with other settings)
         self.seen = []  # (path, headers, body)
         self.aborts = []
         self.disconnected = threading.Event()
@@ -47,6 +48,9 @@ class Fake:
             self.seen.append(("/v1/completions", dict(request.headers), body))
             if body.get("bad"):
                 return JSONResponse({"error": {"message": "bad field"}}, status_code=400)
+            if self.refuse:
+                return JSONResponse({"error": {"message": "the prompt exceeds this server's context"}},
+                                    status_code=400)
             if not body.get("stream"):
                 while not self.hold.is_set():
                     await asyncio.sleep(0.01)
@@ -119,6 +123,27 @@ def test_non_stream_and_error_status_pass_through(servers):
         r = c.post(f"{url}/v1/completions", json={"prompt": "x", "bad": 1})
         assert r.status_code == 400 and r.json()["error"]["message"] == "bad field"
         assert c.get(f"{url}/v1/models").json()["data"][0]["id"] == "d0"
+
+
+def test_a_refusal_of_the_prefill_server_reaches_the_decode_server(servers):
+    """The decode server took a request that its prefill server refused (servers started with other settings): the
+    router tells the decode server the refusal, with its status, instead of letting it wait for KV until the
+    transfer timeout. A prefill server's 5xx is not a refusal (its failure notice reaches the decode side)."""
+    p, d = Fake("p0"), Fake("d0")
+    p.refuse = True
+    d.hold.clear()  # the decode server waits (for KV) until told
+    url, _ = _router(servers, *([u] for u in servers(p, d)))
+    with httpx.Client(timeout=10) as c:
+        fut = threading.Thread(target=lambda: c.post(f"{url}/v1/completions", json={"prompt": "x"}))
+        fut.start()
+        deadline = time.monotonic() + 5
+        while not d.aborts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        d.hold.set()
+        fut.join(10)
+    (ab,) = d.aborts
+    assert ab["refused_status"] == 400 and ab["transfer_id"] == d.seen[0][1]["x-pd-transfer-id"]
+    assert "refused the request (400): the prompt exceeds this server's context" in ab["reason"]
 
 
 def test_round_robin_over_pairs(servers):
