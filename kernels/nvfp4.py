@@ -15,6 +15,10 @@ bit::
     code    = e2m1_rne(x * mult)             (saturating at 6, sign kept, -0 stays -0)
 
 Dequantization: x ≈ value(code) · float(sf) / global_scale.
+
+Non-finite inputs (values, so no check without a device sync): an infinite element saturates its
+block's scale to 448 and its own code to ±6; a block holding a NaN gets the NaN scale (e4m3 0x7F)
+and sign-only codes, so it dequantises to NaN: a NaN is never turned into a finite value.
 """
 
 from __future__ import annotations
@@ -162,6 +166,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
     Returns:
         packed: [..., K/2] uint8, low nibble = even element.
         scales: [..., K/16] float8_e4m3fn (or the swizzled shape above).
+    NaN / Inf in x: as the reference (module docstring): a block holding a NaN dequantises to NaN.
     Graph-safe: with a tensor global_scale, yes for the triton backend."""
     from pdlab.kernels import registry
 

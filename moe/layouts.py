@@ -52,9 +52,9 @@ def _hidden_spec(layout: str, payload: str) -> Spec:
 def _scales_spec(layout: str, payload: str) -> Spec | None:
     lead = "N" if layout == "contiguous" else "E M"
     if payload == "fp8":
-        return Spec(f"{lead} K/128", "fp32", layout=layout)
+        return Spec(f"{lead} K/128", "fp32", layout=layout, last_dim_contiguous=True)
     if payload == "nvfp4":
-        return Spec(f"{lead} K/16", "fp8_e4m3|uint8", layout=layout)
+        return Spec(f"{lead} K/16", "fp8_e4m3|uint8", layout=layout, last_dim_contiguous=True)
     return None
 
 
@@ -70,11 +70,12 @@ def layout_op(layout: str, payload: str, op_name: str = "moe_layout") -> Op:
         inputs["scales"] = scales
     if payload == "nvfp4":
         inputs["global_scale"] = Spec("...", "fp32")
+    # the kernels index the bookkeeping densely: a strided view would be read as another tensor
     if layout == "contiguous":
-        inputs["counts"] = Spec("E", "int32")
-        inputs["offsets"] = Spec("E1", "int32")
+        inputs["counts"] = Spec("E", "int32", contiguous=True)
+        inputs["offsets"] = Spec("E1", "int32", contiguous=True)
     else:
-        inputs["masked_m"] = Spec("E", "int32")
+        inputs["masked_m"] = Spec("E", "int32", contiguous=True)
     hint = _CONTIG_HINT if layout == "contiguous" else _MASKED_HINT
 
     def hidden_hint(problem: str, value: object, bound: object) -> str | None:
@@ -94,12 +95,18 @@ def layout_op(layout: str, payload: str, op_name: str = "moe_layout") -> Op:
     })
 
 
-def _check_global_scale(op: Op, backend: str | None, gs: torch.Tensor | None, num_experts: int) -> None:
+def _check_global_scale(op: Op, backend: str | None, gs: torch.Tensor | None, num_experts: int,
+                        device: torch.device) -> None:
     if gs is None:
         op.require(backend, False, "global_scale", "is required for the nvfp4 payload", gs,
                    "fp32 scalar or [E]", "pass the activation global scale (448·6/amax = 1/input_scale).")
+    op.require(backend, isinstance(gs, torch.Tensor) and gs.dtype == torch.float32, "global_scale",
+               "must be an fp32 tensor", gs, f"fp32 scalar or [{num_experts}]",
+               "pass torch.tensor(scale, dtype=torch.float32, device=hidden.device)")
     ok = gs.dim() == 0 or (gs.dim() == 1 and gs.shape[0] in (1, num_experts))
     op.require(backend, ok, "global_scale", "has the wrong shape", gs, f"fp32 scalar or [{num_experts}]")
+    op.require(backend, gs.device == device, "global_scale", f"is on {gs.device} while hidden is on {device}", gs,
+               f"fp32 scalar or [{num_experts}] on {device}", "move it to the hidden states' device")
 
 
 class _PayloadFields:
@@ -155,7 +162,7 @@ class Contiguous(_PayloadFields):
         op.require(backend, self.offsets.shape[0] == dims["E"] + 1, "offsets", "must have E+1 entries",
                    self.offsets, f"[{dims['E'] + 1}] int32")
         if self.payload == "nvfp4":
-            _check_global_scale(op, backend, gs, dims["E"])
+            _check_global_scale(op, backend, gs, dims["E"], self.hidden.device)
         return dims
 
     def check_rows(self, op_name: str = "moe_layout", backend: str | None = None) -> None:
@@ -224,7 +231,7 @@ class Masked(_PayloadFields):
         gs = t.pop("global_scale", None)
         dims = op.check(backend, **t)
         if self.payload == "nvfp4":
-            _check_global_scale(op, backend, gs, dims["E"])
+            _check_global_scale(op, backend, gs, dims["E"], self.hidden.device)
         return dims
 
     def check_rows(self, op_name: str = "moe_layout", backend: str | None = None) -> None:
@@ -413,8 +420,9 @@ def quantize_payload(x: torch.Tensor, payload: str, global_scale: torch.Tensor |
         q, s = quantize_fp8_blockwise(x)
         return q, s, None
     if payload == "nvfp4":
-        if global_scale is None:
-            global_scale = _nvfp4.global_scale_from_amax(x.float().abs().amax())
+        if global_scale is None:  # amax of no tokens is 0 (scale 1); torch's amax refuses an empty tensor
+            amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+            global_scale = _nvfp4.global_scale_from_amax(amax)
         gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
         packed, sf = _nvfp4.quantize_nvfp4(x, gs)
         return packed, sf, gs

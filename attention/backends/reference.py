@@ -14,10 +14,23 @@ _OPTIONS = {"page_sizes": tuple(1 << i for i in range(8)), "kv_dtypes": ("bf16",
             "q_dtypes": ("bf16", "fp16", "fp32")}
 
 
-def _rows(kv_cache: torch.Tensor, pages: torch.Tensor, n: int, kv_scale) -> torch.Tensor:
-    """The first n latent rows of one sequence, fp32 [n, 576]; never touches rows at positions >= n."""
-    page = kv_cache.shape[1]
+def _rows(kv_cache: torch.Tensor, pages: torch.Tensor, n: int, kv_scale, op: str = "mla_decode",
+          seq: int = 0) -> torch.Tensor:
+    """The first n latent rows of one sequence, fp32 [n, 576]; never touches rows at positions >= n.
+    Raises ShapeError for a page id outside the pool among the ceil(n / page) pages the sequence reads (entries
+    past them, e.g. -1 padding, are never read)."""
+    page, num_pages = kv_cache.shape[1], kv_cache.shape[0]
     used = pages[: (n + page - 1) // page].long()
+    bad = ((used < 0) | (used >= num_pages)).nonzero()
+    if bad.numel():  # the reference syncs anyway; an unchecked -1 would read the last page
+        from pdlab.attention.ops import OPS
+
+        i = int(bad[0, 0])
+        OPS[op].require("torch", False, "block_table", f"has page id {int(used[i])} at [{seq}, {i}] (sequence {seq} "
+                        f"reads its first {used.numel()} entries)", pages,
+                        f"0 <= page id < {num_pages} (the pool's pages) in the pages a sequence reads",
+                        "Each sequence's first ceil(seqlen / page_size) entries must name pages of the pool; "
+                        "entries past them are never read (padding such as -1 is fine there).")
     rows = kv_cache[used].reshape(-1, kv_cache.shape[-1])[:n]
     return dequantize_kv_fp8(rows, kv_scale) if kv_cache.dtype == torch.uint8 else rows.float()
 
@@ -59,7 +72,7 @@ def mla_decode_torch(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_sca
     out = torch.empty(B, Sq, H, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     for b, n in enumerate(seqlens.tolist()):
-        rows = _rows(kv_cache, block_table[b], n, kv_scale)
+        rows = _rows(kv_cache, block_table[b], n, kv_scale, "mla_decode", b)
         o, l = _attend(q[b].float(), rows, n - Sq, softmax_scale)
         out[b] = o.to(q.dtype)
         lse[b] = l.transpose(0, 1)
@@ -78,7 +91,7 @@ def mla_prefill_torch(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scal
         s, e = ip[b], ip[b + 1]
         if e == s:
             continue
-        rows = _rows(kv_cache, block_table[b], n, kv_scale)
+        rows = _rows(kv_cache, block_table[b], n, kv_scale, "mla_prefill", b)
         o, l = _attend(q[s:e].float(), rows, n - (e - s), softmax_scale)
         out[s:e] = o.to(q.dtype)
         lse[s:e] = l

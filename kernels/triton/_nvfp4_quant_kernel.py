@@ -9,7 +9,8 @@ scale arithmetic stay in registers and are done once per block.
 The arithmetic is the reference's, step for step (pdlab.kernels.nvfp4): fp32, IEEE round-to-nearest
 division (`div_rn`, not the approximate `/`), and the e4m3 and e2m1 roundings done by fp32 additions
 of "magic" constants plus bit arithmetic (no fp8 casts), so the kernel is exact on GPU and under the
-CPU interpreter alike (whose fp8 casts differ from torch's). Inputs must not hold NaN.
+CPU interpreter alike (whose fp8 casts differ from torch's). A block holding a NaN gets the NaN scale byte 0x7F
+and sign-only codes, as the reference (its NaN is not hidden as a finite value).
 """
 
 import triton
@@ -67,8 +68,10 @@ def _unpack_pairs(w, IN_KIND: tl.constexpr):
 
 
 @triton.jit
-def _block_amax(e, o):
-    return tl.max(tl.maximum(tl.abs(e), tl.abs(o)), axis=2)
+def _block_amax_bits(e, o):
+    """max |x| of each block as the int32 bits of a non-negative fp32: integer order is float order there, and a
+    NaN (bits above 0x7F800000) wins, where a float max would drop it (GPU max/min return the non-NaN operand)."""
+    return tl.max(tl.maximum(tl.abs(e).to(tl.int32, bitcast=True), tl.abs(o).to(tl.int32, bitcast=True)), axis=2)
 
 
 @triton.jit
@@ -176,16 +179,21 @@ def _quant_tile(w_lo, w_hi, q_ptr, sf_ptr, M, K, sw_k_tiles, g, m, row, in_rows,
     e_lo, o_lo = _unpack_pairs(w_lo, IN_KIND)
     e_hi, o_hi = _unpack_pairs(w_hi, IN_KIND)
 
-    amax = tl.maximum(_block_amax(e_lo, o_lo), _block_amax(e_hi, o_hi))  # [BLOCK_M, NB]
+    amax_bits = tl.maximum(_block_amax_bits(e_lo, o_lo), _block_amax_bits(e_hi, o_hi))  # [BLOCK_M, NB]
+    nan_blk = amax_bits > 0x7F800000  # the block holds a NaN
+    amax = tl.where(nan_blk, 0, amax_bits).to(tl.float32, bitcast=True)
     v = tl.minimum(tl.math.div_rn(amax, zero + 6.0) * gs, 448.0)
     sf, sf_byte = _e4m3_rne(v)
     nonzero = sf > 0
     mult = tl.where(nonzero, tl.math.div_rn(gs, tl.where(nonzero, sf, 1.0)), 0.0)[:, :, None]
+    # as the reference: a NaN block's scale is NaN (e4m3 0x7F) and its codes keep only the signs (x · 0)
+    sf_byte = tl.where(nan_blk, 0x7F, sf_byte)
+    keep = tl.where(nan_blk, 0x88, 0xFF).to(tl.uint8)[:, :, None]
 
     q_offs = row[:, None, None] * (K // 2) + blk[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
     st_mask = in_rows[:, None, None] & in_blk[None, :, None]
-    tl.store(q_ptr + q_offs, _quant_pairs(w_lo, e_lo, o_lo, mult, IN_KIND), mask=st_mask)
-    tl.store(q_ptr + q_offs + 4, _quant_pairs(w_hi, e_hi, o_hi, mult, IN_KIND), mask=st_mask)
+    tl.store(q_ptr + q_offs, _quant_pairs(w_lo, e_lo, o_lo, mult, IN_KIND) & keep, mask=st_mask)
+    tl.store(q_ptr + q_offs + 4, _quant_pairs(w_hi, e_hi, o_hi, mult, IN_KIND) & keep, mask=st_mask)
 
     sf_mask = in_rows[:, None] & in_blk[None, :]
     if SWIZZLE:

@@ -26,8 +26,9 @@ class LocalDispatcher(BaseDispatcher):
     def _dispatch(self, tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   mode: str) -> tuple[Layout, DispatchHandle]:
         # one rank: an expert gets each token at most once, so T rows per expert always suffice (T is
-        # static within a captured graph, so this stays graph-safe)
-        rows = min(self.max_m(), topk_ids.shape[0]) if mode == "low_latency" else self.max_m()
+        # static within a captured graph, so this stays graph-safe); at least one: a step of no tokens gets an empty
+        # slab (masked_m all 0), not a slab of no rows
+        rows = max(1, min(self.max_m(), topk_ids.shape[0])) if mode == "low_latency" else self.max_m()
         layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, rows, all_local=True)
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
         return layout, self._handle(mode, layout, topk_ids.shape[0], out_dtype, exp)

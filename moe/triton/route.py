@@ -60,6 +60,8 @@ def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: in
     """logits [T, E] fp32, bias [E] fp32 | None → (ids [T, top_k] int32, weights [T, top_k] fp32)."""
     T, E = logits.shape
     logits = logits.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # the kernel indexes it densely (no copy when it already is)
     group_size = E // n_group
     ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)

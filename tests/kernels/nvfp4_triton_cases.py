@@ -112,7 +112,33 @@ def check_masked(device) -> None:
     compare(x, gs, masked_m, what="masked rows never read")
 
 
-CASES = {"roundings": check_roundings, "small": check_small, "masked": check_masked}
+def check_nonfinite(device) -> None:
+    """NaN and ±Inf inputs: a block holding a NaN gets the NaN scale byte (it dequantises to NaN, as the reference
+    does: the NaN is not hidden as a finite value); an infinite element saturates its block's scale to 448."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(5, 64, generator=g, device=device)
+        x[0, 3] = float("nan")  # one NaN in block 0 of row 0
+        x[1, 16:32] = float("nan")  # a whole block of NaN
+        x[2, 17] = float("inf")
+        x[3, 40] = float("-inf")
+        x[4, 60], x[4, 5] = float("nan"), float("inf")
+        x = x.to(dtype)
+        gs = torch.tensor([10.0], device=device)
+        compare(x, gs, what=f"non-finite {dtype}")
+        compare(x, gs, swizzle=True, what=f"non-finite swizzled {dtype}")
+        p, s = nvfp4.quantize(x, gs, backend="triton")
+        deq = nvfp4.dequantize_nvfp4(p, s, gs)
+        for r, b in ((0, 0), (1, 1), (4, 3)):
+            assert deq[r, 16 * b:16 * b + 16].isnan().all(), f"{dtype} row {r} block {b}: the NaN was hidden"
+        assert deq[2].isfinite().all() and deq[3].isfinite().all() and deq[0, 16:].isfinite().all()
+    x = torch.randn(2, 3, 32, generator=g, device=device).to(torch.bfloat16)
+    x[1, 0, 1] = float("nan")
+    compare(x, torch.tensor([1.0, 2.0], device=device), torch.tensor([1, 2], dtype=torch.int32, device=device),
+            what="non-finite masked")
+
+
+CASES = {"roundings": check_roundings, "small": check_small, "masked": check_masked, "nonfinite": check_nonfinite}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
