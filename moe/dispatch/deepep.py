@@ -175,7 +175,9 @@ class DeepEPDispatcher(BaseDispatcher):
         if tokens.kind == "bf16":
             layout = Masked(recv_x, masked_m, max_rows=bound)
         elif tokens.kind == "fp8":
-            layout = Masked(recv_x[0], masked_m, "fp8", recv_x[1].float(), max_rows=bound)
+            # DeepEP hands the scales over M-major (a transposed [E, K/128, M] buffer, for TMA): the layout's
+            # kernels read them K-major
+            layout = Masked(recv_x[0], masked_m, "fp8", recv_x[1].float().contiguous(), max_rows=bound)
         else:
             packed, scales = _nvfp4_from_deepep(recv_x[0], recv_x[1], M, H)
             layout = Masked(packed, masked_m, "nvfp4", scales, tokens.global_scale, max_rows=bound)

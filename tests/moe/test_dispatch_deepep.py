@@ -70,9 +70,9 @@ class FakeBuffer:
                     slab[e, count[e]] = x[t]
                     where[(t, j)] = (e, int(count[e]))
                     count[e] += 1
-        if use_fp8:
+        if use_fp8:  # scales M-major, as DeepEP allocates them: a transposed [E, K/128, M] buffer
             q, s = quantize_fp8_blockwise(slab)
-            return (q, s), count, where, None, None
+            return (q, s.transpose(1, 2).contiguous().transpose(1, 2)), count, where, None, None
         return slab, count, where, None, None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle):
@@ -165,6 +165,8 @@ def test_low_latency_translation(fake_deep_ep, payload):
     assert call["n_max"] == N_MAX and call["num_experts"] == E and call["use_fp8"] is (payload == "fp8")
     assert layout.kind == "masked" and layout.hidden.shape[:2] == (E_L, N_MAX * R)
     assert layout.masked_m.dtype == torch.int32
+    if payload == "fp8":
+        assert layout.scales.stride(-1) == 1  # K-major for the experts' kernels
     out = d.combine(with_hidden(layout, dequantize_hidden(layout, torch.bfloat16)), handle)
     ref = _reference(x, ids, w)
     tol = 2e-2 if payload == "bf16" else 8e-2
