@@ -15,6 +15,8 @@ that runs here and supports the page size / kv dtype / S_q, or the one named), r
 
 from __future__ import annotations
 
+import math
+import numbers
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
@@ -442,6 +444,13 @@ def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping
     if isinstance(kv_scale, torch.Tensor):
         op.require(name, kv_scale.numel() == 1 and kv_scale.dtype == torch.float32, "kv_scale",
                    "must be a 1-element fp32 tensor", kv_scale, "[] or [1] fp32")
+    elif kv_scale is not None:  # a host number: checked for free (a tensor's value would need a device sync)
+        ok = isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool)
+        ok = ok and math.isfinite(float(kv_scale)) and float(kv_scale) > 0
+        op.require(name, ok, "kv_scale",
+                   f"is {kv_scale!r}", kv_scale, "a finite number > 0",
+                   "kv_scale is the fp8 pool's dequant scale (value = e4m3 * kv_scale): pass the positive scale the "
+                   "pool was written with (1.0 when unsure).")
     if block_table is None:
         return
     capacity = dims["pages"] * page

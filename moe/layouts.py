@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
+from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor, dtype_name
 from pdlab.kernels import nvfp4 as _nvfp4
 
 PAYLOADS = ("bf16", "fp8", "nvfp4")
@@ -303,6 +303,10 @@ def group_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, e
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ShapeError("group_tokens", None, "x/topk_ids", "must be [T, K] and [T, k] with the same T",
                          "x [T, K], topk_ids [T, k]", f"x {describe_tensor(x)}, topk_ids {describe_tensor(topk_ids)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ShapeError("group_tokens", None, "topk_ids", f"has dtype {dtype_name(topk_ids.dtype)}",
+                         "[T, k] int32|int64", describe_tensor(topk_ids),
+                         "expert ids are integers: pass the router's ids (a float tensor would be truncated)")
     payload = payload or infer_payload(x)
     T, k = topk_ids.shape
     local = topk_ids.long() - expert_start

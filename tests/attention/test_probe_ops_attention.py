@@ -46,3 +46,15 @@ def test_reference_ignores_entries_past_a_sequences_pages():
     table[0, 2:] = -1  # sequence 0 (5 tokens) reads pages 0 and 1 only
     out, lse = _decode(p, block_table=table)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "1.0"])
+def test_a_host_kv_scale_that_cannot_dequantize_is_named(bad):
+    """A Python kv_scale is known on the host, so 0, negative, NaN, Inf, or not a number is refused for free (it
+    would scale every cached row to 0, NaN or Inf)."""
+    p = decode_problem([5, 17], heads=2, page=4, dtype=torch.float32, kv_dtype="fp8", seed=0)
+    with pytest.raises(ShapeError, match=r"kv_scale.*a finite number > 0"):
+        mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=bad, backend="torch")
+    out, _ = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
+                        backend="torch")
+    assert torch.isfinite(out).all()

@@ -29,3 +29,15 @@ def test_column_sliced_tokens_match_contiguous(moe, mode):
     layer = MoELayer(CFG, *moe, None, "local", "torch", mode)
     x = torch.randn(5, 2 * CFG.hidden_size)[:, CFG.hidden_size:]
     torch.testing.assert_close(layer(x), layer(x.contiguous()))
+
+
+def test_group_tokens_names_float_expert_ids():
+    from pdlab.kernels.contracts import ShapeError
+    from pdlab.moe.layouts import group_tokens
+
+    x = torch.randn(4, 32)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])
+    with pytest.raises(ShapeError, match=r"topk_ids.*has dtype fp32.*integers"):
+        group_tokens(x, ids.float(), 4)
+    layout, _ = group_tokens(x, ids.int(), 4)
+    assert layout.counts.tolist() == [2, 2, 2, 2]
