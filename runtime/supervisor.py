@@ -166,13 +166,18 @@ class Supervisor:
         return rc
 
     def stop(self) -> None:
-        """SIGTERM every live child, wait up to `stop_timeout`, then SIGKILL what remains."""
+        """SIGTERM every live child, wait up to `stop_timeout` (servers drain their requests meanwhile), then SIGKILL
+        what remains. A Ctrl-C during the wait kills them at once."""
         for c in self._children:
             if c.proc.is_alive():
                 c.proc.terminate()
         deadline = time.monotonic() + self.stop_timeout
         for c in self._children:
-            _join(c.proc, max(0.0, deadline - time.monotonic()))
+            try:
+                _join(c.proc, max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt:
+                log.warning("interrupted while the children stop; killing them")
+                deadline = 0.0
             if c.proc.is_alive():
                 log.warning("%s did not exit within %.0f s of SIGTERM; killing it", c.spec.name,
                             self.stop_timeout)

@@ -82,8 +82,8 @@ class RoleLoop:
             self._role.submit(req, pd.transfer_id, sink)
 
     def abort(self, rid: str, reason: str = "aborted", error_status: int = 400) -> None:
-        if isinstance(self._role, DecodeRole):
-            self._role.abort(rid, reason)  # falls back to a plain abort for untagged requests
+        if isinstance(self._role, DecodeRole):  # falls back to a plain abort for untagged requests
+            self._role.abort(rid, reason, error_status=error_status)
         elif rid in self._role.records:
             self._role.abort(rid, reason)
         else:

@@ -24,19 +24,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(app, sock, log_level: str):
+def _server(app, sock, log_level: str, graceful_timeout: float = 2.0):
     import uvicorn
 
-    cfg = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2)
+    cfg = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_timeout)
     return uvicorn.Server(cfg)
 
 
 def serve_app(app, host: str, port: int, *, on_ready: Callable[[str], None] | None = None,
-              log_level: str = "warning") -> None:
-    """Serve until SIGINT/SIGTERM. on_ready(url) runs once the server accepts connections."""
+              log_level: str = "warning", graceful_timeout: float = 2.0) -> None:
+    """Serve until SIGINT/SIGTERM. on_ready(url) runs once the server accepts connections. On the signal it takes
+    no new connections and gives the requests in flight `graceful_timeout` seconds before cancelling them."""
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = _server(app, sock, log_level)
+    server = _server(app, sock, log_level, graceful_timeout)
     if on_ready is not None:
         def watch():
             for _ in range(60_000):  # bounded: 10 min at 10 ms

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from pdlab.runtime.router.router import RouterConfig
 
     rargs = {k: getattr(args, k) for k in ROUTER_FLAGS}
+    if getattr(args, "shutdown_timeout", None) is not None:  # the servers' flag: the router drains as long
+        rargs["shutdown_timeout"] = args.shutdown_timeout
     try:
         if args.role == "router":
             if not args.decode:
@@ -87,7 +89,9 @@ def launch_disagg(prefill_cfg: dict, decode_cfg: dict, *, router: dict, start_ti
     from pdlab.runtime.router.router import RouterConfig
     from pdlab.runtime.supervisor import ChildSpec, LaunchError, Supervisor
 
-    sup = Supervisor(start_timeout=start_timeout)
+    # a child gets its drain (shutdown_timeout) and then some to exit after SIGTERM, before it is killed
+    grace = max(float(c.get("shutdown_timeout", 10.0)) for c in (prefill_cfg, decode_cfg, router))
+    sup = Supervisor(start_timeout=start_timeout, stop_timeout=grace + 10.0)
     try:
         acks = sup.start([
             ChildSpec("prefill", serve_role, args=(prefill_cfg,), kwargs={"model_factory": model_factory}),
@@ -95,14 +99,17 @@ def launch_disagg(prefill_cfg: dict, decode_cfg: dict, *, router: dict, start_ti
         ])
         rcfg = RouterConfig(**{**router, "prefill": [acks["prefill"]["url"]], "decode": [acks["decode"]["url"]]})
         acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
+        for name in ("prefill", "decode", "router"):
+            print(f"{name} ready at {acks[name]['url']}", flush=True)
+        print(f"serving (disaggregated) on {acks['router']['url']}", flush=True)
+        if on_ready is not None:
+            on_ready(acks)
     except LaunchError as exc:
         print(f"runtime serve --disagg: launch failed: {exc}", file=sys.stderr, flush=True)
         return exc.exitcode if exc.exitcode and exc.exitcode > 0 else 1
-    for name in ("prefill", "decode", "router"):
-        print(f"{name} ready at {acks[name]['url']}", flush=True)
-    print(f"serving (disaggregated) on {acks['router']['url']}", flush=True)
-    if on_ready is not None:
-        on_ready(acks)
+    except BaseException:  # a bad router setting, Ctrl-C during start-up: the servers started must not outlive us
+        sup.stop()
+        raise
     return sup.wait()
 
 
@@ -147,10 +154,13 @@ def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwar
     try:
         while True:
             time.sleep(3600)
-    finally:  # SIGTERM: the HTTP and engine threads are daemons; release the transfer endpoints
-        if isinstance(role, DecodeRole):
-            role.close()
-        transfer.close()
+    finally:  # SIGTERM: drain the requests in flight (shutdown_timeout), then release the transfer endpoints
+        try:
+            server.stop()
+        finally:
+            if isinstance(role, DecodeRole):
+                role.close()
+            transfer.close()
 
 
 def serve_router(ack, cfg: dict) -> None:
@@ -161,7 +171,9 @@ def serve_router(ack, cfg: dict) -> None:
     rcfg = RouterConfig(**cfg)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is too much
-    serve_app(create_router_app(rcfg), rcfg.host, rcfg.port, on_ready=lambda url: ack({"url": url}))
+    # a little past the servers' own grace: the 503s they end their last requests with still reach the clients
+    serve_app(create_router_app(rcfg), rcfg.host, rcfg.port, on_ready=lambda url: ack({"url": url}),
+              graceful_timeout=rcfg.shutdown_timeout + 2.0)
 
 
 def _run_inline(target, cfg: dict) -> int:

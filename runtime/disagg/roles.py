@@ -69,6 +69,7 @@ class Record:
     first_token: int | None = None
     first_logprob: Any = None  # (logprob, [(id, logprob), ...]) of the first token when the request asks for them
     abort_requested: bool = False
+    abort_status: int | None = None  # decode side: the HTTP status of an abort's error (None: 502, the prefill failed)
     done_event: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
     transfer_s: float = 0.0
@@ -385,11 +386,13 @@ class DecodeRole(RoleHooks):
         self.loop.scheduler.validate(req)
         self.loop.call(lambda sched: self._admit(sched, req, prefill, sink))
 
-    def abort(self, transfer_id: str, why: str = "client disconnected", refused_status: int | None = None) -> None:
+    def abort(self, transfer_id: str, why: str = "client disconnected", refused_status: int | None = None,
+              error_status: int | None = None) -> None:
         """Drop transfer_id. `refused_status`: the prefill server refused the request with this HTTP status (a
         4xx, as the router saw it), so it never took it and writes no KV: a request still waiting for its KV ends
-        at once with that status instead of at the transfer timeout."""
-        self.loop.call(lambda sched: self._abort(sched, transfer_id, why, refused_status))
+        at once with that status instead of at the transfer timeout. `error_status`: the HTTP status its client
+        gets for `why` otherwise (e.g. 503 when the server stops; default 400, or 502 before its KV arrived)."""
+        self.loop.call(lambda sched: self._abort(sched, transfer_id, why, refused_status, error_status))
 
     # ---- loop thread --------------------------------------------------------------------------
     def _admit(self, sched, req: Req, prefill: str, sink) -> None:
@@ -456,7 +459,7 @@ class DecodeRole(RoleHooks):
             self.metrics.move(rec, State.TRANSFERRING, "prefill is writing KV")
         elif event == "done":
             if rec.abort_requested:  # the peer is done writing: now the pages can go
-                self._finish_failed(sched, rec, rec.error)
+                self._finish_failed(sched, rec, rec.error, rec.abort_status or 502)
                 return
             rec.first_token = int(msg["first_token"])
             lp = msg.get("first_logprob")  # through JSON: lists for tuples
@@ -464,8 +467,10 @@ class DecodeRole(RoleHooks):
             self.metrics.move(rec, State.DECODING, f"first token {rec.first_token}")
             sched.kv_ready(rec.transfer_id, rec.first_token, lp)  # may finish at once (EOS, max_tokens=1)
         elif event == "failed":
-            self._finish_failed(sched, rec, rec.error if rec.abort_requested else
-                                f"prefill failed: {msg.get('error', 'unknown error')}")
+            if rec.abort_requested:
+                self._finish_failed(sched, rec, rec.error, rec.abort_status or 502)
+            else:
+                self._finish_failed(sched, rec, f"prefill failed: {msg.get('error', 'unknown error')}")
 
     def on_abort(self, sched, req: Req, reason: str) -> bool:
         rec = self.records.get(req.rid)
@@ -476,24 +481,26 @@ class DecodeRole(RoleHooks):
             self._pool.submit(_quiet, self.link.send_abort, rec.peer, rec.transfer_id)
         return True
 
-    def _abort(self, sched, tid: str, why: str, refused_status: int | None = None) -> None:
+    def _abort(self, sched, tid: str, why: str, refused_status: int | None = None,
+               error_status: int | None = None) -> None:
         rec = self.records.get(tid)
         if rec is None:
             if refused_status is not None:  # the refusal overtook the request: answer it when it arrives
                 self._refused[tid] = (why, refused_status, time.monotonic())
-            sched.abort(tid, why)  # not a disaggregated request
+            sched.abort(tid, why, error_status=error_status or 400)  # not a disaggregated request
             return
         if rec.state in TERMINAL:
             return
         if refused_status is not None and rec.state in (State.BOOTSTRAPPING, State.WAITING):
             self._finish_failed(sched, rec, why, refused_status)  # nothing writes its pages: free them now
         elif rec.state in (State.WAITING, State.TRANSFERRING):
-            rec.abort_requested, rec.error = True, why  # free pages once the prefill stops writing
+            # free pages once the prefill stops writing
+            rec.abort_requested, rec.error, rec.abort_status = True, why, error_status
             self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
         elif rec.state is State.BOOTSTRAPPING:
-            self._finish_failed(sched, rec, why)
+            self._finish_failed(sched, rec, why, error_status or 502)
         else:
-            sched.abort(tid, why)
+            sched.abort(tid, why, error_status=error_status or 400)
 
     def _finish_failed(self, sched, rec: Record, why: str, status: int = 502) -> None:
         """Fail the request with `why`; status: its HTTP status (502 the prefill side failed, the default)."""
@@ -523,9 +530,11 @@ class DecodeRole(RoleHooks):
             elif rec.state in (State.WAITING, State.TRANSFERRING) and now - rec.since > self.timeout:
                 if not rec.abort_requested:
                     self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
-                self._finish_failed(sched, rec, rec.error if rec.abort_requested else
-                                    f"the prefill server sent no KV within {self.timeout} s "
-                                    f"(state {rec.state.value}); is {rec.peer} alive?")
+                if rec.abort_requested:
+                    self._finish_failed(sched, rec, rec.error, rec.abort_status or 502)
+                else:
+                    self._finish_failed(sched, rec, f"the prefill server sent no KV within {self.timeout} s "
+                                                    f"(state {rec.state.value}); is {rec.peer} alive?")
 
 
 def _quiet(fn, *args) -> None:

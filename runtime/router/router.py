@@ -52,6 +52,8 @@ class RouterConfig(BaseModel):
     health_timeout: float = Field(2.0, gt=0, description="seconds a /health probe may take")
     request_timeout: float = Field(600.0, gt=0, description="seconds an upstream request may take")
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to an upstream server")
+    shutdown_timeout: float = Field(10.0, ge=0, description="seconds the requests in flight get to finish when the "
+                                    "router stops (SIGTERM, Ctrl-C); it takes no new connections meanwhile")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 

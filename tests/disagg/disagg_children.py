@@ -80,7 +80,12 @@ def _ct(*a, **k):
     return create_transfer(*a, **k)
 
 
-def load_sensitive_toy(slow_token=None, **kw):
+def load_slow_decode_toy(**kw):
+    """load_sensitive_toy whose decode steps take 20 ms each: a long answer stays in flight for seconds."""
+    return load_sensitive_toy(decode_delay=0.02, **kw)
+
+
+def load_sensitive_toy(slow_token=None, decode_delay=0.0, **kw):
     """(model, tokenizer, config) of the toy model with attention over every stored row, so a single
     missing, misplaced or corrupted KV row changes the logits (the toy's own attention is dominated by
     each token's own row)."""
@@ -92,6 +97,8 @@ def load_sensitive_toy(slow_token=None, **kw):
         def forward(self, input_ids, positions, ctx):
             if slow_token is not None and not ctx.is_decode and int(input_ids[0]) == slow_token:
                 time.sleep(30)  # a prompt starting with slow_token "computes" for a long time
+            if decode_delay and ctx.is_decode:
+                time.sleep(decode_delay)
             ps = ctx.page_size
             for layer, cache in enumerate(ctx.kv_caches):
                 _store(cache, ctx.slots, self.latent(input_ids, positions, layer), ctx.kv_scale)

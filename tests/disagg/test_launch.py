@@ -3,6 +3,7 @@ the launcher's failure modes, and the per-role configuration checks."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -145,6 +146,97 @@ def test_a_prompt_only_the_prefill_server_refuses_gets_its_400_at_once():
             assert all(v["state"] in ("done", "failed") for v in state["requests"].values()), state
     finally:
         sup.stop()
+
+
+_DISAGG_CHILD = """
+import sys
+sys.path.insert(0, {here!r})
+from pdlab.runtime.disagg.launch import launch_disagg
+base = {base!r}
+rc = launch_disagg({{**base, "role": "prefill"}}, {{**base, "role": "decode"}},
+                   router={{"host": "127.0.0.1", "port": 0, "shutdown_timeout": base["shutdown_timeout"]}},
+                   model_factory="disagg_children:load_slow_decode_toy",
+                   on_ready=lambda acks: print("ROUTER", acks["router"]["url"], flush=True))
+print("EXIT", rc, flush=True)
+"""
+
+
+def test_disagg_stop_drains_then_ends_the_rest_with_503():
+    """`runtime serve --disagg` under SIGTERM (or Ctrl-C): the servers and the router take no new requests, those in
+    flight get shutdown_timeout (2 s here) to finish, the rest end with a 503 error event and [DONE] that reach the
+    client through the router (before, every child exited at once and cut the streams), and the launcher exits 0."""
+    base = {**BASE, "shutdown_timeout": 2.0}
+    code = _DISAGG_CHILD.format(here=str(HERE), base=base)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    res: dict = {}
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()  # the launcher's children share its stdout: read it without blocking the test
+    try:
+        url = None
+        deadline = time.time() + 120
+        while url is None and time.time() < deadline and (proc.poll() is None or reader.is_alive()):
+            url = next((ln.split()[1] for ln in list(lines) if ln.startswith("ROUTER ")), None)
+            time.sleep(0.05)
+        assert url, "the disaggregated stack did not start:\n" + "".join(lines)
+
+        def call(name, max_new, stream):
+            body = {"input_ids": [5, 6, 7], "stream": stream,
+                    "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}}
+            with httpx.Client(timeout=60) as c:
+                try:
+                    res[name] = c.post(f"{url}/generate", json=body)
+                except httpx.HTTPError as exc:  # a cut connection is the fault this test pins
+                    res[name] = exc
+
+        long = threading.Thread(target=call, args=("long", 480, True))  # 20 ms a token: ~10 s
+        short = threading.Thread(target=call, args=("short", 30, False))  # ~0.6 s: finishes within the grace
+        long.start()
+        short.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        long.join(60)
+        short.join(60)
+        proc.wait(timeout=60)
+        reader.join(10)
+        out = "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    short = res["short"]
+    assert isinstance(short, httpx.Response) and short.status_code == 200, short
+    assert len(short.json()["output_ids"]) == 30
+    long = res["long"]
+    assert isinstance(long, httpx.Response) and long.status_code == 200, long
+    events = [ln[6:] for ln in long.text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 503 and "shutting down" in err["message"], err
+    assert proc.returncode == 0 and "EXIT 0" in out, out
+
+
+def test_a_launch_that_fails_after_the_servers_started_stops_them(monkeypatch):
+    """A bad router setting is found after the prefill and decode servers started: the launcher raises, and stops
+    them (they were left running, holding the launcher's stdout open)."""
+    import pdlab.runtime.supervisor as supervisor
+    from pydantic import ValidationError
+
+    made = []
+
+    class Recording(supervisor.Supervisor):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(self)
+
+    monkeypatch.setattr(supervisor, "Supervisor", Recording)
+    cfgs = [{**BASE, "role": r} for r in ("prefill", "decode")]
+    with pytest.raises(ValidationError, match="no_such_router_setting"):
+        launch_disagg(*cfgs, router={"host": "127.0.0.1", "port": 0, "no_such_router_setting": 1},
+                      model_factory=FACTORY)
+    (sup,) = made
+    assert set(sup.children) == {"prefill", "decode"}
+    assert all(not c.proc.is_alive() for c in sup._children)
 
 
 def test_greedy_check_collects_and_compares(stack, tmp_path):
