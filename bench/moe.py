@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench moe: {problem}")
             return 2
     try:
+        _check_config_file(args.model, PRESETS)
         cfg = resolve_model(args.model)
     except (OSError, ValueError) as exc:  # a missing file, not JSON, not a DeepseekV3 MoE config
         kind = "not a JSON config file: " if isinstance(exc, json.JSONDecodeError) else ""
@@ -413,6 +414,36 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} ({len(df)} rows, EP sizes "
           f"{sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}")
     return 0
+
+
+_MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+
+
+def _check_config_file(model: str, presets) -> None:
+    """ValueError naming the problem when `model` is a config file (or its folder) that is JSON but not an object
+    whose MoE sizes are numbers (a JSON array, a null field): `MoEConfig.from_hf` would raise a bare TypeError."""
+    import os
+
+    if model in presets or not os.path.exists(model):
+        return  # a preset, or resolve_model's own error
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        data = json.load(f)  # JSONDecodeError: reported as "not a JSON config file"
+    if not isinstance(data, dict):
+        raise ValueError(f"holds a JSON {type(data).__name__}, not a JSON object of a DeepseekV3-style config")
+    def number(value) -> bool:
+        try:
+            return not isinstance(value, bool) and float(value) == float(value)
+        except (TypeError, ValueError):
+            return False
+
+    optional = ("n_group", "topk_group", "n_shared_experts", "routed_scaling_factor")
+    bad = [k for k in _MOE_FIELDS if k in data and not number(data[k])]
+    bad += [k for k in optional if data.get(k) is not None and not number(data[k])]
+    if bad:
+        raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
 
 
 def _ints(text: str | None) -> list[int]:
