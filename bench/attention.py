@@ -62,13 +62,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON config for tunable backends, 'default' (the backend's default even where a tuned "
                         "entry exists) or 'tuned' (the nearest tuned entry, else the default); repeatable, one row "
                         "per config; none given: tuned")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--max-seconds", type=float, default=2.0, help="time budget per row")
+    p.add_argument("--repeats", type=int_arg(1), default=30)
+    p.add_argument("--max-seconds", type=_seconds, default=2.0, help="time budget per row")
     p.add_argument("--cuda-graph", action="store_true", help="time replays of a CUDA graph of calls")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (no error column)")
     p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
     p.add_argument("--name", default=None, help="file stem (default mla_<op>)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _seconds(text: str) -> float:
+    """An argparse `type`: a number of seconds > 0 (the usage error names what was given)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
 
 def parse_configs(texts: list[str]) -> list:

@@ -50,21 +50,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per rank in low-latency mode (default: the --tokens values up to 256)")
     p.add_argument("--mode", default="both", choices=["normal", "low_latency", "both"])
     p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 config.json")
-    p.add_argument("--num-max-dispatch-tokens", type=int, default=None,
+    p.add_argument("--num-max-dispatch-tokens", type=int_arg(1), default=None,
                    help="low-latency buffer tokens per rank (default: the largest low-latency token count)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int_arg(1), default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int_arg(0), default=3)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
     p.add_argument("--name", default=None, help="result file stem (default moe_ep<N>)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are stopped")
+    p.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before spawned ranks are stopped")
     p.add_argument("--scaling", nargs="+", default=None, metavar="CSV",
                    help="instead of running: plot dispatch/combine time and GB/s against the EP size from result "
                         "CSVs of earlier runs (e.g. moe_ep2_*.csv moe_ep4_*.csv moe_ep8_*.csv)")
     p.add_argument("--profile", action="store_true",
                    help="also write a torch.profiler table (CPU + CUDA) of dispatch and combine per configuration")
+
+
+def _seconds(text: str) -> float:
+    """An argparse `type`: a number of seconds > 0 (the usage error names what was given)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,3 +28,36 @@ def test_bench_moe_model_config_of_the_wrong_form_exits_2(tmp_path, capsys, cont
     line = _last_line(capsys.readouterr().out)
     assert line.startswith("bench moe: --model") and str(cfg) in line and says in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["moe", "--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["moe", "--repeats", "-1"], "argument --repeats: '-1' is below 1"),
+    (["moe", "--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    (["moe", "--num-max-dispatch-tokens", "-4"], "argument --num-max-dispatch-tokens: '-4' is below 1"),
+    (["moe", "--timeout", "0"], "argument --timeout: '0' is not a number of seconds > 0"),
+    (["attention", "--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["attention", "--max-seconds", "-1"], "argument --max-seconds: '-1' is not a number of seconds > 0"),
+    (["quantize", "--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["quantize", "--m", "0"], "argument --m: '0' is below 1"),
+    (["quantize", "--k", "100"], "argument --k: '100' is not a multiple of 16"),
+    (["quantize", "--k", "0"], "argument --k: '0' is below 16"),
+    (["contracts", "--calls", "0"], "argument --calls: '0' is below 1"),
+])
+def test_bench_counts_out_of_range_are_usage_errors(capsys, argv, says):
+    # tried as a new user would: --repeats 0 gave rows of "StatisticsError: no median for empty data" and exit 0,
+    # bench contracts --calls 0 a ZeroDivisionError traceback, --calls -5 negative times, bench quantize --m 0 and
+    # --k 100 tracebacks (amax of an empty tensor, a ShapeError), --timeout 0 a TimeoutError traceback
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grouped", ["0,4", "4,0", "-1,4"])
+def test_bench_quantize_grouped_sizes_below_one_exit_2(tmp_path, capsys, grouped):
+    # "0,4" silently ran an ungrouped [4, K] row, "-1,4" ended in a traceback
+    assert main(["quantize", "--m", "1", "--k", "32", f"--grouped={grouped}", "--out", str(tmp_path),
+                 "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench quantize: --grouped") and grouped in line and ">= 1" in line
