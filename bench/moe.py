@@ -39,7 +39,7 @@ CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", default="nvfp4", type=comma_list(one_of("nvfp4", "fp8", "bf16"), "payloads among "
                    "nvfp4, fp8, bf16"), help="payload(s) sent in dispatch: nvfp4,fp8,bf16 (comma list)")
-    p.add_argument("--runner", default="auto",
+    p.add_argument("--runner", default="auto", type=comma_list(str, "runner names, e.g. triton,torch, or auto"),
                    help="expert runner(s): triton,torch_grouped,cutedsl,torch or auto (best usable per payload)")
     p.add_argument("--ep", type=int_arg(1), default=1, help="expert-parallel ranks to start (one GPU each)")
     p.add_argument("--dispatcher", default=None,
@@ -143,8 +143,12 @@ def run(args: argparse.Namespace) -> int:
     if args.ep == 1 and dispatcher == "local":
         rows = bench_rank(0, 1, plan=plan)
     else:
-        per_rank = run_ranks(bench_rank, args.ep, kwargs={"plan": plan},
-                             backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
+        try:
+            per_rank = run_ranks(bench_rank, args.ep, kwargs={"plan": plan},
+                                 backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
+        except TimeoutError as exc:  # the ranks are stopped; no rows to write
+            print(f"bench moe: {exc} (--timeout {args.timeout:g}); give a larger --timeout or fewer --tokens")
+            return 1
         rows = _merge_ranks(per_rank)
     profiles = [(r, r.pop("profile_text")) for r in rows if "profile_text" in r]
     df = pd.DataFrame(rows)
@@ -397,7 +401,21 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     import pandas as pd
     from pathlib import Path
 
-    df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    need = ["ep", "mode", "tokens", "payload", "dispatch_ms", "combine_ms", "dispatch_GBps", "combine_GBps"]
+    frames = []
+    for p in paths:
+        try:
+            frame = pd.read_csv(p)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not CSV (pandas' ParserError is a ValueError)
+            print(f"bench moe --scaling: cannot read {p}: {exc}; give result CSVs of bench moe (moe_ep<N>.csv)")
+            return 2
+        missing = [c for c in need if c not in frame]
+        if missing:
+            print(f"bench moe --scaling: {p} has no column {', '.join(missing)}: not a result CSV of bench moe "
+                  "(moe_ep<N>.csv)")
+            return 2
+        frames.append(frame)
+    df = pd.concat(frames, ignore_index=True)
     if "status" in df:
         df = df[df.status == "ok"]
     if df.empty:

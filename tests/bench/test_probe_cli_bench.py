@@ -61,3 +61,32 @@ def test_bench_quantize_grouped_sizes_below_one_exit_2(tmp_path, capsys, grouped
                  "--no-plot"]) == 2
     line = _last_line(capsys.readouterr().out)
     assert line.startswith("bench quantize: --grouped") and grouped in line and ">= 1" in line
+
+
+def test_bench_moe_ranks_past_the_timeout_end_in_one_line(tmp_path, capsys):
+    # tried as a new user would: ranks that did not finish within --timeout ended in a TimeoutError traceback
+    assert main(["moe", "--ep", "2", "--timeout", "0.01", "--tokens", "1", "--mode", "normal", "--repeats", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 1
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe: ") and "did not finish within" in line and "--timeout" in line
+
+
+def test_bench_moe_empty_runner_list_is_a_usage_error(capsys):
+    # `--runner ,,` ran nothing and exited 1 saying "reasons above" with no reason above
+    with pytest.raises(SystemExit) as exc:
+        main(["moe", "--runner", ",,"])
+    assert exc.value.code == 2 and "argument --runner: empty list" in capsys.readouterr().err
+
+
+def test_bench_moe_scaling_with_a_missing_or_foreign_csv_exits_2(tmp_path, capsys):
+    # a missing CSV ended in a FileNotFoundError traceback, a CSV of something else in a KeyError/ParserError one
+    missing = tmp_path / "nope.csv"
+    assert main(["moe", "--scaling", str(missing), "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe --scaling: ") and str(missing) in line
+    other = tmp_path / "other.csv"
+    pd.DataFrame({"a": [1], "b": [2]}).to_csv(other, index=False)
+    assert main(["moe", "--scaling", str(other), "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert str(other) in line and "dispatch_ms" in line and "bench moe" in line
+    assert not list(tmp_path.glob("*.png"))
