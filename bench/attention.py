@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int_arg(0, "0 (the whole sequence is new) or a count"), default=0,
                    help="prefill: new tokens per sequence (0 = the whole sequence is new)")
     p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
-    p.add_argument("--config", action="append", default=[],
+    p.add_argument("--config", action="append", default=[], type=_config_word,
                    help="JSON config for tunable backends, 'default' (the backend's default even where a tuned "
                         "entry exists) or 'tuned' (the nearest tuned entry, else the default); repeatable, one row "
                         "per config; none given: tuned")
@@ -99,6 +99,15 @@ def parse_configs(texts: list[str]) -> list:
             raise SystemExit(f"bench attention: --config {text!r} must be a JSON object, 'default' or 'tuned'")
         out.append(cfg)
     return out or [None]
+
+
+def _config_word(text: str) -> str:
+    """An argparse `type` for one --config: what `parse_configs` takes, else the usage error (exit 2) saying why."""
+    try:
+        parse_configs([text])
+    except SystemExit as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("bench attention: ")) from None
+    return text
 
 
 def _ints(text: str) -> list[int]:
@@ -223,6 +232,13 @@ def run(args: argparse.Namespace) -> int:
     df = pd.DataFrame(rows)
     out_dir = args.out or report.default_out_dir("attention")
     stem = args.name or f"mla_{args.op}"
+    partial = Path(out_dir) / f"{stem}.partial.csv"
+    if not rows:  # no usable backend asked for: nothing measured, no empty CSV (pandas cannot read one)
+        partial.unlink(missing_ok=True)
+        usable_here = [b.name for b in registry.backends(op.name) if not registry.unavailable_reason(op.name, b.name)]
+        print(f"bench attention: no row ran: none of the backends asked for runs on this machine (reasons above); "
+              f"usable here: {', '.join(usable_here) or 'none'}")
+        return 1
     meta = report.provenance(facts, {"unavailable": dict(missing), "formulas": "FlashMLA benchmark (ANCHORS.md)"})
     csv = report.save(df, out_dir, stem, meta)
     ok = df[df["status"] == "ok"] if "status" in df else df.iloc[0:0]
@@ -242,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
     for _, r in bad.iterrows():
         print(f"[{r['status']}] {r['shape']} {r['backend']} {r.get('config', '')}")
     print(f"wrote {csv}")
+    if not len(ok):
+        print("bench attention: no row ran (every row failed or was unsupported, reasons above)")
+        return 1
     return 0
 
 

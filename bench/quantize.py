@@ -3,7 +3,7 @@
 Reports time per call, GB/s counting bytes read + written, % of the device's HBM bandwidth
 (measured with --measure-peaks, else cached or datasheet), and whether each backend's output is
 bit-exact with the torch reference (packed bytes, row-major scales and the 128x4 swizzled scales).
-Exit code 1 if any backend that ran is not bit-exact.
+Exit code 1 if any backend that ran is not bit-exact, or if none ran.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
                          hline=peak_bw / 1e9 if peak_bw else None, hline_label="HBM bandwidth")
     ran = sorted(set(ok["backend"])) if len(ok) else []
     print(f"backends that ran: {', '.join(ran) or 'none'}; results in {path.parent}")
+    if not ran:
+        print("bench quantize: no backend ran (reasons above)")
+        return 1
     bad = ok[ok["bit_exact"].astype(str) == "False"] if len(ok) else ok
     if len(bad):
         print(f"NOT bit-exact vs the torch reference: {', '.join(sorted(set(bad['backend'] + ' ' + bad['shape'])))}")

@@ -90,3 +90,44 @@ def test_bench_moe_scaling_with_a_missing_or_foreign_csv_exits_2(tmp_path, capsy
     line = _last_line(capsys.readouterr().out)
     assert str(other) in line and "dispatch_ms" in line and "bench moe" in line
     assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("config, says", [("defualt", "neither JSON nor 'default'/'tuned'"),
+                                          ("[1]", "must be a JSON object")])
+def test_bench_attention_bad_config_is_a_usage_error(capsys, config, says):
+    # exited 1 (a SystemExit with a message), not the usage error's 2
+    with pytest.raises(SystemExit) as exc:
+        main(["attention", "--config", config])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --config" in err and says in err
+
+
+def test_bench_attention_where_no_row_ran_exits_1_and_writes_no_empty_csv(tmp_path, capsys):
+    # tried as a new user would on a CPU machine: `bench attention --backend triton` printed "[unavailable] ...",
+    # wrote a 1-byte CSV that pandas cannot read (EmptyDataError) and exited 0
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where the triton backend is unavailable")
+    assert main(["attention", "--backend", "triton", "--batch", "1", "--seqlen", "16", "--heads", "16",
+                 "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "[unavailable] mla_decode[triton]" in out
+    line = _last_line(out)
+    assert line.startswith("bench attention: no row ran") and "torch" in line
+    for csv in tmp_path.glob("*.csv"):
+        pd.read_csv(csv)  # whatever is written is readable
+
+
+def test_bench_quantize_where_no_backend_ran_exits_1(tmp_path, capsys):
+    # `bench quantize --backends triton` on a CPU machine: every row skipped, "backends that ran: none", exit 0
+    from pdlab.kernels import registry
+
+    if not registry.unavailable_reason("nvfp4_quantize", "triton"):
+        pytest.skip("needs a machine where the triton backend is unavailable")
+    assert main(["quantize", "--backends", "triton", "--m", "1", "--k", "32", "--grouped", "none",
+                 "--out", str(tmp_path), "--no-plot"]) == 1
+    out = capsys.readouterr().out
+    assert "backends that ran: none" in out
+    assert pd.read_csv(tmp_path / "quantize.csv")["status"].eq("skipped").all()
