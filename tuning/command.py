@@ -66,6 +66,50 @@ def parse_only(items: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
+_ARCH_NAME = re.compile(r"sm\d{2,3}[af]?")
+
+
+def arch_problem(prog: str, requested: str | None) -> str | None:
+    """The one-line refusal of an --arch that names no arch (a typo would plan for it, or be told to run on a
+    device of that name), else None."""
+    if requested is None or requested.lower() == "cpu" or _ARCH_NAME.fullmatch(requested.lower()):
+        return None
+    return (f"{prog}: --arch {requested!r} is not an arch; write sm<major><minor> as `bench list` shows it "
+            "(sm90 for H100/H200, sm100 for B200/GB200, ...) or cpu")
+
+
+def device_problem(text: str | None) -> str | None:
+    """Why the torch device `text` is not on this machine (a CUDA device without CUDA, or past the last GPU),
+    else None. Text that is no torch device is left to the caller."""
+    import torch
+
+    if not text:
+        return None
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        return None
+    if dev.type != "cuda":
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return f"--device {text}: this machine has no CUDA device; leave --device out, or run on a GPU machine"
+    if dev.index is not None and dev.index >= count:
+        return f"--device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def _folder_problem(path: Path, what: str) -> str | None:
+    """Why `path` cannot take the files tune writes (made here if missing), else None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{what} {path} is not a writable folder ({exc.strerror or exc})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{what} {path} is not a writable folder (permission denied)"
+    return None
+
+
 def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) -> str | None:
     """The one-line refusal when this machine cannot tune for `requested`, else None."""
     if dry_run:
@@ -87,6 +131,12 @@ def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) ->
 def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=None) -> int:
     """Body of `tune attention|moe|dispatch`: gate, then dry-run or search + store + report.
     lockstep: in a multi-rank run (see tuning/dispatch.py), rank 0 searches, the others follow."""
+    problem = arch_problem(prog, args.arch)
+    if not problem and device_problem(args.device):
+        problem = f"{prog}: {device_problem(args.device)}"
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     detected = detect_arch(args.device) if args.device else detect_arch()
     refusal = arch_gate(prog, args.arch, detected, args.dry_run)
     if refusal:
@@ -190,6 +240,15 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
     store_root = Path(args.store or os.environ.get(tuned.CONFIG_DIR_ENV) or
                       Path.home() / ".cache" / "pdlab" / "configs").expanduser()
     out_dir = Path(args.out) if args.out else report.default_out_dir("tuning")
+    # checked before the search: a folder that cannot take the results would lose the measurements at the first write
+    store_what = "--store" if args.store else (tuned.CONFIG_DIR_ENV if os.environ.get(tuned.CONFIG_DIR_ENV)
+                                               else "the default store")
+    problem = (_folder_problem(store_root, store_what)
+               or _folder_problem(out_dir, "--out" if args.out else "the default --out"))
+    if problem:
+        print(f"{prog}: {problem}; point --store / {tuned.CONFIG_DIR_ENV} and --out at folders you can write",
+              file=sys.stderr)
+        return 2
     settings = _settings(args, budget, bucket_budget)
     meta = report.provenance(facts, {"device_key": facts.key, "versions": tuned.running_versions(),
                                      "model": model.name, "model_shape": model.as_dict()})

@@ -1,0 +1,88 @@
+"""`tune` as a new user drives it with odd input: one line naming what was wrong and the valid choices
+(exit 2), never a traceback."""
+
+import pytest
+import torch
+
+from pdlab.tuning.cli import main
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPU")
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("sub", ["attention", "moe", "dispatch"])
+@pytest.mark.parametrize("dry", [True, False])
+def test_an_arch_that_is_no_arch_exits_2_naming_the_form(sub, dry, capsys):
+    # tried as a new user would: `tune attention --dry-run --arch bogus` printed a plan for "bogus" and exited 0;
+    # without --dry-run the gate said "tuning must run on a bogus device"
+    assert main([sub, "--arch", "bogus"] + (["--dry-run"] if dry else [])) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert line.startswith(f"tune {sub}: --arch 'bogus'") and "sm90" in line and "sm100" in line and "cpu" in line
+    assert out == ""
+
+
+@pytest.mark.parametrize("arch", ["sm90", "SM90", "sm90a", "sm100", "sm103", "sm120", "cpu"])
+def test_real_archs_still_plan(arch, capsys):
+    assert main(["dispatch", "--arch", arch, "--dry-run"]) == 0
+    capsys.readouterr()
+
+
+@needs_cpu_only
+@pytest.mark.parametrize("argv", [["attention", "--device", "cuda:0", "--dry-run"],
+                                  ["moe", "--device", "cuda:0", "--arch", "cpu"],
+                                  ["show", "--device", "cuda:1"]])
+def test_a_cuda_device_on_a_machine_without_one_exits_2(argv, capsys):
+    # `tune attention --device cuda:0 --dry-run` and `tune show --device cuda:1` ended in
+    # "AssertionError: Torch not compiled with CUDA enabled" tracebacks
+    assert main(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--device cuda:" in line and "no CUDA device" in line
+
+
+def test_show_of_an_op_nobody_registered_exits_2_naming_the_ops(capsys):
+    # `tune show --op bogus` said "no tuned-config files for cpu and op bogus" and exited 0
+    assert main(["show", "--op", "mla_decod"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("tune show: --op 'mla_decod'") and "mla_decode" in line and "moe_experts" in line
+
+
+@pytest.mark.parametrize("content, says", [('{"hidden_size": 512,', "not JSON"), ("[1, 2]", "JSON object")])
+def test_a_model_file_that_is_not_a_json_object_names_the_file(tmp_path, capsys, content, says):
+    # a config.json cut short printed only json's "Expecting property name ..." without --model or the file
+    cfg = tmp_path / "config.json"
+    cfg.write_text(content)
+    assert main(["attention", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--model" in line and str(cfg) in line and says in line
+
+
+def test_a_model_file_with_a_null_size_names_the_field(tmp_path, capsys):
+    import json
+
+    fields = dict(hidden_size=512, num_attention_heads=8, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                  moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=None)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fields))
+    assert main(["moe", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(cfg) in line and "num_experts_per_tok" in line
+
+
+def test_a_store_folder_that_cannot_be_written_exits_2_before_tuning(tmp_path, capsys, monkeypatch):
+    # a PDLAB_CONFIG_DIR under a file: the search ran, then writing its first bucket ended in a NotADirectoryError
+    # traceback, the measurements lost
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDLAB_CONFIG_DIR", str(blocker / "configs"))
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["moe", "--arch", "cpu", "--out", str(tmp_path / "out"), "--budget", "5s", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert str(blocker / "configs") in line and "PDLAB_CONFIG_DIR" in line and "writable" in line
+    assert "trial" not in out
