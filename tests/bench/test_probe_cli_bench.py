@@ -131,3 +131,37 @@ def test_bench_quantize_where_no_backend_ran_exits_1(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "backends that ran: none" in out
     assert pd.read_csv(tmp_path / "quantize.csv")["status"].eq("skipped").all()
+
+
+def test_kernel_resources_help_states_its_whole_first_sentence(capsys):
+    # the description stopped mid-sentence: "... compiled for an NVIDIA arch on"
+    from pdlab.bench import kernel_resources
+
+    with pytest.raises(SystemExit) as exc:
+        kernel_resources.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "compiled for an NVIDIA arch on any machine" in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--config", '{"BOGUS": 1}'], "unknown config keys ['BOGUS']"),
+    (["--op", "moe_experts", "--config", '{"BOGUS": 1}'], "unknown config keys ['BOGUS']"),
+])
+def test_kernel_resources_unknown_config_key_exits_2(capsys, argv, says):
+    # a --config with a knob the backend does not declare ended in a ValueError traceback
+    from pdlab.bench import kernel_resources
+
+    assert kernel_resources.main(argv) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("kernel_resources: --config") and says in line
+
+
+@pytest.mark.parametrize("flag", ["--tokens", "--experts", "--heads", "--batch", "--seqlen", "--sm-count"])
+def test_kernel_resources_sizes_below_one_are_usage_errors(capsys, flag):
+    # --op moe_experts --tokens 0 ended in a KeyError traceback
+    from pdlab.bench import kernel_resources
+
+    with pytest.raises(SystemExit) as exc:
+        kernel_resources.main([flag, "0"])
+    assert exc.value.code == 2 and f"argument {flag}: '0' is below 1" in capsys.readouterr().err
