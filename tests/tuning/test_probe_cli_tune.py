@@ -86,3 +86,32 @@ def test_a_store_folder_that_cannot_be_written_exits_2_before_tuning(tmp_path, c
     line = _one_line(err)
     assert str(blocker / "configs") in line and "PDLAB_CONFIG_DIR" in line and "writable" in line
     assert "trial" not in out
+
+
+def test_speedup_plot_labels_name_only_what_differs_between_buckets(tmp_path, monkeypatch):
+    # tune moe --arch cpu drew every bucket's whole label (7 keys) under its bar: cut off at the figure's edge,
+    # every visible part the same ("..._expert=1 / grouped]"), and a tight-layout warning
+    from types import SimpleNamespace
+
+    from pdlab.tuning import plots
+
+    shared = dict(hidden=256, intermediate=128, payload="bf16", tokens_per_expert=1)
+    winners = [(dict(shared, experts=e, active_experts=a, layout=lay),
+                SimpleNamespace(backend="torch_grouped", default_time_ms=1.0, time_ms=0.9))
+               for e, a in ((16, 16), (16, 8), (4, 4)) for lay in ("contiguous", "masked")]
+    seen = {}
+
+    def save(fig, plt, path):
+        ax = fig.axes[0]
+        seen["ticks"] = [t.get_text() for t in ax.get_xticklabels()]
+        seen["text"] = ax.get_xlabel() + " " + ax.get_title()
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", save)
+    plots.plot_speedup("moe_experts", "cpu", winners, tmp_path / "speedup.png")
+    ticks = seen["ticks"]
+    assert ticks[0].splitlines()[0] == "active_experts=16,experts=16,layout=contiguous"
+    assert all("hidden=" not in t and "tokens_per_expert" not in t for t in ticks)
+    assert len(set(ticks)) == len(ticks)
+    assert "hidden=256" in seen["text"] and "tokens_per_expert=1" in seen["text"]
