@@ -258,7 +258,13 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-        tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+        if not args.request_rate >= 0:  # negative or nan (0 and inf: all at once)
+            raise ValueError(f"--request-rate must be >= 0 requests/s (inf: all at once), got {args.request_rate:g}")
+        try:
+            tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+        except Exception as exc:  # the tokenizers package's own errors name neither the option nor the path
+            raise ValueError(f"--tokenizer {args.tokenizer}: {exc}; give a tokenizer.json or an HF model "
+                             "folder holding one") from None
     except (ValueError, OSError, Exception) as exc:
         print(f"bench serving: {exc}", file=sys.stderr)
         return 2

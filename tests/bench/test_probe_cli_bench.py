@@ -165,3 +165,19 @@ def test_kernel_resources_sizes_below_one_are_usage_errors(capsys, flag):
     with pytest.raises(SystemExit) as exc:
         kernel_resources.main([flag, "0"])
     assert exc.value.code == 2 and f"argument {flag}: '0' is below 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--tokenizer", "{missing}"], "--tokenizer {missing}"),
+    (["--request-rate", "-1"], "--request-rate must be >= 0 requests/s (inf: all at once), got -1"),
+])
+def test_bench_serving_bad_tokenizer_or_rate_is_one_line_naming_the_option(tmp_path, capsys, extra, says):
+    # a missing --tokenizer said only "No such file or directory (os error 2)", without the option or the path;
+    # a negative --request-rate was taken as "all at once"
+    missing = str(tmp_path / "no_tokenizer")
+    extra = [e.format(missing=missing) for e in extra]
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path / "out"), *extra]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("bench serving: ") and says.format(missing=missing) in line
+    assert not (tmp_path / "out").exists()
