@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             print(f"bench moe: {problem}")
             return 2
+    if args.model.lower() in PRESETS and not os.path.exists(args.model):  # a name in any case, as tune takes it
+        args.model = args.model.lower()
     try:
         _check_config_file(args.model, PRESETS)
         cfg = resolve_model(args.model)
@@ -451,8 +454,6 @@ _MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_in
 def _check_config_file(model: str, presets) -> None:
     """ValueError naming the problem when `model` is a config file (or its folder) that is JSON but not an object
     whose MoE sizes are numbers (a JSON array, a null field): `MoEConfig.from_hf` would raise a bare TypeError."""
-    import os
-
     if model in presets or not os.path.exists(model):
         return  # a preset, or resolve_model's own error
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model

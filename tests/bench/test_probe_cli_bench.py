@@ -181,3 +181,11 @@ def test_bench_serving_bad_tokenizer_or_rate_is_one_line_naming_the_option(tmp_p
     line = _last_line(capsys.readouterr().err)
     assert line.startswith("bench serving: ") and says.format(missing=missing) in line
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_takes_a_model_name_in_any_case_as_tune_does(tmp_path, capsys):
+    # `tune moe --model DeepSeek-R1` plans R1's shapes; `bench moe --model DeepSeek-R1` said "unknown model"
+    assert main(["moe", "--model", "DeepSeek-R1", "--tokens", "1", "--mode", "normal", "--repeats", "1",
+                 "--warmup", "0", "--out", str(tmp_path), "--no-plot"]) == 0
+    meta = json.loads((tmp_path / "moe_ep1.json").read_text())["meta"]
+    assert meta["plan"]["cfg"]["num_experts"] in (16, 256)  # the CPU's small shape, or R1's on a GPU
