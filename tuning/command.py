@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from pdlab._subcommands import int_arg
 from pdlab.kernels.arch import arch_family, detect_arch
 
 
@@ -29,7 +30,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
                         "(default 10m)")
     parser.add_argument("--bucket-budget", default=None, help="wall-time cap per bucket (all its backends); "
                         "default: the op budget shared evenly over the buckets")
-    parser.add_argument("--trials", type=int, default=200, help="max trials per study (default 200)")
+    parser.add_argument("--trials", type=int_arg(1), default=200, help="max trials per study (default 200)")
     parser.add_argument("--sampler", default="auto", choices=["auto", "tpe", "grid", "random"],
                         help="auto: grid when a space has <= 64 configs, else TPE")
     parser.add_argument("--storage", default=None, help="optuna storage: a sqlite file path or an RDB URL "
@@ -38,10 +39,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
                         "$PDLAB_CONFIG_DIR, else ~/.cache/pdlab/configs)")
     parser.add_argument("--out", default=None, help="folder for the summary CSV/JSON and PNG plots (default "
                         "bench/results/<device>/tuning)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each measurement (the first "
+    parser.add_argument("--repeats", type=int_arg(1), default=30, help="timed calls per measurement (default 30)")
+    parser.add_argument("--warmup", type=int_arg(0), default=3, help="untimed calls before each measurement (the first "
                         "compiles a new config; default 3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_arg(0), default=0)
     parser.add_argument("--device", default=None, help="device to tune on (default cuda:current)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -249,7 +250,16 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
         print(f"{prog}: {problem}; point --store / {tuned.CONFIG_DIR_ENV} and --out at folders you can write",
               file=sys.stderr)
         return 2
-    settings = _settings(args, budget, bucket_budget)
+    try:  # opened once here (it is cached for the run): a URL optuna cannot open ends the run before it starts
+        from pdlab.tuning.search import _storage
+
+        settings = _settings(args, budget, bucket_budget)
+        _storage(settings.storage)
+    except Exception as exc:  # noqa: BLE001  (sqlalchemy's and optuna's own errors, an uncreatable folder)
+        print(f"{prog}: --storage {args.storage!r}: cannot open it as an optuna storage ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}); give a sqlite file path or an RDB URL",
+              file=sys.stderr)
+        return 2
     meta = report.provenance(facts, {"device_key": facts.key, "versions": tuned.running_versions(),
                                      "model": model.name, "model_shape": model.as_dict()})
     rows, status = [], 0

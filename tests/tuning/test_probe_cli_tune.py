@@ -115,3 +115,28 @@ def test_speedup_plot_labels_name_only_what_differs_between_buckets(tmp_path, mo
     assert all("hidden=" not in t and "tokens_per_expert" not in t for t in ticks)
     assert len(set(ticks)) == len(ticks)
     assert "hidden=256" in seen["text"] and "tokens_per_expert=1" in seen["text"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--trials", "0"], "argument --trials: '0' is below 1"),
+    (["--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    (["--seed", "-1"], "argument --seed: '-1' is below 0"),
+])
+def test_counts_out_of_range_are_usage_errors(capsys, argv, says):
+    # tried as a new user would: --trials 0 / --repeats 0 / --warmup -1 ran every study to "no median for empty
+    # data" or "no trial produced a correct result" and exited 0; --seed -1 failed the op after planning it
+    with pytest.raises(SystemExit) as exc:
+        main(["moe", "--arch", "cpu", *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_storage_url_optuna_cannot_open_exits_2_before_tuning(tmp_path, capsys, monkeypatch):
+    # --storage bogus://x ended in a sqlalchemy NoSuchModuleError traceback
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["moe", "--arch", "cpu", "--storage", "bogus://x", "--store", str(tmp_path / "st"),
+                 "--out", str(tmp_path / "out"), "--budget", "5s", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert line.startswith("tune moe: --storage 'bogus://x'") and "sqlite" in line
+    assert "trial" not in out
