@@ -140,3 +140,18 @@ def test_a_storage_url_optuna_cannot_open_exits_2_before_tuning(tmp_path, capsys
     line = _one_line(err)
     assert line.startswith("tune moe: --storage 'bogus://x'") and "sqlite" in line
     assert "trial" not in out
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_dispatch_ep_that_does_not_divide_the_experts_exits_2_at_once(capsys, dry):
+    # README: an --ep that does not divide the experts ends tune at once (exit 2); `tune dispatch --ep 3 --arch cpu`
+    # started 3 ranks, failed every trial ("num_experts=16 is not divisible by the 3 ranks") and exited 0
+    assert main(["dispatch", "--ep", "3", "--arch", "cpu"] + (["--dry-run"] if dry else [])) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("tune dispatch: --ep 3") and "16 experts" in line and "1, 2, 4, 8, 16" in line
+
+
+def test_dispatch_ep_below_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["dispatch", "--ep", "0", "--arch", "cpu", "--dry-run"])
+    assert exc.value.code == 2 and "argument --ep: '0' is below 1" in capsys.readouterr().err
