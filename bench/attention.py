@@ -22,6 +22,7 @@ import random
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
+from pdlab.bench._args import file_stem, out_dir_problem, seconds
 
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
                  "page_size": "64", "s_q": "1"}
@@ -63,23 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "entry exists) or 'tuned' (the nearest tuned entry, else the default); repeatable, one row "
                         "per config; none given: tuned")
     p.add_argument("--repeats", type=int_arg(1), default=30)
-    p.add_argument("--max-seconds", type=_seconds, default=2.0, help="time budget per row")
+    p.add_argument("--max-seconds", type=seconds, default=2.0, help="time budget per row")
     p.add_argument("--cuda-graph", action="store_true", help="time replays of a CUDA graph of calls")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (no error column)")
     p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
-    p.add_argument("--name", default=None, help="file stem (default mla_<op>)")
+    p.add_argument("--name", default=None, type=file_stem, help="file stem (default mla_<op>)")
     p.add_argument("--seed", type=int, default=0)
-
-
-def _seconds(text: str) -> float:
-    """An argparse `type`: a number of seconds > 0 (the usage error names what was given)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
 
 
 def parse_configs(texts: list[str]) -> list:
@@ -127,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     from pathlib import Path
 
-    Path(args.out or report.default_out_dir("attention")).mkdir(parents=True, exist_ok=True)
+    problem = out_dir_problem(args.out or report.default_out_dir("attention"))
+    if problem:
+        print(f"bench attention: --out {problem}; give a folder to write the results into")
+        return 2
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

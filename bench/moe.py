@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
+from pdlab.bench._args import file_stem, out_dir_problem, seconds
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
@@ -58,25 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
-    p.add_argument("--name", default=None, help="result file stem (default moe_ep<N>)")
+    p.add_argument("--name", default=None, type=file_stem, help="result file stem (default moe_ep<N>)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before spawned ranks are stopped")
+    p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before spawned ranks are stopped")
     p.add_argument("--scaling", nargs="+", default=None, metavar="CSV",
                    help="instead of running: plot dispatch/combine time and GB/s against the EP size from result "
                         "CSVs of earlier runs (e.g. moe_ep2_*.csv moe_ep4_*.csv moe_ep8_*.csv)")
     p.add_argument("--profile", action="store_true",
                    help="also write a torch.profiler table (CPU + CUDA) of dispatch and combine per configuration")
-
-
-def _seconds(text: str) -> float:
-    """An argparse `type`: a number of seconds > 0 (the usage error names what was given)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
               "that divides it")
         return 2
+    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"bench moe: --out {problem}; give a folder to write the results into")
+        return 2
     tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
     # low-latency buffers hold few tokens per rank (DeepEP allows <= 1024, recommends < 256): by default
     # the low-latency rows take the token counts up to 256
@@ -156,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
     profiles = [(r, r.pop("profile_text")) for r in rows if "profile_text" in r]
     df = pd.DataFrame(rows)
     facts = arch.device_facts()
-    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
     name = args.name or f"moe_ep{args.ep}"
     if profiles:
         from pathlib import Path

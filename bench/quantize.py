@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from pdlab._subcommands import int_arg
+from pdlab.bench._args import out_dir_problem
 
 GPU_M = [1, 128, 1024, 4096, 16384]
 GPU_K = [7168, 2048]
@@ -86,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"bench quantize: {problem}")
         return 2
+    out_dir = args.out or report.default_out_dir("quantize")
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"bench quantize: --out {problem}; give a folder to write the results into")
+        return 2
     jobs = [(case, name, None) for case in cases for name in names]
     if args.sweep:
         jobs += [((4096, 7168, None), "triton", cfg) for cfg in SWEEP]
@@ -129,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
             advance(f"{name} {label}: {timing.median_ms * 1e3:.1f} us")
 
     df = pd.DataFrame(rows)
-    out_dir = args.out or report.default_out_dir("quantize")
     meta = report.provenance(facts, {"peak_bw_bytes_per_s": peak_bw, "dtype": args.dtype,
                                      "bytes": "read x (live rows) + write packed K/2 + scales K/16 per row"})
     path = report.save(df, out_dir, "quantize", meta)

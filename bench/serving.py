@@ -271,6 +271,13 @@ def run(args: argparse.Namespace) -> int:
     if args.endpoint.endswith("chat/completions") and tok is None:
         print("bench serving: the chat endpoint needs text prompts: pass --tokenizer", file=sys.stderr)
         return 2
+    from pdlab.bench._args import out_dir_problem
+
+    out = Path(args.out) if args.out else _default_out()
+    problem = out_dir_problem(out)
+    if problem:  # checked before the requests: the results would be lost at the end
+        print(f"bench serving: --out {problem}; give a folder to write the results into", file=sys.stderr)
+        return 2
     card: dict = {}
     if args.model is None or not (args.vocab_size or tok):
         try:
@@ -298,7 +305,6 @@ def run(args: argparse.Namespace) -> int:
             "max_concurrency": args.max_concurrency, "seed": args.seed,
             "command": " ".join(["bench serving"] + sys.argv[2:]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.out) if args.out else _default_out()
     out.mkdir(parents=True, exist_ok=True)
     rows = [{**{k: v for k, v in asdict(r).items() if k != "itl"}, "tpot": r.tpot,
              "max_itl": max(r.itl, default=None), "num_chunks": len(r.itl) + (1 if r.success else 0)} for r in results]

@@ -189,3 +189,29 @@ def test_bench_moe_takes_a_model_name_in_any_case_as_tune_does(tmp_path, capsys)
                  "--warmup", "0", "--out", str(tmp_path), "--no-plot"]) == 0
     meta = json.loads((tmp_path / "moe_ep1.json").read_text())["meta"]
     assert meta["plan"]["cfg"]["num_experts"] in (16, 256)  # the CPU's small shape, or R1's on a GPU
+
+
+@pytest.mark.parametrize("argv", [
+    ["moe", "--tokens", "1", "--repeats", "1", "--no-plot"],
+    ["attention", "--seqlen", "16"],
+    ["quantize", "--m", "1", "--k", "32", "--grouped", "none", "--no-plot"],
+    ["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1"],
+])
+def test_an_out_that_is_a_file_exits_2_before_measuring(tmp_path, capsys, argv):
+    # tried as a new user would: --out naming a file ended in a FileExistsError traceback, for bench moe,
+    # quantize and serving only after the whole run (its measurements lost)
+    target = tmp_path / "results.csv"
+    target.write_text("x\n")
+    assert main([*argv, "--out", str(target)]) == 2
+    out, err = capsys.readouterr()
+    line = _last_line(out + err)
+    assert line.startswith(f"bench {argv[0]}: --out {target}") and "not a folder" in line
+    assert target.read_text() == "x\n"
+
+
+@pytest.mark.parametrize("argv", [["moe", "--tokens", "1", "--repeats", "1"], ["attention", "--seqlen", "16"]])
+def test_a_name_with_a_folder_in_it_is_a_usage_error(tmp_path, capsys, argv):
+    # bench attention --name sub/x ended in "OSError: Cannot save file into a non-existent directory"
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path), "--name", "sub/x"])
+    assert exc.value.code == 2 and "argument --name: 'sub/x' is a file stem" in capsys.readouterr().err
