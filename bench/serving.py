@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="output folder (default bench/results/<device>/serving)")
-    p.add_argument("--tag", default="serving", help="file name stem of the outputs")
+    from pdlab.bench._args import file_stem
+
+    p.add_argument("--tag", default="serving", type=file_stem, help="file name stem of the outputs")
 
 
 @dataclass

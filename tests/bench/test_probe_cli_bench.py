@@ -209,9 +209,12 @@ def test_an_out_that_is_a_file_exits_2_before_measuring(tmp_path, capsys, argv):
     assert target.read_text() == "x\n"
 
 
-@pytest.mark.parametrize("argv", [["moe", "--tokens", "1", "--repeats", "1"], ["attention", "--seqlen", "16"]])
-def test_a_name_with_a_folder_in_it_is_a_usage_error(tmp_path, capsys, argv):
-    # bench attention --name sub/x ended in "OSError: Cannot save file into a non-existent directory"
+@pytest.mark.parametrize("argv, flag", [(["moe", "--tokens", "1", "--repeats", "1"], "--name"),
+                                        (["attention", "--seqlen", "16"], "--name"),
+                                        (["serving", "--base-url", "http://127.0.0.1:9", "--model", "m"], "--tag")])
+def test_a_name_with_a_folder_in_it_is_a_usage_error(tmp_path, capsys, argv, flag):
+    # bench attention --name sub/x ended in "OSError: Cannot save file into a non-existent directory", bench serving
+    # --tag sub/x the same way after every request had run
     with pytest.raises(SystemExit) as exc:
-        main([*argv, "--out", str(tmp_path), "--name", "sub/x"])
-    assert exc.value.code == 2 and "argument --name: 'sub/x' is a file stem" in capsys.readouterr().err
+        main([*argv, "--out", str(tmp_path), flag, "sub/x"])
+    assert exc.value.code == 2 and f"argument {flag}: 'sub/x' is a file stem" in capsys.readouterr().err
