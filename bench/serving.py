@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
             "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
-            "command": " ".join(["bench serving"] + sys.argv[2:]),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),  # as bench.report records it
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out.mkdir(parents=True, exist_ok=True)
     rows = [{**{k: v for k, v in asdict(r).items() if k != "itl"}, "tpot": r.tpot,

@@ -218,3 +218,13 @@ def test_a_name_with_a_folder_in_it_is_a_usage_error(tmp_path, capsys, argv, fla
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--out", str(tmp_path), flag, "sub/x"])
     assert exc.value.code == 2 and f"argument {flag}: 'sub/x' is a file stem" in capsys.readouterr().err
+
+
+def test_bench_serving_records_the_command_as_it_was_typed(tmp_path, capsys, monkeypatch):
+    # run as `pdlab bench serving ...` the JSON recorded "bench serving serving ..."
+    argv = ["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/pdlab", "bench", *argv])
+    assert main(argv) == 1  # nothing listens: every request failed
+    meta = json.loads((tmp_path / "serving.json").read_text())["meta"]
+    assert meta["command"] == "pdlab bench " + " ".join(argv)
