@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():
-        print(f"  skipped {r['mode']} t{r['tokens']} {r['payload']} {r['runner']}: {r['status'][:160]}")
+        print(f"  skipped {r['mode']} t{r['tokens']} {r['payload']} {r['runner']}: {r['status']}")
     if ratios:
         pd.DataFrame(ratios).to_csv(csv.with_name(f"{name}_ratios.csv"), index=False)
         for r in ratios:

@@ -228,3 +228,12 @@ def test_bench_serving_records_the_command_as_it_was_typed(tmp_path, capsys, mon
     assert main(argv) == 1  # nothing listens: every request failed
     meta = json.loads((tmp_path / "serving.json").read_text())["meta"]
     assert meta["command"] == "pdlab bench " + " ".join(argv)
+
+
+def test_bench_moe_prints_a_skipped_rows_whole_reason(tmp_path, capsys):
+    # the reason was cut at 160 characters, before the payloads the runner accepts and the runners that would do
+    assert main(["moe", "--runner", "torch_grouped", "--dispatch", "fp8", "--mode", "normal", "--tokens", "1",
+                 "--repeats", "1", "--out", str(tmp_path), "--no-plot"]) == 1
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if line.strip().startswith("skipped normal t1 fp8 torch_grouped")]
+    assert len(skipped) == 1 and "payloads ('bf16',)" in skipped[0] and "Fix:" in skipped[0]
