@@ -22,6 +22,7 @@ import random
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
+from pdlab.bench._args import file_stem, out_dir_problem, seconds
 
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
                  "page_size": "64", "s_q": "1"}
@@ -58,16 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int_arg(0, "0 (the whole sequence is new) or a count"), default=0,
                    help="prefill: new tokens per sequence (0 = the whole sequence is new)")
     p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
-    p.add_argument("--config", action="append", default=[],
+    p.add_argument("--config", action="append", default=[], type=_config_word,
                    help="JSON config for tunable backends, 'default' (the backend's default even where a tuned "
                         "entry exists) or 'tuned' (the nearest tuned entry, else the default); repeatable, one row "
                         "per config; none given: tuned")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--max-seconds", type=float, default=2.0, help="time budget per row")
+    p.add_argument("--repeats", type=int_arg(1), default=30)
+    p.add_argument("--max-seconds", type=seconds, default=2.0, help="time budget per row")
     p.add_argument("--cuda-graph", action="store_true", help="time replays of a CUDA graph of calls")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (no error column)")
     p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
-    p.add_argument("--name", default=None, help="file stem (default mla_<op>)")
+    p.add_argument("--name", default=None, type=file_stem, help="file stem (default mla_<op>)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -90,6 +91,15 @@ def parse_configs(texts: list[str]) -> list:
     return out or [None]
 
 
+def _config_word(text: str) -> str:
+    """An argparse `type` for one --config: what `parse_configs` takes, else the usage error (exit 2) saying why."""
+    try:
+        parse_configs([text])
+    except SystemExit as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("bench attention: ")) from None
+    return text
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -107,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     from pathlib import Path
 
-    Path(args.out or report.default_out_dir("attention")).mkdir(parents=True, exist_ok=True)
+    problem = out_dir_problem(args.out or report.default_out_dir("attention"))
+    if problem:
+        print(f"bench attention: --out {problem}; give a folder to write the results into")
+        return 2
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -212,6 +225,13 @@ def run(args: argparse.Namespace) -> int:
     df = pd.DataFrame(rows)
     out_dir = args.out or report.default_out_dir("attention")
     stem = args.name or f"mla_{args.op}"
+    partial = Path(out_dir) / f"{stem}.partial.csv"
+    if not rows:  # no usable backend asked for: nothing measured, no empty CSV (pandas cannot read one)
+        partial.unlink(missing_ok=True)
+        usable_here = [b.name for b in registry.backends(op.name) if not registry.unavailable_reason(op.name, b.name)]
+        print(f"bench attention: no row ran: none of the backends asked for runs on this machine (reasons above); "
+              f"usable here: {', '.join(usable_here) or 'none'}")
+        return 1
     meta = report.provenance(facts, {"unavailable": dict(missing), "formulas": "FlashMLA benchmark (ANCHORS.md)"})
     csv = report.save(df, out_dir, stem, meta)
     ok = df[df["status"] == "ok"] if "status" in df else df.iloc[0:0]
@@ -231,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     for _, r in bad.iterrows():
         print(f"[{r['status']}] {r['shape']} {r['backend']} {r.get('config', '')}")
     print(f"wrote {csv}")
+    if not len(ok):
+        print("bench attention: no row ran (every row failed or was unsupported, reasons above)")
+        return 1
     return 0
 
 

@@ -8,11 +8,13 @@ import time
 
 import torch
 
+from pdlab._subcommands import int_arg
+
 GOAL_US = 10.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calls", type=int, default=20000, help="calls per measurement (default 20000)")
+    p.add_argument("--calls", type=int_arg(1), default=20000, help="calls per measurement (default 20000)")
 
 
 def five_tensor_op():

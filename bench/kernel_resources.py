@@ -332,16 +332,20 @@ def store_rows(path: str, arch: int = 90) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pdlab.bench.kernel_resources", description=__doc__.split("\n")[0])
+    from pdlab._subcommands import int_arg
+
+    first = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, whole
+    ap = argparse.ArgumentParser(prog="pdlab.bench.kernel_resources", description=first)
     ap.add_argument("--op", choices=("mla_decode", "moe_experts"), default="mla_decode")
-    ap.add_argument("--heads", type=int, default=16, help="mla_decode")
+    ap.add_argument("--heads", type=int_arg(1), default=16, help="mla_decode")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8", help="mla_decode")
     ap.add_argument("--s-q", type=int, default=1, choices=(1, 2, 4), help="mla_decode")
-    ap.add_argument("--batch", type=int, default=128, help="mla_decode")
-    ap.add_argument("--seqlen", type=int, default=8192, help="mla_decode")
-    ap.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (decode splits follow it)")
-    ap.add_argument("--tokens", type=int, default=1, help="moe_experts: tokens per expert")
-    ap.add_argument("--experts", type=int, default=64, help="moe_experts: local experts (EP4 of DeepSeek-R1: 64)")
+    ap.add_argument("--batch", type=int_arg(1), default=128, help="mla_decode")
+    ap.add_argument("--seqlen", type=int_arg(1), default=8192, help="mla_decode")
+    ap.add_argument("--sm-count", type=int_arg(1), default=132, help="SMs of the target GPU (decode splits follow it)")
+    ap.add_argument("--tokens", type=int_arg(1), default=1, help="moe_experts: tokens per expert")
+    ap.add_argument("--experts", type=int_arg(1), default=64,
+                    help="moe_experts: local experts (EP4 of DeepSeek-R1: 64)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability as a number (90 = sm90)")
     ap.add_argument("--config", action="append", default=[],
                     help="'default' or a JSON object merged over the default (repeatable; default: default)")
@@ -373,14 +377,15 @@ def main(argv=None) -> int:
             raw = {} if text == "default" else json.loads(text)
             if not isinstance(raw, dict):
                 raise ValueError("not a JSON object")
+            config = backend.config(raw)  # ValueError naming a knob the backend does not declare
         except ValueError as exc:
             print(f"kernel_resources: --config {text!r}: {exc}; give 'default' or a JSON object", file=sys.stderr)
             return 2
         if args.op == "mla_decode":
-            launches = record_launch(args.heads, args.kv_dtype, backend.config(raw), args.arch, args.s_q,
+            launches = record_launch(args.heads, args.kv_dtype, config, args.arch, args.s_q,
                                      batch=args.batch, seqlen=args.seqlen, sm_count=args.sm_count)
         else:
-            launches = record_moe_launches(backend.config(raw), args.tokens, args.experts)
+            launches = record_moe_launches(config, args.tokens, args.experts)
         for stage, launch in launches:
             row = {"config": text, "stage": stage, "splits": launch["splits"],
                    **compile_launch(launch, args.arch, args.sass)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
+from pdlab.bench._args import file_stem, out_dir_problem, seconds
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
@@ -39,7 +41,7 @@ CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch", default="nvfp4", type=comma_list(one_of("nvfp4", "fp8", "bf16"), "payloads among "
                    "nvfp4, fp8, bf16"), help="payload(s) sent in dispatch: nvfp4,fp8,bf16 (comma list)")
-    p.add_argument("--runner", default="auto",
+    p.add_argument("--runner", default="auto", type=comma_list(str, "runner names, e.g. triton,torch, or auto"),
                    help="expert runner(s): triton,torch_grouped,cutedsl,torch or auto (best usable per payload)")
     p.add_argument("--ep", type=int_arg(1), default=1, help="expert-parallel ranks to start (one GPU each)")
     p.add_argument("--dispatcher", default=None,
@@ -50,16 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per rank in low-latency mode (default: the --tokens values up to 256)")
     p.add_argument("--mode", default="both", choices=["normal", "low_latency", "both"])
     p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 config.json")
-    p.add_argument("--num-max-dispatch-tokens", type=int, default=None,
+    p.add_argument("--num-max-dispatch-tokens", type=int_arg(1), default=None,
                    help="low-latency buffer tokens per rank (default: the largest low-latency token count)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int_arg(1), default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int_arg(0), default=3)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
-    p.add_argument("--name", default=None, help="result file stem (default moe_ep<N>)")
+    p.add_argument("--name", default=None, type=file_stem, help="result file stem (default moe_ep<N>)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before spawned ranks are stopped")
+    p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before spawned ranks are stopped")
     p.add_argument("--scaling", nargs="+", default=None, metavar="CSV",
                    help="instead of running: plot dispatch/combine time and GB/s against the EP size from result "
                         "CSVs of earlier runs (e.g. moe_ep2_*.csv moe_ep4_*.csv moe_ep8_*.csv)")
@@ -97,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             print(f"bench moe: {problem}")
             return 2
+    if args.model.lower() in PRESETS and not os.path.exists(args.model):  # a name in any case, as tune takes it
+        args.model = args.model.lower()
     try:
+        _check_config_file(args.model, PRESETS)
         cfg = resolve_model(args.model)
     except (OSError, ValueError) as exc:  # a missing file, not JSON, not a DeepseekV3 MoE config
         kind = "not a JSON config file: " if isinstance(exc, json.JSONDecodeError) else ""
@@ -113,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
     if cfg.num_experts % args.ep:
         print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
               "that divides it")
+        return 2
+    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"bench moe: --out {problem}; give a folder to write the results into")
         return 2
     tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
     # low-latency buffers hold few tokens per rank (DeepEP allows <= 1024, recommends < 256): by default
@@ -131,13 +141,16 @@ def run(args: argparse.Namespace) -> int:
     if args.ep == 1 and dispatcher == "local":
         rows = bench_rank(0, 1, plan=plan)
     else:
-        per_rank = run_ranks(bench_rank, args.ep, kwargs={"plan": plan},
-                             backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
+        try:
+            per_rank = run_ranks(bench_rank, args.ep, kwargs={"plan": plan},
+                                 backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
+        except TimeoutError as exc:  # the ranks are stopped; no rows to write
+            print(f"bench moe: {exc} (--timeout {args.timeout:g}); give a larger --timeout or fewer --tokens")
+            return 1
         rows = _merge_ranks(per_rank)
     profiles = [(r, r.pop("profile_text")) for r in rows if "profile_text" in r]
     df = pd.DataFrame(rows)
     facts = arch.device_facts()
-    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
     name = args.name or f"moe_ep{args.ep}"
     if profiles:
         from pathlib import Path
@@ -157,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():
-        print(f"  skipped {r['mode']} t{r['tokens']} {r['payload']} {r['runner']}: {r['status'][:160]}")
+        print(f"  skipped {r['mode']} t{r['tokens']} {r['payload']} {r['runner']}: {r['status']}")
     if ratios:
         pd.DataFrame(ratios).to_csv(csv.with_name(f"{name}_ratios.csv"), index=False)
         for r in ratios:
@@ -385,7 +398,21 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     import pandas as pd
     from pathlib import Path
 
-    df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    need = ["ep", "mode", "tokens", "payload", "dispatch_ms", "combine_ms", "dispatch_GBps", "combine_GBps"]
+    frames = []
+    for p in paths:
+        try:
+            frame = pd.read_csv(p)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not CSV (pandas' ParserError is a ValueError)
+            print(f"bench moe --scaling: cannot read {p}: {exc}; give result CSVs of bench moe (moe_ep<N>.csv)")
+            return 2
+        missing = [c for c in need if c not in frame]
+        if missing:
+            print(f"bench moe --scaling: {p} has no column {', '.join(missing)}: not a result CSV of bench moe "
+                  "(moe_ep<N>.csv)")
+            return 2
+        frames.append(frame)
+    df = pd.concat(frames, ignore_index=True)
     if "status" in df:
         df = df[df.status == "ok"]
     if df.empty:
@@ -413,6 +440,34 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} ({len(df)} rows, EP sizes "
           f"{sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}")
     return 0
+
+
+_MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+
+
+def _check_config_file(model: str, presets) -> None:
+    """ValueError naming the problem when `model` is a config file (or its folder) that is JSON but not an object
+    whose MoE sizes are numbers (a JSON array, a null field): `MoEConfig.from_hf` would raise a bare TypeError."""
+    if model in presets or not os.path.exists(model):
+        return  # a preset, or resolve_model's own error
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        data = json.load(f)  # JSONDecodeError: reported as "not a JSON config file"
+    if not isinstance(data, dict):
+        raise ValueError(f"holds a JSON {type(data).__name__}, not a JSON object of a DeepseekV3-style config")
+    def number(value) -> bool:
+        try:
+            return not isinstance(value, bool) and float(value) == float(value)
+        except (TypeError, ValueError):
+            return False
+
+    optional = ("n_group", "topk_group", "n_shared_experts", "routed_scaling_factor")
+    bad = [k for k in _MOE_FIELDS if k in data and not number(data[k])]
+    bad += [k for k in optional if data.get(k) is not None and not number(data[k])]
+    if bad:
+        raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
 
 
 def _ints(text: str | None) -> list[int]:

@@ -3,7 +3,7 @@
 Reports time per call, GB/s counting bytes read + written, % of the device's HBM bandwidth
 (measured with --measure-peaks, else cached or datasheet), and whether each backend's output is
 bit-exact with the torch reference (packed bytes, row-major scales and the 128x4 swizzled scales).
-Exit code 1 if any backend that ran is not bit-exact.
+Exit code 1 if any backend that ran is not bit-exact, or if none ran.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ import argparse
 
 import pandas as pd
 import torch
+
+from pdlab._subcommands import int_arg
+from pdlab.bench._args import out_dir_problem
 
 GPU_M = [1, 128, 1024, 4096, 16384]
 GPU_K = [7168, 2048]
@@ -25,15 +28,25 @@ SWEEP += [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w, "TILES_K": t}
           for bm, bk, w, t in [(4, 512, 2, 2), (4, 512, 2, 7), (2, 512, 1, 7), (4, 256, 1, 4)]]
 
 
+def _hidden(text: str) -> int:
+    """An argparse `type`: a hidden size NVFP4 can quantize (a multiple of its 16-element blocks)."""
+    value = int_arg(16, "a multiple of 16, e.g. 2048 or 7168")(text)
+    if value % 16:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of 16 (NVFP4 quantizes blocks of 16); "
+                                         "expected e.g. 2048 or 7168")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--m", type=int, nargs="+", help="rows (default: 1 128 1024 4096 16384 on GPU, 1 16 128 on CPU)")
-    p.add_argument("--k", type=int, nargs="+", help="hidden sizes (default: 7168 2048 on GPU, 2048 on CPU)")
+    p.add_argument("--m", type=int_arg(1), nargs="+",
+                   help="rows (default: 1 128 1024 4096 16384 on GPU, 1 16 128 on CPU)")
+    p.add_argument("--k", type=_hidden, nargs="+", help="hidden sizes (default: 7168 2048 on GPU, 2048 on CPU)")
     p.add_argument("--backends", default="torch,triton", help="comma-separated backends (default: torch,triton)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--grouped", type=str, default=None,
                    help="also run a masked grouped shape E,M_max (default on GPU: 32,256; 'none' to skip)")
     p.add_argument("--sweep", action="store_true", help="also time the triton backend over a few launch configs")
-    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--repeats", type=int_arg(1), default=50)
     p.add_argument("--measure-peaks", action="store_true",
                    help="measure this GPU's copy bandwidth and bf16 rate first (cached for later runs)")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<device>/quantize)")
@@ -65,11 +78,19 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"bench quantize: --grouped takes E,M_max (e.g. 32,256) or none, not {grouped!r}")
             return 2
+        if e < 1 or m_max < 1:
+            print(f"bench quantize: --grouped {grouped}: E and M_max must be >= 1 (e.g. 32,256), or none to skip")
+            return 2
         cases.append((m_max, ks[0], e))
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     problem = registry.unknown_names("nvfp4_quantize", names)
     if problem:
         print(f"bench quantize: {problem}")
+        return 2
+    out_dir = args.out or report.default_out_dir("quantize")
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"bench quantize: --out {problem}; give a folder to write the results into")
         return 2
     jobs = [(case, name, None) for case in cases for name in names]
     if args.sweep:
@@ -114,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
             advance(f"{name} {label}: {timing.median_ms * 1e3:.1f} us")
 
     df = pd.DataFrame(rows)
-    out_dir = args.out or report.default_out_dir("quantize")
     meta = report.provenance(facts, {"peak_bw_bytes_per_s": peak_bw, "dtype": args.dtype,
                                      "bytes": "read x (live rows) + write packed K/2 + scales K/16 per row"})
     path = report.save(df, out_dir, "quantize", meta)
@@ -133,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
                          hline=peak_bw / 1e9 if peak_bw else None, hline_label="HBM bandwidth")
     ran = sorted(set(ok["backend"])) if len(ok) else []
     print(f"backends that ran: {', '.join(ran) or 'none'}; results in {path.parent}")
+    if not ran:
+        print("bench quantize: no backend ran (reasons above)")
+        return 1
     bad = ok[ok["bit_exact"].astype(str) == "False"] if len(ok) else ok
     if len(bad):
         print(f"NOT bit-exact vs the torch reference: {', '.join(sorted(set(bad['backend'] + ' ' + bad['shape'])))}")

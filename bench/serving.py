@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="output folder (default bench/results/<device>/serving)")
-    p.add_argument("--tag", default="serving", help="file name stem of the outputs")
+    from pdlab.bench._args import file_stem
+
+    p.add_argument("--tag", default="serving", type=file_stem, help="file name stem of the outputs")
 
 
 @dataclass
@@ -258,12 +260,25 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-        tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+        if not args.request_rate >= 0:  # negative or nan (0 and inf: all at once)
+            raise ValueError(f"--request-rate must be >= 0 requests/s (inf: all at once), got {args.request_rate:g}")
+        try:
+            tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+        except Exception as exc:  # the tokenizers package's own errors name neither the option nor the path
+            raise ValueError(f"--tokenizer {args.tokenizer}: {exc}; give a tokenizer.json or an HF model "
+                             "folder holding one") from None
     except (ValueError, OSError, Exception) as exc:
         print(f"bench serving: {exc}", file=sys.stderr)
         return 2
     if args.endpoint.endswith("chat/completions") and tok is None:
         print("bench serving: the chat endpoint needs text prompts: pass --tokenizer", file=sys.stderr)
+        return 2
+    from pdlab.bench._args import out_dir_problem
+
+    out = Path(args.out) if args.out else _default_out()
+    problem = out_dir_problem(out)
+    if problem:  # checked before the requests: the results would be lost at the end
+        print(f"bench serving: --out {problem}; give a folder to write the results into", file=sys.stderr)
         return 2
     card: dict = {}
     if args.model is None or not (args.vocab_size or tok):
@@ -290,9 +305,8 @@ def run(args: argparse.Namespace) -> int:
             "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
-            "command": " ".join(["bench serving"] + sys.argv[2:]),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),  # as bench.report records it
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out = Path(args.out) if args.out else _default_out()
     out.mkdir(parents=True, exist_ok=True)
     rows = [{**{k: v for k, v in asdict(r).items() if k != "itl"}, "tpot": r.tpot,
              "max_itl": max(r.itl, default=None), "num_chunks": len(r.itl) + (1 if r.success else 0)} for r in results]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from pdlab._subcommands import int_arg
 from pdlab.kernels.arch import arch_family, detect_arch
 
 
@@ -29,7 +30,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
                         "(default 10m)")
     parser.add_argument("--bucket-budget", default=None, help="wall-time cap per bucket (all its backends); "
                         "default: the op budget shared evenly over the buckets")
-    parser.add_argument("--trials", type=int, default=200, help="max trials per study (default 200)")
+    parser.add_argument("--trials", type=int_arg(1), default=200, help="max trials per study (default 200)")
     parser.add_argument("--sampler", default="auto", choices=["auto", "tpe", "grid", "random"],
                         help="auto: grid when a space has <= 64 configs, else TPE")
     parser.add_argument("--storage", default=None, help="optuna storage: a sqlite file path or an RDB URL "
@@ -38,10 +39,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
                         "$PDLAB_CONFIG_DIR, else ~/.cache/pdlab/configs)")
     parser.add_argument("--out", default=None, help="folder for the summary CSV/JSON and PNG plots (default "
                         "bench/results/<device>/tuning)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each measurement (the first "
+    parser.add_argument("--repeats", type=int_arg(1), default=30, help="timed calls per measurement (default 30)")
+    parser.add_argument("--warmup", type=int_arg(0), default=3, help="untimed calls before each measurement (the first "
                         "compiles a new config; default 3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_arg(0), default=0)
     parser.add_argument("--device", default=None, help="device to tune on (default cuda:current)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -66,6 +67,50 @@ def parse_only(items: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
+_ARCH_NAME = re.compile(r"sm\d{2,3}[af]?")
+
+
+def arch_problem(prog: str, requested: str | None) -> str | None:
+    """The one-line refusal of an --arch that names no arch (a typo would plan for it, or be told to run on a
+    device of that name), else None."""
+    if requested is None or requested.lower() == "cpu" or _ARCH_NAME.fullmatch(requested.lower()):
+        return None
+    return (f"{prog}: --arch {requested!r} is not an arch; write sm<major><minor> as `bench list` shows it "
+            "(sm90 for H100/H200, sm100 for B200/GB200, ...) or cpu")
+
+
+def device_problem(text: str | None) -> str | None:
+    """Why the torch device `text` is not on this machine (a CUDA device without CUDA, or past the last GPU),
+    else None. Text that is no torch device is left to the caller."""
+    import torch
+
+    if not text:
+        return None
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        return None
+    if dev.type != "cuda":
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return f"--device {text}: this machine has no CUDA device; leave --device out, or run on a GPU machine"
+    if dev.index is not None and dev.index >= count:
+        return f"--device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def _folder_problem(path: Path, what: str) -> str | None:
+    """Why `path` cannot take the files tune writes (made here if missing), else None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{what} {path} is not a writable folder ({exc.strerror or exc})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{what} {path} is not a writable folder (permission denied)"
+    return None
+
+
 def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) -> str | None:
     """The one-line refusal when this machine cannot tune for `requested`, else None."""
     if dry_run:
@@ -87,6 +132,12 @@ def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) ->
 def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=None) -> int:
     """Body of `tune attention|moe|dispatch`: gate, then dry-run or search + store + report.
     lockstep: in a multi-rank run (see tuning/dispatch.py), rank 0 searches, the others follow."""
+    problem = arch_problem(prog, args.arch)
+    if not problem and device_problem(args.device):
+        problem = f"{prog}: {device_problem(args.device)}"
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     detected = detect_arch(args.device) if args.device else detect_arch()
     refusal = arch_gate(prog, args.arch, detected, args.dry_run)
     if refusal:
@@ -190,7 +241,25 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
     store_root = Path(args.store or os.environ.get(tuned.CONFIG_DIR_ENV) or
                       Path.home() / ".cache" / "pdlab" / "configs").expanduser()
     out_dir = Path(args.out) if args.out else report.default_out_dir("tuning")
-    settings = _settings(args, budget, bucket_budget)
+    # checked before the search: a folder that cannot take the results would lose the measurements at the first write
+    store_what = "--store" if args.store else (tuned.CONFIG_DIR_ENV if os.environ.get(tuned.CONFIG_DIR_ENV)
+                                               else "the default store")
+    problem = (_folder_problem(store_root, store_what)
+               or _folder_problem(out_dir, "--out" if args.out else "the default --out"))
+    if problem:
+        print(f"{prog}: {problem}; point --store / {tuned.CONFIG_DIR_ENV} and --out at folders you can write",
+              file=sys.stderr)
+        return 2
+    try:  # opened once here (it is cached for the run): a URL optuna cannot open ends the run before it starts
+        from pdlab.tuning.search import _storage
+
+        settings = _settings(args, budget, bucket_budget)
+        _storage(settings.storage)
+    except Exception as exc:  # noqa: BLE001  (sqlalchemy's and optuna's own errors, an uncreatable folder)
+        print(f"{prog}: --storage {args.storage!r}: cannot open it as an optuna storage ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}); give a sqlite file path or an RDB URL",
+              file=sys.stderr)
+        return 2
     meta = report.provenance(facts, {"device_key": facts.key, "versions": tuned.running_versions(),
                                      "model": model.name, "model_shape": model.as_dict()})
     rows, status = [], 0

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from pdlab._subcommands import int_arg
 from pdlab.bench.harness import cosine_error
 from pdlab.tuning.command import add_common_arguments, run_tune
 from pdlab.tuning.models import ModelShape
@@ -117,18 +118,43 @@ OPS = ("moe_dispatch",)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, OPS, "moe_dispatch")
-    parser.add_argument("--ep", type=int, default=1, help="ranks to dispatch across (starts that many processes, "
-                        "one GPU each; gloo on CPU); default 1 (the local dispatcher)")
+    parser.add_argument("--ep", type=int_arg(1), default=1, help="ranks to dispatch across (starts that many "
+                        "processes, one GPU each; gloo on CPU); default 1 (the local dispatcher)")
+
+
+def _ep_problem(args: argparse.Namespace) -> str | None:
+    """The one-line refusal of an --ep that does not divide the experts of the model tuned (R1's, a config file's,
+    or the small CPU shape's under --arch cpu), else None; a --model that cannot be read is left to run_tune."""
+    from pdlab.kernels.arch import detect_arch
+    from pdlab.tuning.models import cpu_shape, load_model_shape
+
+    try:
+        model = load_model_shape(args.model)
+    except (OSError, ValueError):
+        return None
+    if (args.arch or detect_arch()).lower() == "cpu":
+        model = cpu_shape(args.model, model)
+    experts = model.n_routed_experts
+    if experts % args.ep == 0:
+        return None
+    sizes = ", ".join(str(n) for n in range(1, min(experts, 64) + 1) if experts % n == 0)
+    return (f"tune dispatch: --ep {args.ep} does not divide the {experts} experts of {model.name}; choose one of "
+            f"{sizes}")
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _ep_problem(args) if args.ep > 1 else None
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     _RANKS[:] = [args.ep]
     if args.ep <= 1 or args.dry_run:
         return run_tune("tune dispatch", args, OPS)
-    from pdlab.tuning.command import arch_gate
+    from pdlab.tuning.command import arch_gate, arch_problem
     from pdlab.kernels.arch import detect_arch
 
-    refusal = arch_gate("tune dispatch", args.arch, detect_arch(), args.dry_run)
+    refusal = arch_problem("tune dispatch", args.arch) or arch_gate("tune dispatch", args.arch, detect_arch(),
+                                                                     args.dry_run)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2

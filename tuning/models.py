@@ -63,13 +63,23 @@ def load_model_shape(name_or_path: str | None) -> ModelShape:
     if not path.is_file():
         raise ValueError(f"--model {name_or_path!r}: not a known model ({', '.join(NAMED)}) and no "
                          "config.json there; pass a name or an HF config.json path")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model {path}: not JSON ({exc}); pass an HF config.json") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model {path}: holds a JSON {type(cfg).__name__}, not a JSON object; pass an HF "
+                         "config.json")
     need = ["hidden_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
             "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"]
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}; tuning needs a DeepSeek-V3-style config "
                          "(MLA + routed experts)")
+    bad = [k for k in need if isinstance(cfg[k], bool) or not isinstance(cfg[k], int) or cfg[k] < 1]
+    if bad:
+        raise ValueError(f"--model {path}: {', '.join(f'{k}={cfg[k]!r}' for k in bad)}: each must be an integer "
+                         ">= 1")
     name = cfg.get("_name_or_path") or (path.parent.name if path.name == "config.json" else path.stem)
     return ModelShape(name, cfg["hidden_size"],
                       cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"],

@@ -49,13 +49,22 @@ def plot_history(study, path: Path, title: str) -> Path:
 
 def plot_speedup(op: str, device: str, winners, path: Path) -> Path:
     """One bar per bucket: default time / stored time of the winning backend."""
+    import textwrap
+
     plt = _pyplot()
-    labels = [f"{_label(b)}\n[{s.backend}]" for b, s in winners]
+    # under each bar only the keys that differ between the buckets; the shared ones once, below the axis
+    buckets = [b for b, _ in winners]
+    keys = sorted({k for b in buckets for k in b})
+    varying = [k for k in keys if len({str(b.get(k)) for b in buckets}) > 1]
+    common = ",".join(f"{k}={buckets[0][k]}" for k in keys if k not in varying and k in buckets[0])
+    labels = [f"{_label({k: b[k] for k in varying if k in b}) or _label(b)}\n[{s.backend}]" for b, s in winners]
     values = [(s.default_time_ms / s.time_ms) if s.default_time_ms else float("nan") for _, s in winners]
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(labels)), 4.8))
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(labels)), 4.8 + 0.04 * max(map(len, labels))))
     ax.bar(range(len(values)), values, color=["C2" if v >= 1 else "C3" for v in values])
     ax.axhline(1.0, color="gray", linestyle="--")
     ax.set_xticks(range(len(labels)), labels, rotation=70, ha="right", fontsize=6)
+    if varying and common:
+        ax.set_xlabel("\n".join(textwrap.wrap(f"every bucket: {common}", 110)), fontsize=7)
     ax.set_ylabel("speedup over default config (×)")
     ax.set_title(f"{op} on {device}: tuned vs default", fontsize=10)
     return _save(fig, plt, path)

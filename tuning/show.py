@@ -45,6 +45,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from pdlab.tuning.command import device_problem
+
+    problem = device_problem(args.device)
+    if problem:
+        print(f"tune show: {problem}", file=sys.stderr)
+        return 2
     name, key, arch = _identity(args.device)
     console = Console(width=160)
     console.print(f"device {name} ({arch}), key {key}; roots searched in order: "
@@ -84,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
                                       _f(r.get("time_ms")), _f(r.get("default_time_ms")), _f(r.get("speedup"), "x"),
                                       str(r.get("date") or "-"))
                 console.print(table)
+    if not found and args.op:
+        from pdlab.bench.doctor import import_op_packages
+        from pdlab.kernels import registry
+
+        import_op_packages()
+        if args.op not in registry.ops():
+            print(f"tune show: --op {args.op!r} is no op; ops: {', '.join(registry.ops())}", file=sys.stderr)
+            return 2
     if not found:
         console.print(f"no tuned-config files for {key}" + (f" and op {args.op}" if args.op else "")
                       + ": every op runs its backend's default config")

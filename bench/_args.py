@@ -1,0 +1,40 @@
+"""argparse `type`s the bench commands share (light: no torch or pandas at parse time)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def seconds(text: str) -> float:
+    """A number of seconds > 0 (the usage error names what was given)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def file_stem(text: str) -> str:
+    """A result file stem: a name, not a path (the folder is --out)."""
+    if not text or text in (".", "..") or "/" in text or os.sep in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is a file stem, without folders (put the folder in --out)")
+    return text
+
+
+def out_dir_problem(path: str | os.PathLike) -> str | None:
+    """Why the results folder `path` cannot take a command's files (it is made here when missing), else None."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return f"{p} is not a folder (a file of that name exists)"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{p} is not a folder that can be made ({exc.strerror or exc})"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not a folder this user can write"
+    return None

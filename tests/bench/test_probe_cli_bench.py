@@ -1,0 +1,239 @@
+"""`bench` as a new user drives it with odd input: every bad value ends in one line naming what was wrong
+(exit 2 for usage errors), never a traceback; a run where nothing ran does not exit 0."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from pdlab.bench.cli import main
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2, 3]", "JSON object"),
+    ('{"hidden_size": 512, "n_routed_experts": null, "num_experts_per_tok": 2, "moe_intermediate_size": 256}',
+     "n_routed_experts"),
+])
+def test_bench_moe_model_config_of_the_wrong_form_exits_2(tmp_path, capsys, content, says):
+    # tried as a new user would: a config.json holding a JSON array ended in AttributeError, one with a null
+    # field in TypeError, both as tracebacks
+    cfg = tmp_path / "config.json"
+    cfg.write_text(content)
+    assert main(["moe", "--model", str(cfg), "--tokens", "1", "--out", str(tmp_path / "out"), "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe: --model") and str(cfg) in line and says in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["moe", "--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["moe", "--repeats", "-1"], "argument --repeats: '-1' is below 1"),
+    (["moe", "--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    (["moe", "--num-max-dispatch-tokens", "-4"], "argument --num-max-dispatch-tokens: '-4' is below 1"),
+    (["moe", "--timeout", "0"], "argument --timeout: '0' is not a number of seconds > 0"),
+    (["attention", "--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["attention", "--max-seconds", "-1"], "argument --max-seconds: '-1' is not a number of seconds > 0"),
+    (["quantize", "--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["quantize", "--m", "0"], "argument --m: '0' is below 1"),
+    (["quantize", "--k", "100"], "argument --k: '100' is not a multiple of 16"),
+    (["quantize", "--k", "0"], "argument --k: '0' is below 16"),
+    (["contracts", "--calls", "0"], "argument --calls: '0' is below 1"),
+])
+def test_bench_counts_out_of_range_are_usage_errors(capsys, argv, says):
+    # tried as a new user would: --repeats 0 gave rows of "StatisticsError: no median for empty data" and exit 0,
+    # bench contracts --calls 0 a ZeroDivisionError traceback, --calls -5 negative times, bench quantize --m 0 and
+    # --k 100 tracebacks (amax of an empty tensor, a ShapeError), --timeout 0 a TimeoutError traceback
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grouped", ["0,4", "4,0", "-1,4"])
+def test_bench_quantize_grouped_sizes_below_one_exit_2(tmp_path, capsys, grouped):
+    # "0,4" silently ran an ungrouped [4, K] row, "-1,4" ended in a traceback
+    assert main(["quantize", "--m", "1", "--k", "32", f"--grouped={grouped}", "--out", str(tmp_path),
+                 "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench quantize: --grouped") and grouped in line and ">= 1" in line
+
+
+def test_bench_moe_ranks_past_the_timeout_end_in_one_line(tmp_path, capsys):
+    # tried as a new user would: ranks that did not finish within --timeout ended in a TimeoutError traceback
+    assert main(["moe", "--ep", "2", "--timeout", "0.01", "--tokens", "1", "--mode", "normal", "--repeats", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 1
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe: ") and "did not finish within" in line and "--timeout" in line
+
+
+def test_bench_moe_empty_runner_list_is_a_usage_error(capsys):
+    # `--runner ,,` ran nothing and exited 1 saying "reasons above" with no reason above
+    with pytest.raises(SystemExit) as exc:
+        main(["moe", "--runner", ",,"])
+    assert exc.value.code == 2 and "argument --runner: empty list" in capsys.readouterr().err
+
+
+def test_bench_moe_scaling_with_a_missing_or_foreign_csv_exits_2(tmp_path, capsys):
+    # a missing CSV ended in a FileNotFoundError traceback, a CSV of something else in a KeyError/ParserError one
+    missing = tmp_path / "nope.csv"
+    assert main(["moe", "--scaling", str(missing), "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe --scaling: ") and str(missing) in line
+    other = tmp_path / "other.csv"
+    pd.DataFrame({"a": [1], "b": [2]}).to_csv(other, index=False)
+    assert main(["moe", "--scaling", str(other), "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert str(other) in line and "dispatch_ms" in line and "bench moe" in line
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("config, says", [("defualt", "neither JSON nor 'default'/'tuned'"),
+                                          ("[1]", "must be a JSON object")])
+def test_bench_attention_bad_config_is_a_usage_error(capsys, config, says):
+    # exited 1 (a SystemExit with a message), not the usage error's 2
+    with pytest.raises(SystemExit) as exc:
+        main(["attention", "--config", config])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --config" in err and says in err
+
+
+def test_bench_attention_where_no_row_ran_exits_1_and_writes_no_empty_csv(tmp_path, capsys):
+    # tried as a new user would on a CPU machine: `bench attention --backend triton` printed "[unavailable] ...",
+    # wrote a 1-byte CSV that pandas cannot read (EmptyDataError) and exited 0
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where the triton backend is unavailable")
+    assert main(["attention", "--backend", "triton", "--batch", "1", "--seqlen", "16", "--heads", "16",
+                 "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "[unavailable] mla_decode[triton]" in out
+    line = _last_line(out)
+    assert line.startswith("bench attention: no row ran") and "torch" in line
+    for csv in tmp_path.glob("*.csv"):
+        pd.read_csv(csv)  # whatever is written is readable
+
+
+def test_bench_quantize_where_no_backend_ran_exits_1(tmp_path, capsys):
+    # `bench quantize --backends triton` on a CPU machine: every row skipped, "backends that ran: none", exit 0
+    from pdlab.kernels import registry
+
+    if not registry.unavailable_reason("nvfp4_quantize", "triton"):
+        pytest.skip("needs a machine where the triton backend is unavailable")
+    assert main(["quantize", "--backends", "triton", "--m", "1", "--k", "32", "--grouped", "none",
+                 "--out", str(tmp_path), "--no-plot"]) == 1
+    out = capsys.readouterr().out
+    assert "backends that ran: none" in out
+    assert pd.read_csv(tmp_path / "quantize.csv")["status"].eq("skipped").all()
+
+
+def test_kernel_resources_help_states_its_whole_first_sentence(capsys):
+    # the description stopped mid-sentence: "... compiled for an NVIDIA arch on"
+    from pdlab.bench import kernel_resources
+
+    with pytest.raises(SystemExit) as exc:
+        kernel_resources.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "compiled for an NVIDIA arch on any machine" in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--config", '{"BOGUS": 1}'], "unknown config keys ['BOGUS']"),
+    (["--op", "moe_experts", "--config", '{"BOGUS": 1}'], "unknown config keys ['BOGUS']"),
+])
+def test_kernel_resources_unknown_config_key_exits_2(capsys, argv, says):
+    # a --config with a knob the backend does not declare ended in a ValueError traceback
+    from pdlab.bench import kernel_resources
+
+    assert kernel_resources.main(argv) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("kernel_resources: --config") and says in line
+
+
+@pytest.mark.parametrize("flag", ["--tokens", "--experts", "--heads", "--batch", "--seqlen", "--sm-count"])
+def test_kernel_resources_sizes_below_one_are_usage_errors(capsys, flag):
+    # --op moe_experts --tokens 0 ended in a KeyError traceback
+    from pdlab.bench import kernel_resources
+
+    with pytest.raises(SystemExit) as exc:
+        kernel_resources.main([flag, "0"])
+    assert exc.value.code == 2 and f"argument {flag}: '0' is below 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--tokenizer", "{missing}"], "--tokenizer {missing}"),
+    (["--request-rate", "-1"], "--request-rate must be >= 0 requests/s (inf: all at once), got -1"),
+])
+def test_bench_serving_bad_tokenizer_or_rate_is_one_line_naming_the_option(tmp_path, capsys, extra, says):
+    # a missing --tokenizer said only "No such file or directory (os error 2)", without the option or the path;
+    # a negative --request-rate was taken as "all at once"
+    missing = str(tmp_path / "no_tokenizer")
+    extra = [e.format(missing=missing) for e in extra]
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path / "out"), *extra]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("bench serving: ") and says.format(missing=missing) in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_takes_a_model_name_in_any_case_as_tune_does(tmp_path, capsys):
+    # `tune moe --model DeepSeek-R1` plans R1's shapes; `bench moe --model DeepSeek-R1` said "unknown model"
+    assert main(["moe", "--model", "DeepSeek-R1", "--tokens", "1", "--mode", "normal", "--repeats", "1",
+                 "--warmup", "0", "--out", str(tmp_path), "--no-plot"]) == 0
+    meta = json.loads((tmp_path / "moe_ep1.json").read_text())["meta"]
+    assert meta["plan"]["cfg"]["num_experts"] in (16, 256)  # the CPU's small shape, or R1's on a GPU
+
+
+@pytest.mark.parametrize("argv", [
+    ["moe", "--tokens", "1", "--repeats", "1", "--no-plot"],
+    ["attention", "--seqlen", "16"],
+    ["quantize", "--m", "1", "--k", "32", "--grouped", "none", "--no-plot"],
+    ["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1"],
+])
+def test_an_out_that_is_a_file_exits_2_before_measuring(tmp_path, capsys, argv):
+    # tried as a new user would: --out naming a file ended in a FileExistsError traceback, for bench moe,
+    # quantize and serving only after the whole run (its measurements lost)
+    target = tmp_path / "results.csv"
+    target.write_text("x\n")
+    assert main([*argv, "--out", str(target)]) == 2
+    out, err = capsys.readouterr()
+    line = _last_line(out + err)
+    assert line.startswith(f"bench {argv[0]}: --out {target}") and "not a folder" in line
+    assert target.read_text() == "x\n"
+
+
+@pytest.mark.parametrize("argv, flag", [(["moe", "--tokens", "1", "--repeats", "1"], "--name"),
+                                        (["attention", "--seqlen", "16"], "--name"),
+                                        (["serving", "--base-url", "http://127.0.0.1:9", "--model", "m"], "--tag")])
+def test_a_name_with_a_folder_in_it_is_a_usage_error(tmp_path, capsys, argv, flag):
+    # bench attention --name sub/x ended in "OSError: Cannot save file into a non-existent directory", bench serving
+    # --tag sub/x the same way after every request had run
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path), flag, "sub/x"])
+    assert exc.value.code == 2 and f"argument {flag}: 'sub/x' is a file stem" in capsys.readouterr().err
+
+
+def test_bench_serving_records_the_command_as_it_was_typed(tmp_path, capsys, monkeypatch):
+    # run as `pdlab bench serving ...` the JSON recorded "bench serving serving ..."
+    argv = ["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/pdlab", "bench", *argv])
+    assert main(argv) == 1  # nothing listens: every request failed
+    meta = json.loads((tmp_path / "serving.json").read_text())["meta"]
+    assert meta["command"] == "pdlab bench " + " ".join(argv)
+
+
+def test_bench_moe_prints_a_skipped_rows_whole_reason(tmp_path, capsys):
+    # the reason was cut at 160 characters, before the payloads the runner accepts and the runners that would do
+    assert main(["moe", "--runner", "torch_grouped", "--dispatch", "fp8", "--mode", "normal", "--tokens", "1",
+                 "--repeats", "1", "--out", str(tmp_path), "--no-plot"]) == 1
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if line.strip().startswith("skipped normal t1 fp8 torch_grouped")]
+    assert len(skipped) == 1 and "payloads ('bf16',)" in skipped[0] and "Fix:" in skipped[0]

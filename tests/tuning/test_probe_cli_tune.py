@@ -1,0 +1,157 @@
+"""`tune` as a new user drives it with odd input: one line naming what was wrong and the valid choices
+(exit 2), never a traceback."""
+
+import pytest
+import torch
+
+from pdlab.tuning.cli import main
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without GPU")
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("sub", ["attention", "moe", "dispatch"])
+@pytest.mark.parametrize("dry", [True, False])
+def test_an_arch_that_is_no_arch_exits_2_naming_the_form(sub, dry, capsys):
+    # tried as a new user would: `tune attention --dry-run --arch bogus` printed a plan for "bogus" and exited 0;
+    # without --dry-run the gate said "tuning must run on a bogus device"
+    assert main([sub, "--arch", "bogus"] + (["--dry-run"] if dry else [])) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert line.startswith(f"tune {sub}: --arch 'bogus'") and "sm90" in line and "sm100" in line and "cpu" in line
+    assert out == ""
+
+
+@pytest.mark.parametrize("arch", ["sm90", "SM90", "sm90a", "sm100", "sm103", "sm120", "cpu"])
+def test_real_archs_still_plan(arch, capsys):
+    assert main(["dispatch", "--arch", arch, "--dry-run"]) == 0
+    capsys.readouterr()
+
+
+@needs_cpu_only
+@pytest.mark.parametrize("argv", [["attention", "--device", "cuda:0", "--dry-run"],
+                                  ["moe", "--device", "cuda:0", "--arch", "cpu"],
+                                  ["show", "--device", "cuda:1"]])
+def test_a_cuda_device_on_a_machine_without_one_exits_2(argv, capsys):
+    # `tune attention --device cuda:0 --dry-run` and `tune show --device cuda:1` ended in
+    # "AssertionError: Torch not compiled with CUDA enabled" tracebacks
+    assert main(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--device cuda:" in line and "no CUDA device" in line
+
+
+def test_show_of_an_op_nobody_registered_exits_2_naming_the_ops(capsys):
+    # `tune show --op bogus` said "no tuned-config files for cpu and op bogus" and exited 0
+    assert main(["show", "--op", "mla_decod"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("tune show: --op 'mla_decod'") and "mla_decode" in line and "moe_experts" in line
+
+
+@pytest.mark.parametrize("content, says", [('{"hidden_size": 512,', "not JSON"), ("[1, 2]", "JSON object")])
+def test_a_model_file_that_is_not_a_json_object_names_the_file(tmp_path, capsys, content, says):
+    # a config.json cut short printed only json's "Expecting property name ..." without --model or the file
+    cfg = tmp_path / "config.json"
+    cfg.write_text(content)
+    assert main(["attention", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--model" in line and str(cfg) in line and says in line
+
+
+def test_a_model_file_with_a_null_size_names_the_field(tmp_path, capsys):
+    import json
+
+    fields = dict(hidden_size=512, num_attention_heads=8, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                  moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=None)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fields))
+    assert main(["moe", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(cfg) in line and "num_experts_per_tok" in line
+
+
+def test_a_store_folder_that_cannot_be_written_exits_2_before_tuning(tmp_path, capsys, monkeypatch):
+    # a PDLAB_CONFIG_DIR under a file: the search ran, then writing its first bucket ended in a NotADirectoryError
+    # traceback, the measurements lost
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDLAB_CONFIG_DIR", str(blocker / "configs"))
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["moe", "--arch", "cpu", "--out", str(tmp_path / "out"), "--budget", "5s", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert str(blocker / "configs") in line and "PDLAB_CONFIG_DIR" in line and "writable" in line
+    assert "trial" not in out
+
+
+def test_speedup_plot_labels_name_only_what_differs_between_buckets(tmp_path, monkeypatch):
+    # tune moe --arch cpu drew every bucket's whole label (7 keys) under its bar: cut off at the figure's edge,
+    # every visible part the same ("..._expert=1 / grouped]"), and a tight-layout warning
+    from types import SimpleNamespace
+
+    from pdlab.tuning import plots
+
+    shared = dict(hidden=256, intermediate=128, payload="bf16", tokens_per_expert=1)
+    winners = [(dict(shared, experts=e, active_experts=a, layout=lay),
+                SimpleNamespace(backend="torch_grouped", default_time_ms=1.0, time_ms=0.9))
+               for e, a in ((16, 16), (16, 8), (4, 4)) for lay in ("contiguous", "masked")]
+    seen = {}
+
+    def save(fig, plt, path):
+        ax = fig.axes[0]
+        seen["ticks"] = [t.get_text() for t in ax.get_xticklabels()]
+        seen["text"] = ax.get_xlabel() + " " + ax.get_title()
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", save)
+    plots.plot_speedup("moe_experts", "cpu", winners, tmp_path / "speedup.png")
+    ticks = seen["ticks"]
+    assert ticks[0].splitlines()[0] == "active_experts=16,experts=16,layout=contiguous"
+    assert all("hidden=" not in t and "tokens_per_expert" not in t for t in ticks)
+    assert len(set(ticks)) == len(ticks)
+    assert "hidden=256" in seen["text"] and "tokens_per_expert=1" in seen["text"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--trials", "0"], "argument --trials: '0' is below 1"),
+    (["--repeats", "0"], "argument --repeats: '0' is below 1"),
+    (["--warmup", "-1"], "argument --warmup: '-1' is below 0"),
+    (["--seed", "-1"], "argument --seed: '-1' is below 0"),
+])
+def test_counts_out_of_range_are_usage_errors(capsys, argv, says):
+    # tried as a new user would: --trials 0 / --repeats 0 / --warmup -1 ran every study to "no median for empty
+    # data" or "no trial produced a correct result" and exited 0; --seed -1 failed the op after planning it
+    with pytest.raises(SystemExit) as exc:
+        main(["moe", "--arch", "cpu", *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_storage_url_optuna_cannot_open_exits_2_before_tuning(tmp_path, capsys, monkeypatch):
+    # --storage bogus://x ended in a sqlalchemy NoSuchModuleError traceback
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["moe", "--arch", "cpu", "--storage", "bogus://x", "--store", str(tmp_path / "st"),
+                 "--out", str(tmp_path / "out"), "--budget", "5s", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert line.startswith("tune moe: --storage 'bogus://x'") and "sqlite" in line
+    assert "trial" not in out
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_dispatch_ep_that_does_not_divide_the_experts_exits_2_at_once(capsys, dry):
+    # README: an --ep that does not divide the experts ends tune at once (exit 2); `tune dispatch --ep 3 --arch cpu`
+    # started 3 ranks, failed every trial ("num_experts=16 is not divisible by the 3 ranks") and exited 0
+    assert main(["dispatch", "--ep", "3", "--arch", "cpu"] + (["--dry-run"] if dry else [])) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("tune dispatch: --ep 3") and "16 experts" in line and "1, 2, 4, 8, 16" in line
+
+
+def test_dispatch_ep_below_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["dispatch", "--ep", "0", "--arch", "cpu", "--dry-run"])
+    assert exc.value.code == 2 and "argument --ep: '0' is below 1" in capsys.readouterr().err
