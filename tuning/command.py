@@ -102,13 +102,10 @@ def device_problem(text: str | None) -> str | None:
 
 def _folder_problem(path: Path, what: str) -> str | None:
     """Why `path` cannot take the files tune writes (made here if missing), else None."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"{what} {path} is not a writable folder ({exc.strerror or exc})"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{what} {path} is not a writable folder (permission denied)"
-    return None
+    from pdlab.bench._args import out_dir_problem
+
+    problem = out_dir_problem(path)
+    return f"{what}: {problem}" if problem else None
 
 
 def arch_gate(prog: str, requested: str | None, detected: str, dry_run: bool) -> str | None:

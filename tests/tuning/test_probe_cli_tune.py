@@ -84,7 +84,7 @@ def test_a_store_folder_that_cannot_be_written_exits_2_before_tuning(tmp_path, c
     assert main(["moe", "--arch", "cpu", "--out", str(tmp_path / "out"), "--budget", "5s", "--no-progress"]) == 2
     out, err = capsys.readouterr()
     line = _one_line(err)
-    assert str(blocker / "configs") in line and "PDLAB_CONFIG_DIR" in line and "writable" in line
+    assert str(blocker / "configs") in line and "PDLAB_CONFIG_DIR" in line and "is not a folder" in line
     assert "trial" not in out
 
 
