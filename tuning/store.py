@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import tempfile
 import time
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from pdlab.kernels.tuned import FORMAT_VERSION, bucket_label, read_store, upgrade_bucket
+
+log = logging.getLogger("pdlab.tuning")
 
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # a result's `date`: when it was measured, UTC
 
@@ -58,6 +61,8 @@ def write_results(root: str | os.PathLike, device_key: str, op: str, metadata: M
     path = store_path(root, device_key, op)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
+        if path.exists():
+            _set_aside_if_malformed(path)  # then a fresh file below
         if path.exists():
             data = read_store(path)
             old_dev = data["metadata"].get("device")
@@ -115,6 +120,19 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _set_aside_if_malformed(path: Path) -> bool:
+    """Rename a store file that cannot be read (truncated, hand-edited, not a store) to `<name>.malformed-<time>`,
+    with a warning, so that a run's results are written instead of lost; True when it did."""
+    try:
+        read_store(path)
+        return False
+    except ValueError as exc:
+        aside = path.with_name(f"{path.name}.malformed-{time.strftime('%Y%m%dT%H%M%S')}")
+        path.replace(aside)
+        log.warning("%s; kept it as %s and writing a new file", exc, aside.name)
+        return True
 
 
 def _atomic_write(path: Path, data: dict) -> None:

@@ -59,3 +59,19 @@ def test_other_device_in_same_file_refused(tmp_path):
     store.write_results(tmp_path, "cpu", "op", META, {})
     with pytest.raises(ValueError, match="use a folder per device"):
         store.write_results(tmp_path, "cpu", "op", {**META, "device": "NVIDIA H200"}, {})
+
+
+def test_a_malformed_store_file_is_set_aside_not_fatal(tmp_path, caplog):
+    """A truncated store file (a crash mid-edit, a bad hand edit): the run's results are written to a new file
+    instead of failing after the search, and the old one is kept beside it."""
+    path = store.store_path(tmp_path, "cpu", "op")
+    path.parent.mkdir(parents=True)
+    path.write_text('{"format": 1, "entries": {')
+    with caplog.at_level("WARNING", logger="pdlab.tuning"):
+        store.write_results(tmp_path, "cpu", "op", META, store.merge_bucket(
+            {"m": 8}, {"a": store.backend_result({"X": 1}, 1.0, 2.0)}))
+    data = tuned.read_store(path)
+    assert list(data["entries"]) == ["m=8"]
+    (aside,) = [p for p in path.parent.iterdir() if p.name.startswith("op.json.malformed-")]
+    assert aside.read_text() == '{"format": 1, "entries": {'
+    assert "not valid JSON" in caplog.text and aside.name in caplog.text
