@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     meta = report.provenance(facts, {"unavailable": dict(missing), "formulas": "FlashMLA benchmark (ANCHORS.md)"})
     csv = report.save(df, out_dir, stem, meta)
+    partial.unlink(missing_ok=True)  # the whole run is in the CSV now (the partial one only survives a crash)
     ok = df[df["status"] == "ok"] if "status" in df else df.iloc[0:0]
     cols = [c for c in ("shape", "backend", "kernel", "config_source", "median_ms", "p10_ms", "p90_ms", "tflops",
                         "gbps",

@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "weights": "random NVFP4 bytes, scales 0.5..4, scale_2 0.01"})
     report.save(df, out, "moe_experts", meta)
     report.save(best, out, "moe_experts_best", meta)
+    (Path(out) / "moe_experts_partial.csv").unlink(missing_ok=True)  # it only survives a timeout
     report.print_table(df, f"moe_experts E={E} H={H} I={I} (measured HBM {hbm / 1e9:.0f} GB/s)",
                        ["phase", "tokens_per_expert", "layout", "payload", "runner", "path", "median_us", "weight_gbps",
                         "pct_hbm", "tflops", "speedup_vs_torch_grouped", "cos_err", "config_source", "config"])

@@ -237,3 +237,12 @@ def test_bench_moe_prints_a_skipped_rows_whole_reason(tmp_path, capsys):
     out = capsys.readouterr().out
     skipped = [line for line in out.splitlines() if line.strip().startswith("skipped normal t1 fp8 torch_grouped")]
     assert len(skipped) == 1 and "payloads ('bf16',)" in skipped[0] and "Fix:" in skipped[0]
+
+
+def test_bench_attention_leaves_only_its_results_behind(tmp_path, capsys):
+    # the partial CSV (written after each shape, so that a crash keeps the rows measured) stayed beside the final one
+    assert main(["attention", "--backend", "torch", "--batch", "1", "--seqlen", "64", "--heads", "16",
+                 "--out", str(tmp_path), "--name", "run"]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "run.csv" in names and not [n for n in names if "partial" in n], names
+    assert len(pd.read_csv(tmp_path / "run.csv")) >= 1
