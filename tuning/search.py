@@ -148,7 +148,7 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name, key, arch = tuned.device_identity(device)
-    backends = target.backends(arch)
+    backends = registered = target.backends(arch)
     if settings.backends:
         unknown = set(settings.backends) - {b.name for b in backends}
         if unknown:
@@ -160,8 +160,13 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     usable = [b for b in backends if b.unavailable_reason(arch) is None]
     skipped = [({}, b.name, b.unavailable_reason(arch) or "") for b in backends if b not in usable]
     if not usable:
+        why = "; ".join(f"{b}: {r}" for _, b, r in skipped)
+        refs = [b.name for b in registered if b.reference and b not in backends and b.unavailable_reason(arch) is None]
+        if refs:  # only the reference runs here, and it is searched only when named
+            why = (why + "; " if why else "") + (f"the reference ({', '.join(refs)}) is searched only when named: "
+                                                 f"--backends {refs[0]}")
         raise RuntimeError(f"no backend of {target.op} can run on this {arch} device: "
-                           + ("; ".join(f"{b}: {r}" for _, b, r in skipped) or "none registered"))
+                           + (why or f"none of its backends is built for {arch}"))
     ref_backend = target.reference_backend() if target.reference_output is None else None
     t_start = time.perf_counter()
     deadline = t_start + settings.budget_s if settings.budget_s else math.inf

@@ -155,3 +155,17 @@ def test_dispatch_ep_below_one_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["dispatch", "--ep", "0", "--arch", "cpu", "--dry-run"])
     assert exc.value.code == 2 and "argument --ep: '0' is below 1" in capsys.readouterr().err
+
+
+def test_where_only_the_reference_runs_tune_says_how_to_search_it(tmp_path, capsys, monkeypatch):
+    # `tune attention --arch cpu` said "no backend ... can run: none registered", though the torch reference is
+    # registered and runs here (it is searched only when named), then told the user to export a store it never wrote
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where only the reference of mla_decode runs")
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default store: ~/.cache/pdlab/configs
+    monkeypatch.delenv("PDLAB_CONFIG_DIR", raising=False)
+    assert main(["attention", "--arch", "cpu", "--budget", "5s", "--no-progress", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr()
+    assert "the reference (torch) is searched only when named: --backends torch" in err.err
+    assert "none registered" not in err.err + err.out and "to use these configs" not in err.out
