@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list (default 64 on GPU)")
     p.add_argument("--s-q", type=comma_list(positive_int, "new tokens per sequence >= 1, e.g. 1,2,4"),
                    help="decode: new tokens per sequence, comma list (default 1)")
-    p.add_argument("--new-tokens", type=int_arg(0, "0 (the whole sequence is new) or a count"), default=0,
+    p.add_argument("--new-tokens", type=int_arg(0, "0 (the whole sequence is new) or a count"), default=None,
                    help="prefill: new tokens per sequence (0 = the whole sequence is new)")
     p.add_argument("--varlen", action="store_true", help="seqlens drawn uniformly in [seqlen/2, 3*seqlen/2]")
     p.add_argument("--config", action="append", default=[], type=_config_word,
@@ -121,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"bench attention: --out {problem}; give a folder to write the results into")
         return 2
+    for flag, value, op_of_flag in (("--s-q", args.s_q, "decode"), ("--new-tokens", args.new_tokens, "prefill")):
+        if value is not None and args.op != op_of_flag:  # it would be ignored: say so rather than measure another shape
+            print(f"bench attention: {flag} applies to --op {op_of_flag}; this run is --op {args.op} (drop {flag}, "
+                  f"or add --op {op_of_flag})")
+            return 2
+    if args.new_tokens is None:
+        args.new_tokens = 0
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

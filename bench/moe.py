@@ -93,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     import pdlab.moe.experts  # noqa: F401  (registers the runners)
     from pdlab.kernels import registry
 
+    if args.ll_tokens is not None and args.mode == "normal":  # it would be ignored: say so
+        print("bench moe: --ll-tokens sets the low-latency rows; this run is --mode normal (drop --ll-tokens, or use "
+              "--mode low_latency or both)")
+        return 2
     runners = [r.strip() for r in args.runner.split(",") if r.strip()]
     for op, names in (("moe_experts", [r for r in runners if r != "auto"]), ("moe_dispatch", [dispatcher])):
         problem = registry.unknown_names(op, names)

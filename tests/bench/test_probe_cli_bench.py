@@ -246,3 +246,14 @@ def test_bench_attention_leaves_only_its_results_behind(tmp_path, capsys):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert "run.csv" in names and not [n for n in names if "partial" in n], names
     assert len(pd.read_csv(tmp_path / "run.csv")) >= 1
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["attention", "--op", "prefill", "--s-q", "2"], "--s-q applies to --op decode"),
+    (["attention", "--new-tokens", "4"], "--new-tokens applies to --op prefill"),
+    (["moe", "--mode", "normal", "--ll-tokens", "16"], "--ll-tokens sets the low-latency rows"),
+])
+def test_an_option_the_run_would_ignore_is_a_usage_error(argv, says, tmp_path, capsys):
+    # these options were silently ignored: the run measured other shapes than the command line named
+    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert says in _last_line(capsys.readouterr().out)
