@@ -32,6 +32,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class RequestError(ValueError):
+    """A request that can never run (a 400 for its client); `param`: the request field at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. temperature 0 = greedy; top_k -1 = off; top_p 1 = off;
@@ -51,23 +59,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field and the allowed range."""
+        """Raise RequestError (a ValueError) naming the bad field and the allowed range."""
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
         if self.top_k != -1 and not (1 <= self.top_k < 2**62):
-            raise ValueError(f"top_k must be -1 (off) or in [1, 2**62), got {self.top_k}")
+            raise RequestError(f"top_k must be -1 (off) or in [1, 2**62), got {self.top_k}", "top_k")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(not (-2**63 <= t < 2**63) for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be 64-bit integers")
+            raise RequestError("stop_token_ids must be 64-bit integers", "stop_token_ids")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise RequestError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
 
     @property
     def greedy(self) -> bool:

@@ -24,7 +24,8 @@ import time
 from typing import Callable
 
 from pdlab.runtime.config import SchedulerConfig
-from pdlab.runtime.core import Batch, FinishReason, Req, ReqStatus, SamplingParams, StepOutput, filler_ids
+from pdlab.runtime.core import (Batch, FinishReason, Req, ReqStatus, RequestError, SamplingParams, StepOutput,
+                               filler_ids)
 from pdlab.kernels.env import ENV
 from pdlab.runtime.scheduler.decode import DecodeManager
 from pdlab.runtime.scheduler.output import TextCodec, process_token
@@ -85,18 +86,18 @@ class Scheduler:
         """Raise ValueError (sent to the client as a 400) for a request that can never run."""
         req.params.validate()
         if not req.prompt_ids:
-            raise ValueError("the prompt is empty; send at least one token")
+            raise RequestError("the prompt is empty; send at least one token", "prompt")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.engine.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.engine.vocab_size}); got "
-                             f"{min(req.prompt_ids)}..{max(req.prompt_ids)}")
+            raise RequestError(f"prompt token ids must be in [0, {self.engine.vocab_size}); got "
+                               f"{min(req.prompt_ids)}..{max(req.prompt_ids)}", "prompt")
         if req.prompt_len >= self.max_context_len:
-            raise ValueError(f"the prompt has {req.prompt_len} tokens; this server's context is "
-                             f"{self.max_context_len} tokens (prompt + output); shorten the prompt")
+            raise RequestError(f"the prompt has {req.prompt_len} tokens; this server's context is "
+                               f"{self.max_context_len} tokens (prompt + output); shorten the prompt", "prompt")
         if self.cfg.role != "prefill" and req.prompt_len + req.params.max_tokens > self.max_context_len:
             # (a prefill server samples one token per request: the prompt's check above is its whole limit)
-            raise ValueError(f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
-                             f"the context of {self.max_context_len} tokens; lower max_tokens to at most "
-                             f"{self.max_context_len - req.prompt_len}")
+            raise RequestError(f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
+                               f"the context of {self.max_context_len} tokens; lower max_tokens to at most "
+                               f"{self.max_context_len - req.prompt_len}", "max_tokens")
 
     def add_request(self, req: Req) -> None:
         self.validate(req)

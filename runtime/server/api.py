@@ -272,7 +272,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             aloop = asyncio.get_running_loop()
             loop.submit(req, lambda out: aloop.call_soon_threadsafe(q.put_nowait, out))
         except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         inflight[req.rid] = req
         return req, q
 

@@ -187,6 +187,23 @@ def test_bad_completion_requests_are_400(client, body, needle):
     assert needle in err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 300}, "max_tokens"),  # past the context
+    ({"prompt": "y" * 300}, "prompt"),  # longer than the context
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 2, 99999]}, "prompt"),
+    ({"prompt": "x", "top_p": 0.0}, "top_p"),
+    ({"prompt": "x", "temperature": 101}, "temperature"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+])
+def test_a_400_of_the_servers_own_checks_names_the_field(client, body, param):
+    """The checks of the sampling parameters and of the prompt against the context name their field in `param`, as
+    the schema's checks do (they gave param null)."""
+    r = _post(client, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def test_text_that_is_not_unicode_or_of_no_accepted_type_is_400(client):
     """JSON may carry a lone UTF-16 surrogate, which no tokenizer takes (it was a 500 from inside the tokenizer); and
     a field of several types gets one message listing them, not one per type pydantic tried."""
