@@ -357,30 +357,32 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.sass < 0:
         ap.error(f"--sass {args.sass}: give a number of opcodes >= 0 (0: no disassembly)")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernel_resources: TRITON_INTERPRET=1 makes the kernels interpreter functions, which do not "
-              "compile; run it without that variable", file=sys.stderr)
-        return 2
     from pdlab.attention import ops  # noqa: F401  (registers the attention backends)
     from pdlab.kernels import registry
     from pdlab.moe.runners import triton_nvfp4  # noqa: F401  (registers the experts runner)
 
-    if args.store:
-        bad = 0
-        for row in store_rows(args.store, args.arch):
-            bad += "error" in row or row["programs_per_sm"] < 1
-            print(json.dumps(row), flush=True)
-        return 1 if bad else 0
+    configs = []  # checked before anything compiles: a usage error comes first
     backend = registry.get_backend(args.op, "triton")
     for text in args.config or ["default"]:
         try:
             raw = {} if text == "default" else json.loads(text)
             if not isinstance(raw, dict):
                 raise ValueError("not a JSON object")
-            config = backend.config(raw)  # ValueError naming a knob the backend does not declare
+            configs.append((text, backend.config(raw)))  # ValueError naming a knob the backend does not declare
         except ValueError as exc:
             print(f"kernel_resources: --config {text!r}: {exc}; give 'default' or a JSON object", file=sys.stderr)
             return 2
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kernel_resources: TRITON_INTERPRET=1 makes the kernels interpreter functions, which do not "
+              "compile; run it without that variable", file=sys.stderr)
+        return 2
+    if args.store:
+        bad = 0
+        for row in store_rows(args.store, args.arch):
+            bad += "error" in row or row["programs_per_sm"] < 1
+            print(json.dumps(row), flush=True)
+        return 1 if bad else 0
+    for text, config in configs:
         if args.op == "mla_decode":
             launches = record_launch(args.heads, args.kv_dtype, config, args.arch, args.s_q,
                                      batch=args.batch, seqlen=args.seqlen, sm_count=args.sm_count)
