@@ -128,6 +128,8 @@ class ServerConfig(SchedulerConfig):
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of config fields (snake_case or kebab-case keys)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; pass a YAML/JSON file to --config")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML/JSON file to --config")
     text = p.read_text()
@@ -141,7 +143,16 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: cannot parse ({exc}); fix the syntax") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p}: expected a mapping of settings, got {type(data).__name__}")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for k, v in data.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"config file {p}: key {k!r} is not a setting name; keys are names such as page_size")
+        name = k.replace("-", "_")
+        if name in spelt:
+            raise ConfigError(f"config file {p}: {spelt[name]!r} and {k!r} are the same setting; give it once")
+        spelt[name], out[name] = k, v
+    return out
 
 
 def build_config(cls: type[BaseModel], file: str | None = None, **overrides: Any):

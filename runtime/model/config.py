@@ -133,6 +133,9 @@ class ModelConfig:
         and optionally a modelopt `hf_quant_config.json` dict. Raises ConfigError naming the field."""
         hf = dict(hf)
         archs = hf.get("architectures") or []
+        if not isinstance(archs, (list, tuple)):
+            raise ConfigError(f"config.json 'architectures' must be a list of class names, e.g. "
+                              f"[\"DeepseekV3ForCausalLM\"], got {archs!r}")
         model_type = hf.get("model_type")
         arch = archs[0] if archs else None
         if arch is None and model_type == "deepseek_v3":
@@ -146,6 +149,18 @@ class ModelConfig:
             if hf.get(key) is None:
                 raise ConfigError(f"config.json lacks '{key}', which a {arch} config must have")
             return hf[key]
+
+        def integer(key: str, value: Any) -> int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"config.json '{key}' must be an integer, got {value!r}")
+
+        def number(key: str, value: Any) -> float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise ConfigError(f"config.json '{key}' must be a number, got {value!r}")
 
         def get(key: str, default: Any) -> Any:
             v = hf.get(key)
@@ -163,41 +178,44 @@ class ModelConfig:
             raise ConfigError(f"topk_method {hf['topk_method']!r} is not supported (DeepSeek-V3 uses 'noaux_tc')")
         if get("scoring_func", "sigmoid") != "sigmoid":
             raise ConfigError(f"scoring_func {hf['scoring_func']!r} is not supported (DeepSeek-V3 uses 'sigmoid')")
-        heads = int(need("num_attention_heads"))
+        heads = integer("num_attention_heads", need("num_attention_heads"))
         kv_heads = get("num_key_value_heads", heads)
         if kv_heads != heads:
             raise ConfigError(f"num_key_value_heads {kv_heads} != num_attention_heads {heads}; MLA has one "
                               "latent shared by all heads and DeepSeek-V3 configs set both equal")
         eos = hf.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+        eos_list = eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        eos_ids = tuple(integer("eos_token_id", e) for e in eos_list)
+        bos = hf.get("bos_token_id")
         cfg = cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            vocab_size=integer("vocab_size", need("vocab_size")),
+            hidden_size=integer("hidden_size", need("hidden_size")),
+            intermediate_size=integer("intermediate_size", need("intermediate_size")),
+            moe_intermediate_size=integer("moe_intermediate_size", need("moe_intermediate_size")),
+            num_hidden_layers=integer("num_hidden_layers", need("num_hidden_layers")),
             num_attention_heads=heads,
-            q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
-            kv_lora_rank=int(need("kv_lora_rank")),
-            qk_nope_head_dim=int(need("qk_nope_head_dim")),
-            qk_rope_head_dim=int(need("qk_rope_head_dim")),
-            v_head_dim=int(need("v_head_dim")),
-            n_routed_experts=int(get("n_routed_experts", 0)),
-            n_shared_experts=int(get("n_shared_experts", 0)),
-            num_experts_per_tok=int(get("num_experts_per_tok", 0)),
-            n_group=int(get("n_group", 1)),
-            topk_group=int(get("topk_group", 1)),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            q_lora_rank=None if hf.get("q_lora_rank") is None else integer("q_lora_rank", hf["q_lora_rank"]),
+            kv_lora_rank=integer("kv_lora_rank", need("kv_lora_rank")),
+            qk_nope_head_dim=integer("qk_nope_head_dim", need("qk_nope_head_dim")),
+            qk_rope_head_dim=integer("qk_rope_head_dim", need("qk_rope_head_dim")),
+            v_head_dim=integer("v_head_dim", need("v_head_dim")),
+            n_routed_experts=integer("n_routed_experts", get("n_routed_experts", 0)),
+            n_shared_experts=integer("n_shared_experts", get("n_shared_experts", 0)),
+            num_experts_per_tok=integer("num_experts_per_tok", get("num_experts_per_tok", 0)),
+            n_group=integer("n_group", get("n_group", 1)),
+            topk_group=integer("topk_group", get("topk_group", 1)),
+            routed_scaling_factor=number("routed_scaling_factor", get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(get("norm_topk_prob", True)),
-            first_k_dense_replace=int(get("first_k_dense_replace", 0)),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(get("max_position_embeddings", 4096)),
+            first_k_dense_replace=integer("first_k_dense_replace", get("first_k_dense_replace", 0)),
+            rms_norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=integer("max_position_embeddings", get("max_position_embeddings", 4096)),
             rope=_rope_from_hf(hf),
             attention_bias=bool(get("attention_bias", False)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=None if bos is None else integer("bos_token_id", bos),
             eos_token_ids=eos_ids,
-            num_nextn_predict_layers=int(get("num_nextn_predict_layers", get("num_mtp_layers", 0))),
+            num_nextn_predict_layers=integer("num_nextn_predict_layers",
+                                             get("num_nextn_predict_layers", get("num_mtp_layers", 0))),
             architecture=arch,
             quant=_quant_from_hf(quant) if quant else None,
             extra={k: v for k, v in hf.items() if k not in _KNOWN},

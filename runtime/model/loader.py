@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from pdlab.runtime.model.config import ModelConfig
+from pdlab.runtime.model.config import ConfigError, ModelConfig
 from pdlab.runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, MoEBlock
 from pdlab.runtime.model.tokenizer import Tokenizer
 
@@ -87,20 +87,31 @@ class TensorSource(ABC):
 
 
 class SafetensorsSource(TensorSource):
-    """`model.safetensors.index.json` (sharded) or `model.safetensors` / `*.safetensors` in a directory."""
+    """`model.safetensors.index.json` (sharded) or `model.safetensors` / `*.safetensors` in a directory.
+    Every file's header is read at construction: a truncated or corrupt file, and a tensor the index places in
+    a shard that does not hold it, are named before any weight is loaded."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = path
+        self._handles: dict[str, Any] = {}
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_index(index)
             missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
             if missing:
                 raise FileNotFoundError(f"{index.name} in {path} names shard(s) that are not there: "
                                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
                                         "download the complete checkpoint")
+            by_file: dict[str, list[str]] = defaultdict(list)
+            for name, f in weight_map.items():
+                by_file[f].append(name)
+            for f, names in sorted(by_file.items()):
+                held = set(self._open(f).keys())
+                absent = [n for n in names if n not in held]
+                if absent:
+                    more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+                    raise CheckpointError(f"tensor {absent[0]!r}{more} is not in {f}, where {index} places it: "
+                                          "the index does not match its shards; download the checkpoint again")
         else:
             files = [path / "model.safetensors"] if (path / "model.safetensors").is_file() else sorted(
                 path.glob("*.safetensors"))
@@ -109,25 +120,50 @@ class SafetensorsSource(TensorSource):
                                         "model.safetensors.index.json with its shards, or *.safetensors files")
             weight_map = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
-                        weight_map[k] = f.name
+                for k in self._open(f.name).keys():
+                    weight_map[k] = f.name
         self.weight_map = weight_map
-        self._handles: dict[str, Any] = {}
+
+    def _open(self, fname: str):
+        """The open handle of file `fname` (its header read); CheckpointError naming it if it cannot be read."""
+        if fname not in self._handles:
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{self.path / fname} cannot be read as safetensors ({exc}): the file is "
+                                      "truncated or corrupt (an interrupted download?); download it again") from None
+        return self._handles[fname]
 
     def keys(self) -> Iterable[str]:
         return self.weight_map.keys()
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
-        fname = self.weight_map[name]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
-        return self._handles[fname].get_tensor(name)
+        try:
+            return self._open(self.weight_map[name]).get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"tensor {name!r} cannot be read from {self.where(name)} ({exc}): the file is "
+                                  "truncated or corrupt; download it again") from None
 
     def where(self, name: str) -> str:
-        return str(self.path / self.weight_map.get(name, "?"))
+        """The file holding `name`; the directory for a name the checkpoint lacks."""
+        return str(self.path / self.weight_map[name]) if name in self.weight_map else str(self.path)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name → shard file) of a `model.safetensors.index.json`."""
+    try:
+        data = json.loads(index.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index} is not valid JSON ({exc}); download it again") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no 'weight_map' object of tensor name -> shard file; download it again, "
+                              "or remove it to load every *.safetensors file in the directory")
+    return weight_map
 
 
 class DictSource(TensorSource):
@@ -252,10 +288,10 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found in {path}: a HF checkpoint directory has config.json "
                                 "next to its safetensors")
-    hf = json.loads(cfg_file.read_text())
+    hf = _read_json_object(cfg_file)
     quant = None
     if (path / "hf_quant_config.json").is_file():
-        quant = json.loads((path / "hf_quant_config.json").read_text())
+        quant = _read_json_object(path / "hf_quant_config.json")
     elif isinstance(hf.get("quantization_config"), Mapping) and hf["quantization_config"].get("quant_algo"):
         quant = hf["quantization_config"]
     cfg = ModelConfig.from_hf(hf, quant)
@@ -264,6 +300,18 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
         tokenizer = Tokenizer.from_dir(path, extra_eos_ids=cfg.eos_token_ids)
     model = build_model(cfg, SafetensorsSource(path), device, dtype, options=options)
     return model, tokenizer, cfg
+
+
+def _read_json_object(file: Path) -> dict:
+    """A JSON file holding one object (config.json, hf_quant_config.json); ConfigError naming the file otherwise."""
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file} is not valid JSON ({exc}); fix it or download it again") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} holds a JSON {type(data).__name__}, expected an object of settings; "
+                          "download it again")
+    return data
 
 
 def build_model(cfg: ModelConfig, source: TensorSource, device: str | torch.device = "cpu",
@@ -347,6 +395,10 @@ class _Loader:
                      str(self.dtype).replace("torch.", ""))
 
     def _unexpected(self, name: str) -> None:
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            raise CheckpointError(f"unexpected tensor 'lm_head.weight' in {self.src.where(name)}: config.json sets "
+                                  "tie_word_embeddings true (the head reuses embed_tokens), yet the checkpoint has its "
+                                  "own head; set tie_word_embeddings to false in config.json")
         raise CheckpointError(f"unexpected tensor {name!r} in {self.src.where(name)}: pdlab's DeepseekV3 has no "
                               "such parameter (a different architecture, or a config.json with fewer layers/"
                               "experts than the weights)")

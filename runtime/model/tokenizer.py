@@ -15,14 +15,21 @@ class Tokenizer:
     apply_chat_template(messages) → prompt text; encode_chat(messages) → ids.
     eos_token_ids: ids that end a generation (tokenizer's EOS plus the model config's)."""
 
-    def __init__(self, tokenizer_json: str, config: Mapping[str, Any] | None = None,
+    def __init__(self, tokenizer_json: Any, config: Mapping[str, Any] | None = None,
                  extra_eos_ids: Sequence[int] = ()):
         from tokenizers import Tokenizer as _HFTokenizer
 
         config = dict(config or {})
-        self._tok = _HFTokenizer.from_str(tokenizer_json)
+        # the JSON text, or a tokenizers.Tokenizer already built from it (from_dir)
+        self._tok = _HFTokenizer.from_str(tokenizer_json) if isinstance(tokenizer_json, str) else tokenizer_json
         self.config = config
-        self.chat_template: str | None = config.get("chat_template")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates (HF's list form): the one named "default"
+            template = next((t.get("template") for t in template if isinstance(t, Mapping)
+                             and t.get("name") == "default"), template)
+        self.chat_template: str | None = template
+        if self.chat_template is not None:
+            _check_template(self.chat_template)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
@@ -42,8 +49,26 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer.json not found in {path}: pdlab reads the fast-tokenizer file "
                                     "(tokenizer.json); copy it from the model's repository")
         cfg_file = path / "tokenizer_config.json"
-        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        return cls(tj.read_text(), config, extra_eos_ids)
+        config = {}
+        if cfg_file.is_file():
+            try:
+                config = json.loads(cfg_file.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{cfg_file} is not valid JSON ({exc}); fix it or download it again") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{cfg_file} holds a JSON {type(config).__name__}, expected an object of settings; "
+                                 "download it again")
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        try:
+            tok = _HFTokenizer.from_str(tj.read_text())
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{tj} cannot be read as a fast tokenizer ({exc}): the file is truncated, corrupt, or "
+                             "of a newer tokenizers format; download it again or upgrade `tokenizers`") from None
+        try:
+            return cls(tok, config, extra_eos_ids)
+        except ValueError as exc:
+            raise ValueError(f"{cfg_file}: {exc}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -87,6 +112,21 @@ def _token_text(tok: Any) -> str | None:
 
 
 _TEMPLATES: dict[str, Any] = {}
+
+
+def _check_template(source: Any) -> None:
+    """ValueError naming `chat_template` when the template is not a string or does not compile (a server would
+    otherwise answer every chat request with a 400 that blames the client)."""
+    if not isinstance(source, str):
+        raise ValueError(f"chat_template must be a jinja string (or a list of named ones, one named 'default'), "
+                         f"got {type(source).__name__}; keep the default template as a string")
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _compile(source)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not compile (line {exc.lineno}: {exc.message}); fix the template "
+                         "or remove it (chat requests then get a plain 'role: content' transcript)") from None
 
 
 def _compile(source: str):
