@@ -166,6 +166,11 @@ class MoEBlock(nn.Module):
             raise ValueError(f"--moe-weights-layout fragment: the triton runner's fragment-order GEMMs do not run "
                              f"on {torch.cuda.get_device_name(w.device)} ({why}); use --moe-weights-layout tiled "
                              f"or auto")
+        if weights_layout != "modelopt" and not w.can_tile:
+            what = ("its experts are not NVFP4 (bf16 checkpoint)" if not w.has_nvfp4 else
+                    f"hidden {w.hidden_size} and moe_intermediate {w.intermediate_size} are not both multiples of 128")
+            raise ValueError(f"--moe-weights-layout {weights_layout}: stores NVFP4 experts in the triton runner's "
+                             f"128-wide tiles, and this model's cannot be: {what}; use --moe-weights-layout auto")
         w.store_(weights_layout)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
