@@ -229,6 +229,17 @@ class ModelConfig:
                      "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+                     "first_k_dense_replace", "qk_nope_head_dim", "num_nextn_predict_layers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ConfigError(f"q_lora_rank must be positive, or null for a model without query compression, got "
+                              f"{self.q_lora_rank}")
+        bad_eos = [e for e in self.eos_token_ids if not 0 <= e < self.vocab_size]
+        if bad_eos:
+            raise ConfigError(f"eos_token_id {bad_eos[0]} is outside the vocabulary (0..{self.vocab_size - 1}): "
+                              "generation could never stop on it; fix eos_token_id in config.json")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
         if self.n_routed_experts > 0 and self.first_k_dense_replace < self.num_hidden_layers:

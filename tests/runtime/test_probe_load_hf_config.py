@@ -64,3 +64,19 @@ def test_architectures_as_a_string_is_told_to_be_a_list(root, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"architectures.*list"):
         _load(d)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("n_routed_experts", -1, "n_routed_experts must be >= 0"),
+    ("q_lora_rank", 0, "q_lora_rank must be positive, or null"),
+    ("eos_token_id", 10**6, "eos_token_id 1000000 is outside the vocabulary"),
+    ("moe_intermediate_size", -8, "moe_intermediate_size must be >= 0"),
+])
+def test_config_values_no_model_can_have_are_named_at_load(root, tmp_path, key, value, says):
+    # these loaded, then failed later as an 'unexpected tensor' or a shape mismatch, or never stopped generating
+    d = _copy(root, "single", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=says):
+        _load(d)
