@@ -85,7 +85,7 @@ class RoleLoop:
         if isinstance(self._role, DecodeRole):  # falls back to a plain abort for untagged requests
             self._role.abort(rid, reason, error_status=error_status)
         elif rid in self._role.records:
-            self._role.abort(rid, reason)
+            self._role.abort(rid, reason, error_status)
         else:
             self._loop.abort(rid, reason, error_status)
 

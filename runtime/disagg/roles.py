@@ -69,7 +69,7 @@ class Record:
     first_token: int | None = None
     first_logprob: Any = None  # (logprob, [(id, logprob), ...]) of the first token when the request asks for them
     abort_requested: bool = False
-    abort_status: int | None = None  # decode side: the HTTP status of an abort's error (None: 502, the prefill failed)
+    abort_status: int | None = None  # the HTTP status of an abort's error (None: 502, the prefill side failed)
     done_event: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
     transfer_s: float = 0.0
@@ -201,14 +201,17 @@ class PrefillRole(RoleHooks):
                 self.metrics.move(rec, State.BOOTSTRAPPING, "pages arrived before the request")
             rec.dst_pages, rec.peer_meta, rec.peer = list(pages), decode_meta, decode_meta.get("agent", "")
 
-    def abort(self, transfer_id: str, why: str = "aborted by the decode side") -> None:
+    def abort(self, transfer_id: str, why: str = "aborted by the decode side", error_status: int | None = None) -> None:
         """Drop transfer_id: a queued / computing request is aborted, a handed-off one released; a
-        transfer already in flight completes first (the decode side frees its pages on the notice)."""
+        transfer already in flight completes first (the decode side frees its pages on the notice).
+        error_status: a 5xx the decode side answers its client with (e.g. 503 when this server stops; else 502)."""
         with self._lock:
             rec = self.records.get(transfer_id)
             if rec is None or rec.state in TERMINAL:
                 return
             rec.abort_requested, rec.error = True, why
+            if error_status is not None and 500 <= error_status < 600:
+                rec.abort_status = error_status
         if self.loop is not None:
             self.loop.call(lambda sched: self._abort(sched, rec))
 
@@ -318,7 +321,10 @@ class PrefillRole(RoleHooks):
                     self.transfer.add_peer(rec.peer_meta)  # makes the peer reachable for notices
                 except KVLayoutMismatch:
                     pass  # reachable all the same: the mismatch is what we are reporting
-                self.transfer.notify(rec.peer, {"transfer_id": rec.transfer_id, "event": "failed", "error": why})
+                notice = {"transfer_id": rec.transfer_id, "event": "failed", "error": why}
+                if rec.abort_status is not None:
+                    notice["status"] = rec.abort_status
+                self.transfer.notify(rec.peer, notice)
             except (KVTransferError, ValueError, OSError) as e:
                 log.info("could not tell %s that %s failed: %s", rec.peer, rec.transfer_id, e)
         self._answer(rec)
@@ -469,8 +475,10 @@ class DecodeRole(RoleHooks):
         elif event == "failed":
             if rec.abort_requested:
                 self._finish_failed(sched, rec, rec.error, rec.abort_status or 502)
-            else:
-                self._finish_failed(sched, rec, f"prefill failed: {msg.get('error', 'unknown error')}")
+            else:  # the prefill side's status where it gives a 5xx (503: it is stopping), else 502
+                status = msg.get("status")
+                status = status if isinstance(status, int) and 500 <= status < 600 else 502
+                self._finish_failed(sched, rec, f"prefill failed: {msg.get('error', 'unknown error')}", status)
 
     def on_abort(self, sched, req: Req, reason: str) -> bool:
         rec = self.records.get(req.rid)

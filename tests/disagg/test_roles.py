@@ -263,6 +263,22 @@ def test_pages_for_a_transfer_the_prefill_server_failed_are_refused(disagg):
     _assert_all_pages_free(d)
 
 
+def test_a_prefill_server_that_stops_passes_its_503_to_the_client(disagg):
+    """A prefill server stopping ends the requests it still computes with a 503; the decode side answered 502
+    ("prefill failed"), which reads as a broken server rather than one going away."""
+    d = disagg()
+    results = {}
+    tid = "prefill-stops"
+    _submit_long(d, tid, results)  # several prefill chunks: still computing when the server stops
+    _pump_until(d, lambda: d.prefill_role.records[tid].peer_meta is not None)
+    assert "out" not in results
+    d.prefill_role.abort(tid, "server is shutting down; retry the request on another server", error_status=503)
+    _pump_until(d, lambda: "out" in results)
+    out = results["out"]
+    assert out.finished and out.error_status == 503 and "shutting down" in out.error, out
+    _assert_all_pages_free(d)
+
+
 def test_layout_mismatch_rejected_unless_converted(disagg):
     prompts = _prompts()[:5]
     d = disagg(prefill=_settings(page=16), decode=_settings(page=32))
