@@ -39,5 +39,6 @@ def test_a_body_that_is_not_a_json_object_is_a_clear_400(client, path, raw, need
 
 
 def test_json_without_a_json_content_type_says_which_header_to_send(client):
-    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}', headers={"content-type": "text/plain"})
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                    headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text

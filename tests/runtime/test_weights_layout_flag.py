@@ -15,6 +15,8 @@ def test_a_tile_layout_for_experts_that_cannot_take_it_is_named(tmp_path, layout
     hf_model(hf_config(layers=2), seed=5).save_pretrained(tmp_path)
     write_tokenizer(tmp_path)
     with pytest.raises(ValueError, match=rf"--moe-weights-layout {layout}: .*not NVFP4 \(bf16 checkpoint\).*auto"):
-        LLM(model_path=str(tmp_path), device="cpu", dtype="fp32", moe_weights_layout=layout, max_total_tokens=1024, max_context_len=128)
-    llm = LLM(model_path=str(tmp_path), device="cpu", dtype="fp32", moe_weights_layout="auto", max_total_tokens=1024, max_context_len=128)
+        LLM(model_path=str(tmp_path), device="cpu", dtype="fp32", moe_weights_layout=layout, max_total_tokens=1024,
+            max_context_len=128)
+    llm = LLM(model_path=str(tmp_path), device="cpu", dtype="fp32", moe_weights_layout="auto", max_total_tokens=1024,
+              max_context_len=128)
     assert llm.generate([[5, 6]])[0]["error"] is None
