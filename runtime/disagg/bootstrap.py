@@ -43,6 +43,12 @@ class HttpLink:
 
     def send_pages(self, prefill: str, msg: dict) -> None:
         r = self.client.post(f"{prefill.rstrip('/')}/disagg/pages", json=msg)
+        if r.status_code == 409:  # the prefill server failed this transfer already
+            try:
+                body = r.json()
+                raise TransferFailed(str(body["error"]["message"]), int(body.get("status", 502)))
+            except (ValueError, KeyError, TypeError):
+                pass  # not the prefill role's answer: the generic error below
         if r.status_code != 200:
             raise RuntimeError(f"{prefill} refused the page ids ({r.status_code}): {r.text[:300]}")
 
@@ -105,8 +111,8 @@ def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
             return JSONResponse({"error": {"message": f"bad /disagg/pages body: {e}"}}, status_code=400)
         try:
             role.on_pages(tid, meta, ids)
-        except TransferFailed as e:
-            return JSONResponse({"error": {"message": str(e)}}, status_code=409)
+        except TransferFailed as e:  # its status: what the decode side answers its client with
+            return JSONResponse({"error": {"message": str(e)}, "status": e.status}, status_code=409)
         return {"ok": True}
 
     @app.post("/disagg/abort")

@@ -127,7 +127,12 @@ class RoleMetrics:
 
 
 class TransferFailed(Exception):
-    """The prefill server already failed this transfer (e.g. it refused the request): pages for it are refused."""
+    """The prefill server already failed this transfer (e.g. it refused the request): pages for it are refused.
+    status: the HTTP status the client gets for it (400 a request the prefill server refused, else 502)."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
 
 
 class PeerLink(Protocol):
@@ -185,6 +190,7 @@ class PrefillRole(RoleHooks):
         try:
             self.loop.submit(preq, lambda out, rec=rec: self._on_output(rec, out))
         except ValueError as e:
+            rec.abort_status = 400  # the request itself: the decode side answers its client with a 400 too
             self._fail(None, rec, f"bad request: {e}")
             raise
         return rec
@@ -195,7 +201,8 @@ class PrefillRole(RoleHooks):
         with self._lock:
             rec = self.records.get(transfer_id)
             if rec is not None and rec.state is State.FAILED:
-                raise TransferFailed(f"transfer {transfer_id} failed on the prefill server: {rec.error}")
+                raise TransferFailed(f"transfer {transfer_id} failed on the prefill server: {rec.error}",
+                                     rec.abort_status or 502)
             if rec is None:
                 rec = self.records[transfer_id] = Record(transfer_id)
                 self.metrics.move(rec, State.BOOTSTRAPPING, "pages arrived before the request")
@@ -441,7 +448,10 @@ class DecodeRole(RoleHooks):
 
     def _link_done(self, tid: str, fut) -> None:
         exc = fut.exception()
-        if exc is not None:
+        if isinstance(exc, TransferFailed):  # the prefill server failed (or refused) the request already
+            self.loop.call(lambda sched: self._on_notice(sched, {
+                "transfer_id": tid, "event": "failed", "error": str(exc), "status": exc.status}))
+        elif exc is not None:
             self.loop.call(lambda sched: self._on_notice(sched, {
                 "transfer_id": tid, "event": "failed", "error": f"handing pages to the prefill server failed: {exc}"}))
 
@@ -475,9 +485,10 @@ class DecodeRole(RoleHooks):
         elif event == "failed":
             if rec.abort_requested:
                 self._finish_failed(sched, rec, rec.error, rec.abort_status or 502)
-            else:  # the prefill side's status where it gives a 5xx (503: it is stopping), else 502
+            else:  # the prefill side's status where it gives one (400 it refused the request, 503 it is
+                # stopping), else 502
                 status = msg.get("status")
-                status = status if isinstance(status, int) and 500 <= status < 600 else 502
+                status = status if isinstance(status, int) and 400 <= status < 600 else 502
                 self._finish_failed(sched, rec, f"prefill failed: {msg.get('error', 'unknown error')}", status)
 
     def on_abort(self, sched, req: Req, reason: str) -> bool:

@@ -3,8 +3,10 @@ fields. Layers read only this object, never raw HF attributes."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -349,3 +351,16 @@ def _quant_from_hf(q: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig(algo=str(algo), group_size=int(body.get("group_size", 16)),
                        exclude_modules=tuple(body.get("exclude_modules") or ()),
                        kv_cache_algo=body.get("kv_cache_quant_algo"))
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file holding one object (config.json, hf_quant_config.json, tokenizer_config.json); ConfigError (a
+    ValueError) naming the file otherwise."""
+    try:
+        data = json.loads(Path(file).read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file} is not valid JSON ({exc}); fix it or download it again") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} holds a JSON {type(data).__name__}, expected an object of settings; "
+                          "download it again")
+    return data

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from pdlab.runtime.model.config import ConfigError, ModelConfig
+from pdlab.runtime.model.config import ConfigError, ModelConfig, read_json_object
 from pdlab.runtime.model.deepseek_v3 import DeepseekV3ForCausalLM, MoEBlock
 from pdlab.runtime.model.tokenizer import Tokenizer
 
@@ -288,10 +288,10 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found in {path}: a HF checkpoint directory has config.json "
                                 "next to its safetensors")
-    hf = _read_json_object(cfg_file)
+    hf = read_json_object(cfg_file)
     quant = None
     if (path / "hf_quant_config.json").is_file():
-        quant = _read_json_object(path / "hf_quant_config.json")
+        quant = read_json_object(path / "hf_quant_config.json")
     elif isinstance(hf.get("quantization_config"), Mapping) and hf["quantization_config"].get("quant_algo"):
         quant = hf["quantization_config"]
     cfg = ModelConfig.from_hf(hf, quant)
@@ -300,18 +300,6 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
         tokenizer = Tokenizer.from_dir(path, extra_eos_ids=cfg.eos_token_ids)
     model = build_model(cfg, SafetensorsSource(path), device, dtype, options=options)
     return model, tokenizer, cfg
-
-
-def _read_json_object(file: Path) -> dict:
-    """A JSON file holding one object (config.json, hf_quant_config.json); ConfigError naming the file otherwise."""
-    try:
-        data = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file} is not valid JSON ({exc}); fix it or download it again") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file} holds a JSON {type(data).__name__}, expected an object of settings; "
-                          "download it again")
-    return data
 
 
 def build_model(cfg: ModelConfig, source: TensorSource, device: str | torch.device = "cpu",

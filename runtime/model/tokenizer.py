@@ -49,15 +49,9 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer.json not found in {path}: pdlab reads the fast-tokenizer file "
                                     "(tokenizer.json); copy it from the model's repository")
         cfg_file = path / "tokenizer_config.json"
-        config = {}
-        if cfg_file.is_file():
-            try:
-                config = json.loads(cfg_file.read_text())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{cfg_file} is not valid JSON ({exc}); fix it or download it again") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{cfg_file} holds a JSON {type(config).__name__}, expected an object of settings; "
-                                 "download it again")
+        from pdlab.runtime.model.config import read_json_object
+
+        config = read_json_object(cfg_file) if cfg_file.is_file() else {}
         from tokenizers import Tokenizer as _HFTokenizer
 
         try:

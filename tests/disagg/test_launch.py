@@ -139,7 +139,8 @@ def test_a_prompt_only_the_prefill_server_refuses_gets_its_400_at_once():
             took = time.monotonic() - t0
             assert r.status_code == 400, r.text
             msg = r.json()["error"]["message"]
-            assert "refused the request (400)" in msg and "context is 64 tokens" in msg, msg
+            # the router's word, or the prefill server's refusal of the page hand-off, whichever comes first
+            assert "context is 64 tokens" in msg, msg
             assert took < 10, took
             assert len(_generate(c, url, [(7 * i + 3) % 256 for i in range(20)], max_new=6)) == 6
             state = c.get(f"{acks['decode']['url']}/disagg/state").json()

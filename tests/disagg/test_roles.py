@@ -259,6 +259,7 @@ def test_pages_for_a_transfer_the_prefill_server_failed_are_refused(disagg):
     _pump_until(d, lambda: "out" in results, seconds=5.0)
     out = results["out"]
     assert out.finished and "failed on the prefill server" in out.error and "context is 64 tokens" in out.error
+    assert out.error_status == 400  # the request's own fault, as the prefill server found it
     assert time.monotonic() - t0 < 5.0
     _assert_all_pages_free(d)
 

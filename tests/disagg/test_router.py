@@ -264,3 +264,29 @@ def test_config_rejects_bad_urls():
         RouterConfig(decode=["localhost:1"])
     with pytest.raises(ValueError, match="both prefill and decode"):
         RouterConfig(prefill=["http://a:1"], decode=["http://a:1"])
+
+
+def test_the_page_link_reads_a_prefill_refusal_with_its_status(servers):
+    """/disagg/pages answers 409 with the status of a transfer the prefill server failed: the decode side's link
+    raises TransferFailed carrying it (400: the request's own fault), any other refusal stays a plain error."""
+    from pdlab.runtime.disagg.bootstrap import HttpLink
+    from pdlab.runtime.disagg.roles import TransferFailed
+
+    app = FastAPI()
+
+    @app.post("/disagg/pages")
+    async def pages(request: Request):
+        body = await request.json()
+        if body["transfer_id"] == "refused":
+            return JSONResponse({"error": {"message": "transfer refused failed on the prefill server: bad request"},
+                                 "status": 400}, status_code=409)
+        return JSONResponse({"error": {"message": "nope"}}, status_code=500)
+
+    (url,) = servers(app)
+    link = HttpLink()
+    with pytest.raises(TransferFailed, match="bad request") as exc:
+        link.send_pages(url, {"transfer_id": "refused", "decode_meta": {}, "pages": [1]})
+    assert exc.value.status == 400
+    with pytest.raises(RuntimeError, match=r"refused the page ids \(500\)"):
+        link.send_pages(url, {"transfer_id": "other", "decode_meta": {}, "pages": [1]})
+    link.close()

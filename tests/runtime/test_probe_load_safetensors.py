@@ -5,65 +5,45 @@ the file (and tensor), never a bare safetensors exception or a KeyError."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from pdlab.runtime.model import CheckpointError, LoadOptions, load_model
-from pdlab.runtime.model.testing import hf_config, hf_model
-from pdlab.runtime.model.tiny import write_tokenizer
 
 pytest.importorskip("transformers")
 OPTIONS = LoadOptions(attn_backend="torch", moe_runner="torch")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    """A tiny fp32 checkpoint with the tiny tokenizer: one file ("single") and sharded ("sharded")."""
-    root = tmp_path_factory.mktemp("probe_ckpt")
-    hf = hf_model(hf_config(layers=2), seed=5)
-    for name, kw in (("single", {}), ("sharded", {"max_shard_size": "200KB"})):
-        hf.save_pretrained(root / name, **kw)
-        write_tokenizer(root / name)
-    return root
-
-
-def _copy(root, name, tmp_path):
-    d = tmp_path / name
-    shutil.copytree(root / name, d)
-    return d
 
 
 def _load(d):
     return load_model(d, "cpu", torch.float32, options=OPTIONS)
 
 
-def test_truncated_single_file_names_the_file(root, tmp_path):
-    d = _copy(root, "single", tmp_path)
+def test_truncated_single_file_names_the_file(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("single")
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupt)"):
         _load(d)
 
 
-def test_empty_weights_file_names_the_file(root, tmp_path):
-    d = _copy(root, "single", tmp_path)
+def test_empty_weights_file_names_the_file(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("single")
     (d / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupt)"):
         _load(d)
 
 
-def test_truncated_shard_names_the_shard(root, tmp_path):
-    d = _copy(root, "sharded", tmp_path)
+def test_truncated_shard_names_the_shard(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("sharded")
     shard = sorted(d.glob("model-*.safetensors"))[2]
     shard.write_bytes(shard.read_bytes()[:-1000])
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*(truncated|corrupt)"):
         _load(d)
 
 
-def test_index_naming_the_wrong_shard_names_tensor_shard_and_index(root, tmp_path):
-    d = _copy(root, "sharded", tmp_path)
+def test_index_naming_the_wrong_shard_names_tensor_shard_and_index(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("sharded")
     index = d / "model.safetensors.index.json"
     idx = json.loads(index.read_text())
     shards = sorted(set(idx["weight_map"].values()))
@@ -75,15 +55,15 @@ def test_index_naming_the_wrong_shard_names_tensor_shard_and_index(root, tmp_pat
 
 
 @pytest.mark.parametrize("text", ['{"metadata": {}}', "{", "[]", '{"weight_map": [1]}'])
-def test_malformed_index_names_the_index(root, tmp_path, text):
-    d = _copy(root, "sharded", tmp_path)
+def test_malformed_index_names_the_index(tiny_ckpt, tmp_path, text):
+    d = tiny_ckpt("sharded")
     (d / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json"):
         _load(d)
 
 
-def test_missing_tensor_names_the_directory_not_a_placeholder(root, tmp_path):
-    d = _copy(root, "sharded", tmp_path)
+def test_missing_tensor_names_the_directory_not_a_placeholder(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("sharded")
     index = d / "model.safetensors.index.json"
     idx = json.loads(index.read_text())
     idx["weight_map"].pop("model.norm.weight")
@@ -93,8 +73,8 @@ def test_missing_tensor_names_the_directory_not_a_placeholder(root, tmp_path):
     assert "?" not in str(info.value) and str(d) in str(info.value)
 
 
-def test_tied_config_with_an_lm_head_says_so(root, tmp_path):
-    d = _copy(root, "single", tmp_path)
+def test_tied_config_with_an_lm_head_says_so(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("single")
     cfg = json.loads((d / "config.json").read_text())
     cfg["tie_word_embeddings"] = True
     (d / "config.json").write_text(json.dumps(cfg))
@@ -102,7 +82,7 @@ def test_tied_config_with_an_lm_head_says_so(root, tmp_path):
         _load(d)
 
 
-def test_valid_checkpoints_still_load(root):
+def test_valid_checkpoints_still_load(tiny_ckpt_root):
     for name in ("single", "sharded"):
-        model, tok, cfg = _load(root / name)
+        model, tok, cfg = _load(tiny_ckpt_root / name)
         assert tok is not None and cfg.num_hidden_layers == 2

@@ -5,58 +5,38 @@ Exception or a 400 on every chat request."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from pdlab.runtime.model import LoadOptions, load_model
-from pdlab.runtime.model.testing import hf_config, hf_model
-from pdlab.runtime.model.tiny import write_tokenizer
 
 pytest.importorskip("transformers")
 OPTIONS = LoadOptions(attn_backend="torch", moe_runner="torch")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    """A tiny fp32 checkpoint with the tiny tokenizer: one file ("single") and sharded ("sharded")."""
-    root = tmp_path_factory.mktemp("probe_ckpt")
-    hf = hf_model(hf_config(layers=2), seed=5)
-    for name, kw in (("single", {}), ("sharded", {"max_shard_size": "200KB"})):
-        hf.save_pretrained(root / name, **kw)
-        write_tokenizer(root / name)
-    return root
-
-
-def _copy(root, name, tmp_path):
-    d = tmp_path / name
-    shutil.copytree(root / name, d)
-    return d
 
 
 def _load(d):
     return load_model(d, "cpu", torch.float32, options=OPTIONS)
 
 
-def test_corrupt_tokenizer_json_names_the_file(root, tmp_path):
-    d = _copy(root, "single", tmp_path)
+def test_corrupt_tokenizer_json_names_the_file(tiny_ckpt, tmp_path):
+    d = tiny_ckpt("single")
     (d / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         _load(d)
 
 
 @pytest.mark.parametrize("text", ["{oops", "[1]"])
-def test_malformed_tokenizer_config_names_the_file(root, tmp_path, text):
-    d = _copy(root, "single", tmp_path)
+def test_malformed_tokenizer_config_names_the_file(tiny_ckpt, tmp_path, text):
+    d = tiny_ckpt("single")
     (d / "tokenizer_config.json").write_text(text)
     with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
         _load(d)
 
 
-def test_chat_template_syntax_error_fails_at_load(root, tmp_path):
+def test_chat_template_syntax_error_fails_at_load(tiny_ckpt, tmp_path):
     """A template that cannot compile would turn every chat request into a 400 blaming the client."""
-    d = _copy(root, "single", tmp_path)
+    d = tiny_ckpt("single")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = "{% for m in messages %}{{ m.content "
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
