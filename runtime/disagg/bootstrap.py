@@ -43,12 +43,9 @@ class HttpLink:
 
     def send_pages(self, prefill: str, msg: dict) -> None:
         r = self.client.post(f"{prefill.rstrip('/')}/disagg/pages", json=msg)
-        if r.status_code == 409:  # the prefill server failed this transfer already
-            try:
-                body = r.json()
-                raise TransferFailed(str(body["error"]["message"]), int(body.get("status", 502)))
-            except (ValueError, KeyError, TypeError):
-                pass  # not the prefill role's answer: the generic error below
+        refusal = _transfer_failed(r)
+        if refusal is not None:
+            raise refusal
         if r.status_code != 200:
             raise RuntimeError(f"{prefill} refused the page ids ({r.status_code}): {r.text[:300]}")
 
@@ -58,6 +55,18 @@ class HttpLink:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _transfer_failed(r: httpx.Response) -> TransferFailed | None:
+    """The prefill role's 409 for a transfer it failed already, as TransferFailed with the client's status; None for
+    any other answer."""
+    if r.status_code != 409:
+        return None
+    try:
+        body = r.json()
+        return TransferFailed(str(body["error"]["message"]), int(body.get("status", 502)))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class RoleLoop:

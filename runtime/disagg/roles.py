@@ -534,8 +534,9 @@ class DecodeRole(RoleHooks):
 
     def poll(self, sched) -> None:
         now = time.monotonic()
-        for tid in [t for t, (_, _, at) in self._refused.items() if now - at > 60.0]:
-            del self._refused[tid]
+        if self._refused:  # (every step: skip the scan when empty, as it almost always is)
+            for tid in [t for t, (_, _, at) in self._refused.items() if now - at > 60.0]:
+                del self._refused[tid]
         for tid, rec in list(self.records.items()):
             if rec.state in TERMINAL:
                 if now - rec.since > 60.0:
