@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     max_total_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (overrides --mem-fraction-static)")
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="share of free device memory for the KV pool")
     max_context_len: int | None = Field(None, ge=2, description="longest prompt+output (default: the model's)")
+    allow_long_context: bool = Field(False, description="accept a --max-context-len above the model's context "
+                                     "(max_position_embeddings, or YaRN's original × factor where larger); "
+                                     "positions past it were never trained, outputs there may be garbage")
     disable_cuda_graph: bool = Field(False, description="run decode and prefill eagerly on CUDA (no CUDA graphs)")
     cuda_graph_bs: list[int] | None = Field(None, description="decode batch sizes to capture (default 1,2,4,8,16,24,32,...)")
     cuda_graph_max_prefill_tokens: int = Field(

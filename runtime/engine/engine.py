@@ -72,6 +72,7 @@ class Engine:
         use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
         if model is None:
             from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
+            self.max_context_len = _checked_context_len(cfg, _model_config_of(cfg.model_path))  # before any weight
             from pdlab.runtime.model import LoadOptions
             layout = {"weights_layout": None if cfg.moe_weights_layout == "auto" else cfg.moe_weights_layout}
             options = LoadOptions(moe_kwargs=layout)
@@ -89,23 +90,21 @@ class Engine:
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.num_layers = int(_attr(model_config, "num_hidden_layers"))
         self.vocab_size = int(_attr(model_config, "vocab_size"))
-        model_ctx = int(getattr(model_config, "max_position_embeddings", 0) or 0) or 4096
-        self.max_context_len = cfg.max_context_len or model_ctx
-        if cfg.max_context_len and model_ctx and cfg.max_context_len > model_ctx:
-            log.warning("max_context_len %d exceeds the model's max_position_embeddings %d",
-                        cfg.max_context_len, model_ctx)
+        self.max_context_len = _checked_context_len(cfg, model_config)
         self.page_size = cfg.page_size
         self.max_running_requests = max_running_requests
-        self.pool = MLAKVPool(self.num_layers, self._num_pages(), cfg.page_size, cfg.resolved_kv_dtype,
+        num_pages = self._num_pages()
+        max_pages = -(-self.max_context_len // cfg.page_size)
+        if num_pages - 1 < max_pages:  # page 0 is the reserved dummy page
+            raise ConfigError(
+                f"the KV pool holds {num_pages - 1} pages of {cfg.page_size} tokens, fewer than one "
+                f"maximal request needs ({max_pages} pages for max_context_len {self.max_context_len}); raise "
+                "--max-total-tokens / --mem-fraction-static or lower --max-context-len")
+        self._check_kv_memory(num_pages, max_pages)
+        self.pool = MLAKVPool(self.num_layers, num_pages, cfg.page_size, cfg.resolved_kv_dtype,
                               self.device, kv_scale=cfg.kv_scale,
                               allocator=None if cfg.allocator == "auto" else cfg.allocator,
                               copy_chunk_pages=cfg.kv_backup_chunk_pages)
-        max_pages = -(-self.max_context_len // cfg.page_size)
-        if self.pool.allocator.capacity < max_pages:
-            raise ConfigError(
-                f"the KV pool holds {self.pool.allocator.capacity} pages of {cfg.page_size} tokens, fewer than one "
-                f"maximal request needs ({max_pages} pages for max_context_len {self.max_context_len}); raise "
-                "--max-total-tokens / --mem-fraction-static or lower --max-context-len")
         self.page_table = PageTable(max_running_requests, max_pages, self.device)
         self.graphs = None
         self.graph_error: str | None = None
@@ -175,6 +174,25 @@ class Engine:
         else:
             budget = min(_host_available_bytes() * cfg.mem_fraction_static, 4 << 30)  # CPU: at most 4 GiB
         return max(2, int(budget // per_page))
+
+    def _check_kv_memory(self, num_pages: int, max_pages: int) -> None:
+        """Refuse a KV pool + page table that cannot fit the device's available memory before allocating them
+        (MemoryBudgetError naming the settings that size them)."""
+        from pdlab.runtime.memory.budget import check_fits
+
+        cfg = self.cfg
+        pool = num_pages * cfg.page_size * MLAKVPool.bytes_per_token(self.num_layers, cfg.resolved_kv_dtype)
+        table = (self.max_running_requests + 1) * max_pages * 4
+        what = (f"the KV pool ({num_pages} pages of {cfg.page_size} tokens over {self.num_layers} layers, "
+                f"{cfg.resolved_kv_dtype}) and the page table ({self.max_running_requests + 1} rows of {max_pages} "
+                "pages)")
+        if pool >= table:
+            fix = (f"lower --max-total-tokens {cfg.max_total_tokens}" if cfg.max_total_tokens is not None
+                   else f"lower --mem-fraction-static {cfg.mem_fraction_static}")
+        else:  # one row per running request, one column per page of the longest request
+            fix = (f"lower --max-running-requests {self.max_running_requests} or --max-context-len "
+                   f"{self.max_context_len}")
+        check_fits(what, pool + table, self.device, fix)
 
     def ensure_current_device(self) -> None:
         """Make this engine's GPU the calling thread's current device (Triton launches on the current
@@ -379,6 +397,53 @@ def describe_ops(device: torch.device) -> list[str]:
                 "graph_replan") else "; not in CUDA-graph decode (plans on the host): graphs take the next backend")
         lines.append(f"op {op}: backend {b.name}, config {source}{plan}")
     return lines
+
+
+def context_limit(model_config) -> tuple[int | None, str]:
+    """The longest context `model_config` was trained or RoPE-scaled for, and where that number comes from:
+    max_position_embeddings, raised to YaRN's original_max_position_embeddings × factor where that is larger.
+    (None, "") for a config that states neither."""
+    mpe = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+    limit, source = (mpe, f"max_position_embeddings {mpe}") if mpe > 0 else (None, "")
+    rope = getattr(model_config, "rope", None)
+    if rope is not None and getattr(rope, "kind", "default") == "yarn":
+        orig, factor = int(rope.original_max_position_embeddings), float(rope.factor)
+        scaled = int(orig * factor)
+        if limit is None or scaled > limit:
+            limit, source = scaled, f"YaRN original_max_position_embeddings {orig} × factor {factor:g} = {scaled}"
+    return limit, source
+
+
+def _checked_context_len(cfg: EngineConfig, model_config) -> int:
+    """The served context: `cfg.max_context_len`, else the model's (4096 for a config that states none). A
+    max_context_len beyond the model's `context_limit` is refused (ConfigError naming both and the opt-in)
+    unless `allow_long_context` is set: positions past it are outside what RoPE was trained or scaled for, and
+    the model's outputs there are untested at best."""
+    limit, source = context_limit(model_config)
+    want = cfg.max_context_len
+    if want is None:
+        return int(getattr(model_config, "max_position_embeddings", 0) or 0) or 4096
+    if limit is not None and want > limit:
+        if not cfg.allow_long_context:
+            raise ConfigError(f"max_context_len {want} exceeds the model's context of {limit} tokens ({source}); "
+                              f"lower --max-context-len to at most {limit}, or pass --allow-long-context to serve "
+                              "positions the model was not trained for (outputs there may be garbage)")
+        log.warning("max_context_len %d exceeds the model's context of %d tokens (%s); serving it because "
+                    "allow_long_context is set: outputs past %d tokens may be garbage", want, limit, source, limit)
+    return want
+
+
+def _model_config_of(model_path: str | None):
+    """The config of the model `model_path` names (synthetic spec, checkpoint directory, or None: the embedded
+    tiny one) without loading any weight, so settings that conflict with it fail before the load."""
+    from pdlab.runtime.engine.synthetic import is_synthetic, synthetic_config
+    if is_synthetic(model_path):
+        return synthetic_config(model_path)
+    if model_path is None:
+        from pdlab.runtime.model.tiny import TINY_CONFIG
+        return TINY_CONFIG
+    from pdlab.runtime.model.loader import read_model_config
+    return read_model_config(model_path)
 
 
 def _attr(cfg, name: str):

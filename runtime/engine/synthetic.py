@@ -31,9 +31,8 @@ def is_synthetic(path: str | None) -> bool:
     return bool(path) and path.startswith(PREFIX)
 
 
-def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0, options=None):
-    """(model, None, config) for spec "synthetic:deepseek-r1[:LAYERS]"; `options` (LoadOptions) as
-    for `load_model` (experts are always quantized to NVFP4)."""
+def synthetic_config(spec: str):
+    """The ModelConfig of spec "synthetic:deepseek-r1[:LAYERS]" (no weights); ValueError naming a bad spec."""
     parts = spec[len(PREFIX):].split(":")
     if parts[0] != "deepseek-r1" or len(parts) > 2:
         raise ValueError(f"unknown synthetic model {spec!r}; use synthetic:deepseek-r1 or synthetic:deepseek-r1:LAYERS")
@@ -41,8 +40,20 @@ def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0, optio
         layers = int(parts[1]) if len(parts) == 2 else 4
     except ValueError:
         raise ValueError(f"synthetic model {spec!r}: LAYERS must be an integer") from None
-    from pdlab.runtime.model.loader import LoadOptions, RandomSource, build_model
-    cfg = r1_config(layers)
+    return r1_config(layers)
+
+
+def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0, options=None):
+    """(model, None, config) for spec "synthetic:deepseek-r1[:LAYERS]"; `options` (LoadOptions) as
+    for `load_model` (experts are always quantized to NVFP4). A spec whose weights cannot fit the device's
+    available memory is refused before anything is drawn (MemoryBudgetError, a ValueError)."""
+    from pdlab.runtime.memory.budget import fmt_bytes
+    from pdlab.runtime.model.loader import LoadOptions, RandomSource, build_model, check_weights_fit, weight_bytes
+    cfg = synthetic_config(spec)
+    per_layer = weight_bytes(r1_config(3), dtype, True) - weight_bytes(r1_config(2), dtype, True)
+    check_weights_fit(cfg, device, dtype, nvfp4_experts=True,
+                      fix=f"ask for fewer layers ({PREFIX}deepseek-r1:LAYERS; each MoE layer takes about "
+                          f"{fmt_bytes(per_layer)}), or use a device with more memory")
     src = RandomSource(cfg, seed, gen_device=device)
     model = build_model(cfg, src, device, dtype, options=replace(options or LoadOptions(), quantize_experts=True))
     return model, None, cfg

@@ -258,6 +258,41 @@ def _mlp_shapes(out: dict, prefix: str, H: int, inter: int) -> None:
     out[prefix + "down_proj.weight"] = (H, inter)
 
 
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, nvfp4_experts: bool = False) -> int:
+    """Bytes the served model's weights take on its device, from the config alone (no loop over layers or
+    experts, so an absurd config is sized at once): every linear, norm and embedding in `dtype`, the router in
+    fp32, the absorbed W_UK / W_UV copies of kv_b_proj, and the routed experts in `dtype` or, with
+    `nvfp4_experts`, as NVFP4 (half a byte per weight plus one e4m3 scale per 16). A lower bound: the loader's
+    temporaries are not counted."""
+    b = torch.empty((), dtype=dtype).element_size()
+    H, nh, L, E = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers, cfg.n_routed_experts
+    if cfg.q_lora_rank is None:
+        q = nh * cfg.qk_head_dim * H
+    else:
+        q = cfg.q_lora_rank * (H + 1 + nh * cfg.qk_head_dim)
+    kv_b = nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+    attn = q + cfg.latent_dim * H + cfg.kv_lora_rank + 2 * kv_b + H * nh * cfg.v_head_dim + 2 * H
+    n_moe = max(0, L - cfg.first_k_dense_replace) if E > 0 else 0
+    expert = 3 * cfg.moe_intermediate_size * H
+    expert_bytes = expert * (0.5 + 1 / 16) if nvfp4_experts else expert * b
+    moe = 3 * H * cfg.n_shared_experts * cfg.moe_intermediate_size * b + E * (H + 1) * 4 + E * expert_bytes
+    embed = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H
+    return int((embed + L * attn + (L - n_moe) * 3 * H * cfg.intermediate_size) * b + n_moe * moe)
+
+
+def check_weights_fit(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
+                      nvfp4_experts: bool = False, fix: str | None = None) -> None:
+    """Raise MemoryBudgetError (a ValueError) before anything is allocated when `weight_bytes` exceeds the memory
+    `device` has available, naming the model's size and the estimate."""
+    from pdlab.runtime.memory.budget import check_fits
+
+    what = (f"the model weights ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, vocab {cfg.vocab_size}, "
+            f"{str(dtype).replace('torch.', '')}{', NVFP4 experts' if nvfp4_experts else ''})")
+    check_fits(what, weight_bytes(cfg, dtype, nvfp4_experts), device,
+               fix or "serve a smaller model, or use a device with more memory")
+
+
 # ---------------------------------------------------------------------------------------------
 # public entry points
 
@@ -281,6 +316,19 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
 
         return tiny.load_tiny(device, dtype, options=options)
     path = Path(path)
+    cfg = read_model_config(path)
+    tokenizer = None
+    if require_tokenizer or (path / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_dir(path, extra_eos_ids=cfg.eos_token_ids)
+    model = build_model(cfg, SafetensorsSource(path), device, dtype, options=options)
+    return model, tokenizer, cfg
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a local HF checkpoint directory (its config.json, and hf_quant_config.json or a
+    quantization_config with quant_algo), without reading any weight. FileNotFoundError for a path that is not
+    such a directory, ConfigError naming the file and field otherwise."""
+    path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model path {path} is not a directory: pass a local HF checkpoint directory "
                                 "(config.json + *.safetensors + tokenizer.json), or no path for the tiny default")
@@ -294,12 +342,7 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
         quant = read_json_object(path / "hf_quant_config.json")
     elif isinstance(hf.get("quantization_config"), Mapping) and hf["quantization_config"].get("quant_algo"):
         quant = hf["quantization_config"]
-    cfg = ModelConfig.from_hf(hf, quant)
-    tokenizer = None
-    if require_tokenizer or (path / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_dir(path, extra_eos_ids=cfg.eos_token_ids)
-    model = build_model(cfg, SafetensorsSource(path), device, dtype, options=options)
-    return model, tokenizer, cfg
+    return ModelConfig.from_hf(hf, quant)
 
 
 def build_model(cfg: ModelConfig, source: TensorSource, device: str | torch.device = "cpu",
@@ -310,6 +353,7 @@ def build_model(cfg: ModelConfig, source: TensorSource, device: str | torch.devi
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32")
+    check_weights_fit(cfg, device, dtype, nvfp4_experts=options.quantize_experts or cfg.quant is not None)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

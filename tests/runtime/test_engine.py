@@ -302,3 +302,136 @@ def test_serve_rejects_a_bad_model_spec(capsys):
     from pdlab.runtime.cli import main
     assert main(["serve", "--device", "cpu", "--model-path", "synthetic:llama"]) == 2
     assert "unknown synthetic model" in capsys.readouterr().err
+
+
+# ---- settings that conflict with the model or the device, refused before anything is allocated -----------------
+
+def test_max_context_len_beyond_the_models_context_is_refused_unless_opted_in(caplog):
+    """A context above max_position_embeddings was served with only a warning; it is now an error naming both numbers
+    and the opt-in, and with the opt-in it serves (warning kept) past the model's positions."""
+    from pdlab.runtime.config import ConfigError
+    m, tok, cfg = load_toy(max_position_embeddings=32)
+    settings = dict(device="cpu", page_size=4, max_total_tokens=256, max_context_len=64)
+    with pytest.raises(ConfigError) as e:
+        Engine(build_config(SchedulerConfig, **settings), m, tok, cfg)
+    msg = str(e.value)
+    assert "max_context_len 64" in msg and "32 tokens (max_position_embeddings 32)" in msg
+    assert "--allow-long-context" in msg and "at most 32" in msg
+    with caplog.at_level("WARNING", logger="pdlab.runtime"):
+        llm = LLM(model=m, tokenizer=tok, model_config=cfg, allow_long_context=True, **settings)
+    assert llm.engine.max_context_len == 64 and "allow_long_context is set" in caplog.text
+    out = llm.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 10
+    assert Engine(build_config(SchedulerConfig, **{**settings, "max_context_len": 32}), m, tok, cfg).max_context_len == 32
+
+
+def test_yarn_scaling_sets_the_context_limit():
+    """With YaRN the model's context is original_max_position_embeddings × factor where that exceeds
+    max_position_embeddings (vLLM derives it the same way); one token more is refused."""
+    from dataclasses import replace
+    from pdlab.runtime.config import ConfigError
+    from pdlab.runtime.engine.engine import context_limit
+    from pdlab.runtime.engine.synthetic import r1_config
+    from pdlab.runtime.model.tiny import TINY_CONFIG
+    assert context_limit(TINY_CONFIG) == (4096, "max_position_embeddings 4096")
+    assert context_limit(r1_config(2))[0] == 163840
+    short = replace(TINY_CONFIG, max_position_embeddings=1024)  # YaRN factor 4 over 1024 original positions
+    assert context_limit(short) == (4096, "YaRN original_max_position_embeddings 1024 × factor 4 = 4096")
+    m, tok, _ = load_toy()
+    kw = dict(device="cpu", page_size=64, max_total_tokens=8192)
+    assert Engine(build_config(SchedulerConfig, max_context_len=4096, **kw), m, tok, short).max_context_len == 4096
+    with pytest.raises(ConfigError, match=r"max_context_len 4097 exceeds the model's context of 4096 tokens \(YaRN"):
+        Engine(build_config(SchedulerConfig, max_context_len=4097, **kw), m, tok, short)
+    assert context_limit(load_toy(max_position_embeddings=77)[2]) == (77, "max_position_embeddings 77")
+
+
+def test_serve_refuses_a_long_context_before_loading_the_model(monkeypatch, capsys):
+    from pdlab.runtime import model as model_pkg
+    from pdlab.runtime.cli import main
+    from pdlab.runtime.model import tiny
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(model_pkg, "load_model", no_load)
+    monkeypatch.setattr(tiny, "load_tiny", no_load)
+    assert main(["serve", "--device", "cpu", "--max-context-len", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert "max_context_len 5000 exceeds the model's context of 4096 tokens" in err and "--allow-long-context" in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_a_kv_pool_or_page_table_that_cannot_fit_is_refused_before_allocation(monkeypatch):
+    """--max-total-tokens 10**10 tried to allocate 23 TB (a torch traceback after 18 s), --max-running-requests 10**8
+    a 25 GB page table; both are refused at once with the estimate and the setting to lower."""
+    from pdlab.runtime.engine import engine as engine_mod
+    from pdlab.runtime.memory import budget
+    from pdlab.runtime.memory.budget import MemoryBudgetError
+
+    def no_pool(*a, **k):
+        raise AssertionError("the pool was allocated before the memory check")
+
+    monkeypatch.setattr(engine_mod, "MLAKVPool", type("P", (), {"__init__": no_pool,
+                                                                  "bytes_per_token": engine_mod.MLAKVPool.bytes_per_token}))
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 8 << 30)
+    m, tok, cfg = load_toy(max_position_embeddings=128)
+    with pytest.raises(MemoryBudgetError) as e:
+        Engine(build_config(SchedulerConfig, device="cpu", page_size=16, max_total_tokens=10**10), m, tok, cfg)
+    assert "KV pool (625000001 pages of 16 tokens over 2 layers, fp32)" in str(e.value)
+    assert "need about 41.91 TiB, but cpu has 8.00 GiB available; lower --max-total-tokens 10000000000" in str(e.value)
+    with pytest.raises(MemoryBudgetError, match=r"page table \(1000000001 rows of 8 pages\).*lower "
+                                                r"--max-running-requests 1000000000 or --max-context-len 128"):
+        Engine(build_config(SchedulerConfig, device="cpu", page_size=16, max_total_tokens=1024,
+                            max_running_requests=10**9), m, tok, cfg, max_running_requests=10**9)
+
+
+def test_serve_refuses_an_absurd_kv_pool_in_one_line(capsys):
+    from pdlab.runtime.cli import main
+    assert main(["serve", "--device", "cpu", "--max-total-tokens", "10000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "need about" in err and "lower --max-total-tokens 10000000000" in err and err.count("\n") == 1
+
+
+def test_a_synthetic_model_too_large_for_the_device_is_refused_before_drawing_weights(monkeypatch):
+    """synthetic:deepseek-r1:1000 on a CPU ran for minutes, 17 GB resident, towards an OOM; the weights' size is
+    now estimated from the config and compared with the device's available memory first."""
+    from pdlab.runtime.engine import synthetic
+    from pdlab.runtime.memory import budget
+    from pdlab.runtime.memory.budget import MemoryBudgetError
+    from pdlab.runtime.model import loader
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were drawn before the memory check")
+
+    monkeypatch.setattr(loader, "RandomSource", no_weights)
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 80 << 30)
+    with pytest.raises(MemoryBudgetError) as e:
+        synthetic.load_synthetic("synthetic:deepseek-r1:1000", "cpu", torch.bfloat16)
+    msg = str(e.value)
+    assert "the model weights (1000 layers, hidden 7168, 256 experts of 2048, vocab 129280" in msg
+    assert "TiB, but cpu has 80.00 GiB available; ask for fewer layers" in msg
+    with pytest.raises(MemoryBudgetError):
+        synthetic.load_synthetic("synthetic:deepseek-r1:" + "9" * 30, "cpu", torch.bfloat16)  # no loop over layers
+
+
+def test_weight_estimate_matches_the_loaded_tiny_model():
+    """weight_bytes counts every tensor the embedded model holds (NVFP4 experts, fp32 router, W_UK / W_UV)."""
+    from pdlab.runtime.model.loader import weight_bytes
+    model, _, cfg = _real_model()
+    storages, walked = {}, set()
+    for mod in model.modules():
+        stack = list(vars(mod).values())
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            elif isinstance(x, (list, tuple)):
+                stack += list(x)
+            elif isinstance(x, dict):
+                stack += list(x.values())
+            elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)) and id(x) not in walked:
+                walked.add(id(x))  # MoE layers, expert weights: plain objects holding tensors
+                stack += list(vars(x).values())
+    held = sum(storages.values())
+    est = weight_bytes(cfg, torch.float32, nvfp4_experts=True)
+    assert 0.97 * held <= est <= 1.03 * held, (est, held)

@@ -203,3 +203,27 @@ def test_missing_and_unexpected_tensors(ckpt, tmp_path):
               edit=lambda t: t.update({"model.layers.1.mlp.experts.8.up_proj.weight": torch.zeros(32, 64)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor.*experts\.8\.up_proj"):
         load_model(d, "cpu", torch.float32, options=OPTIONS, require_tokenizer=False)
+
+
+def test_a_config_too_large_for_the_device_fails_before_the_model_is_built(tiny_ckpt, monkeypatch):
+    """A config.json of absurd sizes (a typo'd layer count, say) built the model first: with 10**7 layers that is a
+    hang, then an out-of-memory. The weights' size is estimated from the config and compared first."""
+    from pdlab.runtime.memory import budget
+    from pdlab.runtime.memory.budget import MemoryBudgetError
+    from pdlab.runtime.model import loader
+
+    d = tiny_ckpt("single")
+    hf = json.loads((d / "config.json").read_text())
+    hf["num_hidden_layers"] = 10**7
+    (d / "config.json").write_text(json.dumps(hf))
+
+    def not_built(*a, **k):
+        raise AssertionError("the model was built before its size was checked")
+
+    monkeypatch.setattr(loader, "DeepseekV3ForCausalLM", not_built)
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 16 << 30)
+    with pytest.raises(MemoryBudgetError) as e:
+        load_model(d, "cpu", torch.float32, options=OPTIONS)
+    msg = str(e.value)
+    assert msg.startswith("the model weights (10000000 layers, hidden 64, 8 experts of 32, vocab")
+    assert "TiB, but cpu has 16.00 GiB available; serve a smaller model" in msg
