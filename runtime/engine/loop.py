@@ -9,13 +9,14 @@ Only the loop thread touches the scheduler, engine and KV pool.
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import threading
 import traceback
 from typing import Any, Callable
 
 from pdlab.runtime.config import SchedulerConfig, build_config
-from pdlab.runtime.core import FinishReason, Req, SamplingParams, StepOutput
+from pdlab.runtime.core import FinishReason, Req, RequestError, SamplingParams, StepOutput
 from pdlab.runtime.scheduler.output import TextCodec
 from pdlab.runtime.scheduler.scheduler import RoleHooks, Scheduler
 
@@ -140,23 +141,56 @@ class LLM:
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  max_steps: int = 1_000_000) -> list[dict]:
         """Generate for each prompt (text or token ids). Returns per prompt a dict with token_ids,
-        text, finish_reason, logprobs, num_retractions, error."""
+        text, finish_reason, logprobs, num_retractions, error.
+
+        params: one SamplingParams for every prompt, or one per prompt. Every prompt is checked before any is
+        queued: a list of params of another length, a prompt that is neither text nor a list of int token ids,
+        and a request that can never run (empty, ids outside the vocabulary, longer than the context) raise a
+        ValueError naming the prompt's index, and nothing runs. If generation stops early (max_steps, an
+        interrupt), the requests of this call are aborted, so none is left running into the next call."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        results: dict[str, dict] = {}
+        if len(plist) != len(prompts):
+            raise ValueError(f"generate() got {len(prompts)} prompts but {len(plist)} SamplingParams; pass one "
+                             "SamplingParams for all prompts, or one per prompt")
         reqs = []
-        for p, sp in zip(prompts, plist):
-            ids = self.codec.encode(p) if isinstance(p, str) else list(p)
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            if isinstance(p, str):
+                if self.codec is None:
+                    raise ValueError(f"prompt {i} is text but this model has no tokenizer; pass token ids")
+                ids = self.codec.encode(p)
+            elif isinstance(p, (list, tuple)) and _first_bad(p) < 0:
+                ids = [int(t) for t in p]
+            else:
+                got = type(p).__name__
+                if isinstance(p, (list, tuple)):
+                    got += f" holding {p[_first_bad(p)]!r}"
+                raise ValueError(f"prompt {i} must be a str or a list of int token ids, got {got}")
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"params for prompt {i} must be a SamplingParams, got {type(sp).__name__}")
             req = Req(ids, sp)
+            try:
+                self.scheduler.validate(req)
+            except ValueError as exc:
+                raise RequestError(f"prompt {i}: {exc}", getattr(exc, "param", None)) from None
             reqs.append(req)
+        results: dict[str, dict] = {}
+        for req in reqs:
             results[req.rid] = {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "error": None}
             self.loop.submit(req, lambda out, res=results[req.rid]: _collect(res, out))
         steps = 0
-        while any(r["finish_reason"] is None for r in results.values()):
-            self.loop.run_once()
-            steps += 1
-            if steps > max_steps:
-                raise RuntimeError(f"generate() did not finish within {max_steps} steps")
+        try:
+            while any(r["finish_reason"] is None for r in results.values()):
+                self.loop.run_once()
+                steps += 1
+                if steps > max_steps:
+                    raise RuntimeError(f"generate() did not finish within {max_steps} steps")
+        except BaseException:
+            for rid, res in results.items():
+                if res["finish_reason"] is None:
+                    self.loop.abort(rid, "generate() stopped early")
+            self.loop.run_once()  # queues the adds not yet taken, then their aborts: nothing is left behind
+            raise
         out = []
         for req in reqs:
             res = results[req.rid]
@@ -174,6 +208,11 @@ def make_codec(tokenizer, model_config) -> TextCodec | None:
         v = getattr(model_config, name, None)
         eos += [v] if isinstance(v, int) else list(v or [])
     return TextCodec(tokenizer, eos)
+
+
+def _first_bad(p) -> int:
+    """The index of the first element of a prompt that is not an integer token id (numpy integers count), else -1."""
+    return next((i for i, t in enumerate(p) if not isinstance(t, numbers.Integral) or isinstance(t, bool)), -1)
 
 
 def _collect(res: dict, out: StepOutput) -> None:

@@ -322,7 +322,8 @@ def test_max_context_len_beyond_the_models_context_is_refused_unless_opted_in(ca
     assert llm.engine.max_context_len == 64 and "allow_long_context is set" in caplog.text
     out = llm.generate([list(range(40))], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert len(out[0]["token_ids"]) == 10
-    assert Engine(build_config(SchedulerConfig, **{**settings, "max_context_len": 32}), m, tok, cfg).max_context_len == 32
+    at_limit = build_config(SchedulerConfig, **{**settings, "max_context_len": 32})
+    assert Engine(at_limit, m, tok, cfg).max_context_len == 32
 
 
 def test_yarn_scaling_sets_the_context_limit():
@@ -371,8 +372,8 @@ def test_a_kv_pool_or_page_table_that_cannot_fit_is_refused_before_allocation(mo
     def no_pool(*a, **k):
         raise AssertionError("the pool was allocated before the memory check")
 
-    monkeypatch.setattr(engine_mod, "MLAKVPool", type("P", (), {"__init__": no_pool,
-                                                                  "bytes_per_token": engine_mod.MLAKVPool.bytes_per_token}))
+    fake_pool = type("P", (), {"__init__": no_pool, "bytes_per_token": engine_mod.MLAKVPool.bytes_per_token})
+    monkeypatch.setattr(engine_mod, "MLAKVPool", fake_pool)
     monkeypatch.setattr(budget, "available_bytes", lambda device: 8 << 30)
     m, tok, cfg = load_toy(max_position_embeddings=128)
     with pytest.raises(MemoryBudgetError) as e:
@@ -435,3 +436,35 @@ def test_weight_estimate_matches_the_loaded_tiny_model():
     held = sum(storages.values())
     est = weight_bytes(cfg, torch.float32, nvfp4_experts=True)
     assert 0.97 * held <= est <= 1.03 * held, (est, held)
+
+
+def test_generate_checks_every_prompt_before_running_any():
+    """A bad prompt in the middle of a generate() call raised after the prompts before it were queued: they then ran
+    (holding pages) into the next call. A params list shorter than the prompts silently dropped the extra prompts."""
+    from pdlab.runtime.core import RequestError
+    m, tok, cfg = load_toy(max_position_embeddings=64)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=512)
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    with pytest.raises(RequestError, match=r"^prompt 1: prompt \(60 tokens\) \+ max_tokens \(8\) exceeds the context"):
+        llm.generate(["hello", "x" * 60], sp)
+    with pytest.raises(ValueError, match="got 3 prompts but 1 SamplingParams"):
+        llm.generate(["a", "b", "c"], [sp])
+    with pytest.raises(ValueError, match="prompt 1 must be a str or a list of int token ids, got list holding 2.5"):
+        llm.generate([[1, 2], [1, 2.5]], sp)
+    with pytest.raises(ValueError, match="prompt 0 must be a str or a list of int token ids, got list holding None"):
+        llm.generate([[None]], sp)
+    with pytest.raises(RequestError, match=r"prompt 0: prompt token ids must be in \[0, 257\)"):
+        llm.generate([[1, 999]], sp)
+    assert not llm.scheduler.by_rid and llm.loop._inbox.empty()
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out) == 1 and len(out[0]["token_ids"]) == 3
+    assert not llm.scheduler.by_rid and llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
+
+
+def test_generate_stopped_early_leaves_nothing_running():
+    m, tok, cfg = load_toy(max_position_embeddings=64)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=512)
+    with pytest.raises(RuntimeError, match="did not finish within 3 steps"):
+        llm.generate(["abc", "def"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), max_steps=3)
+    assert not llm.scheduler.by_rid and llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
+    assert len(llm.generate(["x"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]["token_ids"]) == 2
