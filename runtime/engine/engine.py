@@ -72,7 +72,10 @@ class Engine:
         use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
         if model is None:
             from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
-            self.max_context_len = _checked_context_len(cfg, _model_config_of(cfg.model_path))  # before any weight
+            # settings that conflict with the model are refused before any weight is read
+            self.max_context_len = _checked_context_len(cfg, _model_config_of(cfg.model_path))
+            if cfg.max_total_tokens is not None:
+                self._check_pool_holds_a_request(-(-cfg.max_total_tokens // cfg.page_size) + 1)
             from pdlab.runtime.model import LoadOptions
             layout = {"weights_layout": None if cfg.moe_weights_layout == "auto" else cfg.moe_weights_layout}
             options = LoadOptions(moe_kwargs=layout)
@@ -94,12 +97,7 @@ class Engine:
         self.page_size = cfg.page_size
         self.max_running_requests = max_running_requests
         num_pages = self._num_pages()
-        max_pages = -(-self.max_context_len // cfg.page_size)
-        if num_pages - 1 < max_pages:  # page 0 is the reserved dummy page
-            raise ConfigError(
-                f"the KV pool holds {num_pages - 1} pages of {cfg.page_size} tokens, fewer than one "
-                f"maximal request needs ({max_pages} pages for max_context_len {self.max_context_len}); raise "
-                "--max-total-tokens / --mem-fraction-static or lower --max-context-len")
+        max_pages = self._check_pool_holds_a_request(num_pages)
         self._check_kv_memory(num_pages, max_pages)
         self.pool = MLAKVPool(self.num_layers, num_pages, cfg.page_size, cfg.resolved_kv_dtype,
                               self.device, kv_scale=cfg.kv_scale,
@@ -174,6 +172,18 @@ class Engine:
         else:
             budget = min(_host_available_bytes() * cfg.mem_fraction_static, 4 << 30)  # CPU: at most 4 GiB
         return max(2, int(budget // per_page))
+
+    def _check_pool_holds_a_request(self, num_pages: int) -> int:
+        """ConfigError unless a pool of `num_pages` (the dummy page included) holds one request of
+        max_context_len tokens; returns the pages that request needs."""
+        ps = self.cfg.page_size
+        max_pages = -(-self.max_context_len // ps)
+        if num_pages - 1 < max_pages:  # page 0 is the reserved dummy page
+            raise ConfigError(
+                f"the KV pool holds {num_pages - 1} pages of {ps} tokens, fewer than one maximal request needs "
+                f"({max_pages} pages for max_context_len {self.max_context_len}); raise --max-total-tokens to at "
+                f"least {max_pages * ps} (or --mem-fraction-static) or lower --max-context-len")
+        return max_pages
 
     def _check_kv_memory(self, num_pages: int, max_pages: int) -> None:
         """Refuse a KV pool + page table that cannot fit the device's available memory before allocating them

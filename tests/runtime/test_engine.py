@@ -468,3 +468,21 @@ def test_generate_stopped_early_leaves_nothing_running():
         llm.generate(["abc", "def"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), max_steps=3)
     assert not llm.scheduler.by_rid and llm.engine.pool.num_free_pages == llm.engine.pool.allocator.capacity
     assert len(llm.generate(["x"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]["token_ids"]) == 2
+
+
+def test_serve_refuses_a_pool_smaller_than_one_request_before_loading_the_model(monkeypatch, capsys):
+    """--max-total-tokens below one request of the model's context was found only after the weights had loaded
+    (minutes for a real checkpoint)."""
+    from pdlab.runtime import model as model_pkg
+    from pdlab.runtime.cli import main
+    from pdlab.runtime.model import tiny
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(model_pkg, "load_model", no_load)
+    monkeypatch.setattr(tiny, "load_tiny", no_load)
+    assert main(["serve", "--device", "cpu", "--max-total-tokens", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "fewer than one maximal request needs (64 pages for max_context_len 4096)" in err
+    assert "raise --max-total-tokens to at least 4096" in err and err.count("\n") == 1
