@@ -231,6 +231,12 @@ class ModelConfig:
                      "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_position_embeddings <= 0:
+            raise ConfigError(f"max_position_embeddings must be positive (the model's context; 163840 for "
+                              f"DeepSeek-V3), got {self.max_position_embeddings}")
+        if not self.rms_norm_eps >= 0:
+            raise ConfigError(f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}: a negative epsilon makes the "
+                              "norms divide by the square root of a negative number (NaN logits)")
         for name in ("intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
                      "first_k_dense_replace", "qk_nope_head_dim", "num_nextn_predict_layers"):
             if getattr(self, name) < 0:
@@ -317,10 +323,25 @@ _KNOWN = {
 def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older configs and the
     # DeepSeek checkpoints write `rope_scaling` plus a top-level `rope_theta`.
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], Mapping):
+            raise ConfigError(f"config.json '{key}' must be an object such as {{\"type\": \"yarn\", \"factor\": 40}} "
+                              f"or null, got {hf[key]!r}")
     params = dict(hf.get("rope_parameters") or {})
+    src = "rope_parameters" if params else "rope_scaling"
     if "rope_type" not in params and "type" not in params and hf.get("rope_scaling"):
         params.update(hf["rope_scaling"])
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+    def number(value: Any, where: str) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"config.json {where} must be a finite number, got {value!r}")
+
+    theta_where = f"'{src}.rope_theta'" if "rope_theta" in params else "'rope_theta'"
+    theta = number(params.get("rope_theta", hf.get("rope_theta", 10000.0)), theta_where)
+    if theta <= 0:
+        raise ConfigError(f"config.json {theta_where} must be positive (the rotary base, 10000 for DeepSeek-V3), "
+                          f"got {theta:g}")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     interleave = bool(hf.get("rope_interleave", True) if hf.get("rope_interleave") is not None else True)
     if kind == "default":
@@ -329,15 +350,18 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
         raise ConfigError(f"rope type {kind!r} (config.json rope_scaling/rope_parameters) is not supported; "
                           "DeepSeek-V3 uses 'yarn' or no scaling")
     max_pos = int(hf.get("max_position_embeddings", 4096))
-    orig = int(params.get("original_max_position_embeddings") or max_pos)
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_pos / orig
 
     def opt(key: str) -> float | None:
-        return None if params.get(key) is None else float(params[key])
+        return None if params.get(key) is None else number(params[key], f"'{src}.{key}'")
 
+    orig = int(opt("original_max_position_embeddings") or max_pos)
+    factor = opt("factor")
+    factor = factor if factor is not None else max_pos / orig
+    if factor <= 0 or orig <= 0:
+        raise ConfigError(f"config.json '{src}': YaRN needs a positive factor and original_max_position_embeddings, "
+                          f"got factor {factor:g}, original_max_position_embeddings {orig} (DeepSeek-V3: 40 and 4096)")
     return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=orig,
-                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      beta_fast=opt("beta_fast") or 32.0, beta_slow=opt("beta_slow") or 1.0,
                       mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
                       attention_factor_override=opt("attention_factor"),
                       truncate=bool(params.get("truncate", True)), interleave=interleave)

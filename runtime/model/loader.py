@@ -320,6 +320,12 @@ def load_model(path: str | Path | None, device: str | torch.device = "cpu", dtyp
     tokenizer = None
     if require_tokenizer or (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(path, extra_eos_ids=cfg.eos_token_ids)
+        if tokenizer.max_token_id >= cfg.vocab_size:
+            # vocab_size above the tokenizer's is common (padded embeddings); below it, text hitting those ids is
+            # refused per request (400): say so once at load
+            log.warning("%s holds token ids up to %d but config.json's vocab_size is %d: prompts whose text "
+                        "encodes to ids >= %d will be refused; the tokenizer does not belong to these weights?",
+                        path / "tokenizer.json", tokenizer.max_token_id, cfg.vocab_size, cfg.vocab_size)
     model = build_model(cfg, SafetensorsSource(path), device, dtype, options=options)
     return model, tokenizer, cfg
 

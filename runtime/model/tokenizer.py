@@ -68,6 +68,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest id `encode` can produce (added and special tokens included); -1 for an empty vocabulary."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and (

@@ -227,3 +227,13 @@ def test_a_config_too_large_for_the_device_fails_before_the_model_is_built(tiny_
     msg = str(e.value)
     assert msg.startswith("the model weights (10000000 layers, hidden 64, 8 experts of 32, vocab")
     assert "TiB, but cpu has 16.00 GiB available; serve a smaller model" in msg
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_reported_at_load(tiny_ckpt, caplog):
+    """The tiny tokenizer (512 ids) beside weights of vocab_size 320 loaded silently; then every prompt whose text
+    encoded to an id >= 320 was a 400. The load now says so once, with both numbers."""
+    d = tiny_ckpt("single")
+    with caplog.at_level("WARNING", logger="pdlab.runtime.model"):
+        _, tok, cfg = load_model(d, "cpu", torch.float32, options=OPTIONS)
+    assert cfg.vocab_size == 320 and tok.max_token_id == 511
+    assert "tokenizer.json holds token ids up to 511 but config.json's vocab_size is 320" in caplog.text

@@ -119,6 +119,33 @@ def test_config_rejects(change, match):
         ModelConfig.from_hf({**DEEPSEEK_V3, **change})
 
 
+YARN = dict(DEEPSEEK_V3["rope_scaling"])  # a copy: transformers' config adds rope_theta to the dict it is given
+
+
+@pytest.mark.parametrize("change,match", [
+    # each was accepted before: a context of 0 became 4096 silently, -5 a server that refused every prompt; a YaRN
+    # factor of 0 or below and a negative norm epsilon gave NaN / garbage logits (greedy token 0 every step)
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be positive.*got 0"),
+    ({"max_position_embeddings": -5}, "max_position_embeddings must be positive.*got -5"),
+    ({"rope_scaling": {**YARN, "factor": 0}}, r"'rope_scaling': YaRN needs a positive factor.*got factor 0,"),
+    ({"rope_scaling": {**YARN, "factor": -2}}, "YaRN needs a positive factor.*got factor -2,"),
+    ({"rms_norm_eps": -1}, r"rms_norm_eps must be >= 0, got -1.0.*NaN"),
+    # each was a bare ValueError / TypeError naming no field ("could not convert string to float: 'abc'",
+    # "math domain error", "cannot convert dictionary update sequence element #0 to a sequence")
+    ({"rope_scaling": {**YARN, "factor": "abc"}}, r"'rope_scaling\.factor' must be a finite number, got 'abc'"),
+    ({"rope_scaling": {**YARN, "mscale": "big"}}, r"'rope_scaling\.mscale' must be a finite number, got 'big'"),
+    ({"rope_scaling": YARN, "rope_theta": "x"}, "'rope_theta' must be a finite number, got 'x'"),
+    ({"rope_scaling": YARN, "rope_theta": 0}, r"'rope_theta' must be positive \(the rotary base"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "rope_theta": 0}},
+     r"'rope_parameters\.rope_theta' must be positive"),
+    ({"rope_scaling": [1, 2]}, r"'rope_scaling' must be an object such as .* or null, got \[1, 2\]"),
+    ({"rope_parameters": [1]}, r"'rope_parameters' must be an object"),
+])
+def test_config_rejects_values_that_break_the_model(change, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf({**DEEPSEEK_V3, **change})
+
+
 def test_ops_need_576_latent():
     cfg = ModelConfig.from_hf({**DEEPSEEK_V3, "kv_lora_rank": 256})
     with pytest.raises(ConfigError, match="kv_lora_rank 512 and qk_rope_head_dim 64.*576"):
