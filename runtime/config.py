@@ -27,7 +27,7 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="activation dtype (auto: bf16 on CUDA, fp32 on CPU)")
     kv_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field("auto", description="KV cache dtype (auto = dtype; fp8 = e4m3 bytes + scale)")
-    kv_scale: float = Field(1.0, gt=0, description="dequant scale of an fp8 KV cache")
+    kv_scale: float = Field(1.0, gt=0, allow_inf_nan=False, description="dequant scale of an fp8 KV cache")
     page_size: int = Field(64, ge=1, le=128, description="tokens per KV page")
     allocator: Literal["auto", "token", "paged"] = Field("auto", description="KV allocator (auto: token for page size 1, else paged)")
     max_total_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (overrides --mem-fraction-static)")

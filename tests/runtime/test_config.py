@@ -66,6 +66,7 @@ def test_boolean_flags_switch_both_ways(tmp_path):
     ({"cuda_graph_bs": [512], "max_running_requests": 64}, "cuda_graph_bs"),
     ({"not_a_setting": 1}, "unknown setting"),
     ({"port": 70000}, "port"),
+    ({"kv_scale": float("inf")}, "kv_scale: Input should be a finite number"),  # was accepted: every request a 500
 ])
 def test_impossible_settings_are_rejected_with_the_reason(settings, needle):
     with pytest.raises(ConfigError, match="invalid configuration") as e:
