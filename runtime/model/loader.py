@@ -121,6 +121,10 @@ class SafetensorsSource(TensorSource):
             weight_map = {}
             for f in files:
                 for k in self._open(f.name).keys():
+                    if k in weight_map:
+                        raise CheckpointError(f"tensor {k!r} is in both {weight_map[k]} and {f.name} in {path}, which "
+                                              "has no model.safetensors.index.json to say which to load: remove the "
+                                              "stale file (or add the index)")
                     weight_map[k] = f.name
         self.weight_map = weight_map
 

@@ -86,3 +86,20 @@ def test_valid_checkpoints_still_load(tiny_ckpt_root):
     for name in ("single", "sharded"):
         model, tok, cfg = _load(tiny_ckpt_root / name)
         assert tok is not None and cfg.num_hidden_layers == 2
+
+
+def test_a_tensor_in_two_files_without_an_index_names_both(tiny_ckpt, tmp_path):
+    """Shards without an index (every *.safetensors loaded): a tensor held by two files, e.g. a stale copy of a shard
+    left beside a new download, was taken silently from whichever file sorted last."""
+    from safetensors.torch import load_file, save_file
+
+    d = tiny_ckpt("sharded")
+    (d / "model.safetensors.index.json").unlink()
+    shard = sorted(d.glob("model-*.safetensors"))[1]
+    tensors = load_file(str(shard))
+    name = sorted(tensors)[0]
+    save_file({name: torch.zeros_like(tensors[name])}, str(d / "zz-stale.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor {name!r} is in both {shard.name} and zz-stale\.safetensors"):
+        _load(d)
+    (d / "zz-stale.safetensors").unlink()
+    _load(d)  # the shards alone load
