@@ -102,6 +102,11 @@ class EngineLoop:
     def _handle(self, item) -> None:
         kind, a, b = item
         if kind == "add":
+            if a.rid in self._sinks or a.rid in self.scheduler.by_rid:
+                # the id of a request in flight: answer the newcomer only, the running request keeps its sink
+                b(StepOutput(a.rid, [], "", True, FinishReason.ERROR,
+                             error=f"request id {a.rid!r} is already in flight; use a unique id"))
+                return
             self._sinks[a.rid] = b
             try:
                 self.scheduler.add_request(a)

@@ -486,3 +486,24 @@ def test_serve_refuses_a_pool_smaller_than_one_request_before_loading_the_model(
     err = capsys.readouterr().err
     assert "fewer than one maximal request needs (64 pages for max_context_len 4096)" in err
     assert "raise --max-total-tokens to at least 4096" in err and err.count("\n") == 1
+
+
+def test_a_second_request_with_an_in_flight_id_does_not_take_over_the_first():
+    """EngineLoop.submit of a request whose id is in flight replaced the running request's output sink before the
+    scheduler refused it: the newcomer got the error and the running request's later tokens went nowhere (its client
+    waited forever)."""
+    from pdlab.runtime.engine.loop import EngineLoop
+    m, tok, cfg = load_toy(max_position_embeddings=64)
+    llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", page_size=16, max_total_tokens=512)
+    loop: EngineLoop = llm.loop
+    first, second = [], []
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    loop.submit(Req([5, 6, 7], sp, rid="same"), first.append)
+    loop.run_once()
+    loop.run_once()
+    loop.submit(Req([8, 9], sp, rid="same"), second.append)
+    for _ in range(20):
+        loop.run_once()
+    assert len(second) == 1 and second[0].finished and "already in flight" in second[0].error
+    assert sum(len(o.token_ids) for o in first) == 6 and first[-1].finished and first[-1].error is None
+    assert not llm.scheduler.by_rid and not loop._sinks
