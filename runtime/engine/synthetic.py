@@ -51,7 +51,7 @@ def load_synthetic(spec: str, device, dtype=torch.bfloat16, seed: int = 0, optio
     from pdlab.runtime.model.loader import LoadOptions, RandomSource, build_model, check_weights_fit, weight_bytes
     cfg = synthetic_config(spec)
     per_layer = weight_bytes(r1_config(3), dtype, True) - weight_bytes(r1_config(2), dtype, True)
-    check_weights_fit(cfg, device, dtype, nvfp4_experts=True,
+    check_weights_fit(cfg, device, dtype, nvfp4_experts=True, ep_size=(options or LoadOptions()).ep_size,
                       fix=f"ask for fewer layers ({PREFIX}deepseek-r1:LAYERS; each MoE layer takes about "
                           f"{fmt_bytes(per_layer)}), or use a device with more memory")
     src = RandomSource(cfg, seed, gen_device=device)

@@ -262,12 +262,13 @@ def _mlp_shapes(out: dict, prefix: str, H: int, inter: int) -> None:
     out[prefix + "down_proj.weight"] = (H, inter)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, nvfp4_experts: bool = False) -> int:
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, nvfp4_experts: bool = False,
+                 ep_size: int = 1) -> int:
     """Bytes the served model's weights take on its device, from the config alone (no loop over layers or
     experts, so an absurd config is sized at once): every linear, norm and embedding in `dtype`, the router in
     fp32, the absorbed W_UK / W_UV copies of kv_b_proj, and the routed experts in `dtype` or, with
-    `nvfp4_experts`, as NVFP4 (half a byte per weight plus one e4m3 scale per 16). A lower bound: the loader's
-    temporaries are not counted."""
+    `nvfp4_experts`, as NVFP4 (half a byte per weight plus one e4m3 scale per 16), E / ep_size of them per rank.
+    A lower bound: the loader's temporaries are not counted."""
     b = torch.empty((), dtype=dtype).element_size()
     H, nh, L, E = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers, cfg.n_routed_experts
     if cfg.q_lora_rank is None:
@@ -279,21 +280,23 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, nvfp4_ex
     n_moe = max(0, L - cfg.first_k_dense_replace) if E > 0 else 0
     expert = 3 * cfg.moe_intermediate_size * H
     expert_bytes = expert * (0.5 + 1 / 16) if nvfp4_experts else expert * b
-    moe = 3 * H * cfg.n_shared_experts * cfg.moe_intermediate_size * b + E * (H + 1) * 4 + E * expert_bytes
+    local = -(-E // max(1, ep_size))  # this rank's experts
+    moe = 3 * H * cfg.n_shared_experts * cfg.moe_intermediate_size * b + E * (H + 1) * 4 + local * expert_bytes
     embed = cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + H
     return int((embed + L * attn + (L - n_moe) * 3 * H * cfg.intermediate_size) * b + n_moe * moe)
 
 
 def check_weights_fit(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
-                      nvfp4_experts: bool = False, fix: str | None = None) -> None:
+                      nvfp4_experts: bool = False, fix: str | None = None, ep_size: int = 1) -> None:
     """Raise MemoryBudgetError (a ValueError) before anything is allocated when `weight_bytes` exceeds the memory
     `device` has available, naming the model's size and the estimate."""
     from pdlab.runtime.memory.budget import check_fits
 
     what = (f"the model weights ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-            f"{cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, vocab {cfg.vocab_size}, "
+            f"{cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}"
+            f"{f' over {ep_size} ranks' if ep_size > 1 else ''}, vocab {cfg.vocab_size}, "
             f"{str(dtype).replace('torch.', '')}{', NVFP4 experts' if nvfp4_experts else ''})")
-    check_fits(what, weight_bytes(cfg, dtype, nvfp4_experts), device,
+    check_fits(what, weight_bytes(cfg, dtype, nvfp4_experts, ep_size), device,
                fix or "serve a smaller model, or use a device with more memory")
 
 
@@ -363,7 +366,8 @@ def build_model(cfg: ModelConfig, source: TensorSource, device: str | torch.devi
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype {dtype} is not supported: use torch.bfloat16, torch.float16 or torch.float32")
-    check_weights_fit(cfg, device, dtype, nvfp4_experts=options.quantize_experts or cfg.quant is not None)
+    check_weights_fit(cfg, device, dtype, nvfp4_experts=options.quantize_experts or cfg.quant is not None,
+                      ep_size=options.ep_size)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -507,3 +507,12 @@ def test_a_second_request_with_an_in_flight_id_does_not_take_over_the_first():
     assert len(second) == 1 and second[0].finished and "already in flight" in second[0].error
     assert sum(len(o.token_ids) for o in first) == 6 and first[-1].finished and first[-1].error is None
     assert not llm.scheduler.by_rid and not loop._sinks
+
+
+def test_weight_estimate_counts_one_ranks_experts_under_expert_parallelism():
+    from pdlab.runtime.engine.synthetic import r1_config
+    from pdlab.runtime.model.loader import weight_bytes
+    cfg = r1_config(4)
+    one, eight = weight_bytes(cfg, torch.bfloat16, True), weight_bytes(cfg, torch.bfloat16, True, ep_size=8)
+    experts = 3 * 256 * 3 * 2048 * 7168 * (0.5 + 1 / 16)  # 3 MoE layers of 256 NVFP4 experts
+    assert one - eight == pytest.approx(experts * 7 / 8, rel=1e-9)
