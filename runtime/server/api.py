@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdlab.runtime.core import Req, SamplingParams, StepOutput
+from pdlab.runtime.core import FinishReason, Req, SamplingParams, StepOutput
 from pdlab.runtime.engine.loop import EngineLoop
 from pdlab.runtime.scheduler.output import TextCodec
 from pdlab.runtime.server.metrics import RuntimeMetrics
@@ -314,8 +314,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     await nxt
             await gen.aclose()
         final = outs[-1]
-        if final.error and not final.token_ids and final.completion_tokens == 0:
-            raise ApiError(final.error_status, final.error, type_=_error_type(final.error_status))
+        if final.error or final.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            # a failure, also after the first token (a failed step, the server stopping): the client gets the
+            # cause's status, as a stream gets it in its error event, never a 200 with part of an answer
+            why = final.error or "the request was aborted"
+            if final.completion_tokens:
+                why += f" (after {final.completion_tokens} generated tokens; the partial output is dropped)"
+            raise ApiError(final.error_status, why, type_=_error_type(final.error_status))
         return outs, final
 
     def _usage(final: StepOutput) -> dict:

@@ -1,0 +1,116 @@
+"""The OpenAI-compatible front as a client sees it, at the edges: a request that fails after its first token, a
+`model` the server does not serve, and JSON values of the wrong type (booleans and strings are not numbers)."""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_server_api import SlowToy, ToyModel, _server  # noqa: E402
+
+PATHS = ["/v1/completions", "/v1/chat/completions", "/generate"]
+
+
+class LateFailingToy(ToyModel):
+    """Toy model whose forward raises once a sequence reaches position 8: the prompt's prefill and the first
+    decode steps succeed, so the request has tokens when it fails (a kernel failure, not the request's)."""
+
+    def forward(self, input_ids, positions, ctx):
+        if bool((positions >= 8).any()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().forward(input_ids, positions, ctx)
+
+
+def _body(path: str, n: int, stream: bool = False, **extra) -> dict:
+    """A request for `n` tokens (EOS ignored) to `path`, with a 3-token prompt for the completions routes."""
+    if path == "/generate":
+        return {"input_ids": [5, 6, 7], "stream": stream,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}, **extra}
+    if path == "/v1/chat/completions":
+        return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": stream, **extra}
+    return {"prompt": [5, 6, 7], "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": stream, **extra}
+
+
+def _events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def late_failing():
+    srv = _server(LateFailingToy)
+    with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+        yield srv, c
+    srv.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_step_that_fails_after_the_first_token_is_a_500_not_a_partial_200(late_failing, path):
+    """The failure came as a 200 with finish_reason "error" (or "abort") and the partial text: a client could not
+    tell it from an answer. Now a 500 with the server_error body naming the cause and how far the request got."""
+    srv, c = late_failing
+    r = c.post(path, json=_body(path, 20))
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == "server_error" and err["code"] == 500, err
+    assert "internal error: RuntimeError: CUDA error" in err["message"], err
+    assert "after 5 generated tokens" in err["message"], err  # positions 3..7 made tokens 1..5, position 8 failed
+    # a stream that fails at the same point carries the same status and cause in its error event, then [DONE]
+    r = c.post(path, json=_body(path, 20, stream=True))
+    assert r.status_code == 200
+    ev = _events(r.text)
+    assert ev[-1] == "[DONE]", ev[-3:]
+    serr = json.loads(ev[-2])["error"]
+    assert serr["code"] == 500 and serr["type"] == "server_error" and "CUDA error" in serr["message"], serr
+    assert len(ev) - 2 == 5  # the five tokens made before the failure were streamed
+    # and the server keeps serving what fits before the failing position
+    ok = c.post(path, json=_body(path, 4))
+    assert ok.status_code == 200, ok.text
+    deadline = time.time() + 5
+    while srv.scheduler.by_rid and time.time() < deadline:
+        time.sleep(0.02)
+    assert srv.engine.pool.num_free_pages == srv.engine.pool.allocator.capacity
+
+
+def test_a_chat_that_fails_after_the_first_token_is_a_500(late_failing):
+    """The chat route's prompt is its template (more than 8 tokens here): the failure comes at its first decode
+    step, after the prefill made one token."""
+    _, c = late_failing
+    r = c.post("/v1/chat/completions", json=_body("/v1/chat/completions", 20))
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "CUDA error" in err["message"], err
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_server_stopping_under_a_non_stream_request_with_tokens_answers_503(path):
+    """Stopping the server ended a non-stream request that had tokens with a 200, finish_reason "abort" and the
+    partial text; now with the 503 that a stream gets in its error event, so the client knows to retry."""
+    srv = _server(SlowToy)
+    res: dict = {}
+
+    def call():
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            res["r"] = c.post(path, json=_body(path, 200))
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and not any(len(r.output_ids) >= 3 for r in list(srv.scheduler.by_rid.values())):
+            time.sleep(0.01)
+        assert any(len(r.output_ids) >= 3 for r in srv.scheduler.by_rid.values()), "the request made no tokens"
+    finally:
+        srv.stop(shutdown_timeout=0.0)
+        t.join(30)
+    r = res["r"]
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == 503, err
+    assert "shutting down" in err["message"], err
