@@ -367,6 +367,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                               stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
 
+    def _check_model(model: str | None) -> None:
+        """ApiError 404 for a `model` this server does not serve (absent or empty: the served one)."""
+        if model and model != model_name:
+            raise ApiError(404, f"the model {model!r} does not exist on this server; it serves {model_name!r} "
+                           f"(GET /v1/models): send \"model\": {json.dumps(model_name)} or leave model out",
+                           "model", "not_found_error")
+
     def _encode(text: str, param: str = "prompt") -> list[int]:
         if codec is None:
             raise ApiError(400, "this server has no tokenizer: send token ids instead of text", param)
@@ -375,6 +382,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     # ---- /v1/completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported; send echo=false", "echo")
         prompt = body.prompt
@@ -412,6 +420,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     # ---- /v1/chat/completions ----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        _check_model(body.model)
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
         msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)

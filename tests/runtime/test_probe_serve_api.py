@@ -114,3 +114,36 @@ def test_a_server_stopping_under_a_non_stream_request_with_tokens_answers_503(pa
     err = r.json()["error"]
     assert err["type"] == "service_unavailable" and err["code"] == 503, err
     assert "shutting down" in err["message"], err
+
+
+# ---- the served model name ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client():
+    srv = _server()  # served_model_name "toy"
+    with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+        yield c
+    srv.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_the_server_does_not_serve_is_404(client, path, stream):
+    """A `model` the server does not serve was answered by the served model, as if it were that one. vLLM and
+    OpenAI answer 404 naming the model; the message also names the one served here."""
+    r = client.post(path, json=_body(path, 2, stream=stream, model="gpt-4o"))
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["type"] == "not_found_error" and err["code"] == 404 and err["param"] == "model", err
+    assert "'gpt-4o'" in err["message"] and "'toy'" in err["message"], err
+    assert client.get("/v1/models").json()["data"][0]["id"] == "toy"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("model", ["toy", None])
+def test_the_served_model_name_or_none_is_served(client, path, model):
+    body = _body(path, 2)
+    if model is not None:
+        body["model"] = model
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "toy"
