@@ -35,7 +35,9 @@ MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gi
 
 # ---- request bodies ------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON boolean is no integer and a string no number or boolean (OpenAI refuses them; lax pydantic took
+    # `"max_tokens": true` as 1); an integer stays a valid number
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -133,6 +135,10 @@ def _unicode(text: str, param: str) -> str:
     return text
 
 
+# pydantic's error kinds for a value of the wrong JSON type
+_TYPE_ERRORS = {"int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
+                "model_attributes_type"}
+
 # request fields of several types: pydantic reports one error per type tried, which says little
 _UNION_FIELDS = {"prompt": "expects a string, a list of token ids or a list of one string",
                  "stop": "expects a string or a list of strings",
@@ -148,13 +154,18 @@ def _union_field(loc: list[str]) -> int | None:
     return None
 
 
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: "a boolean", "a string", "a decimal number"..."""
+    kinds = {list: "an array", dict: "an object", type(None): "null", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a decimal number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def _not_an_object(body: Any) -> str:
     """The 400 message for a request body that parsed to something other than a JSON object."""
     if isinstance(body, (bytes, bytearray)):  # a body FastAPI did not parse (no JSON content type)
         return "the request body was not read as JSON: send a JSON object with 'Content-Type: application/json'"
-    kinds = {list: "an array", type(None): "null", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number"}
-    return f"the request body must be a JSON object, got {kinds.get(type(body), type(body).__name__)}"
+    return f"the request body must be a JSON object, got {_json_kind(body)}"
 
 
 def _error_type(status: int) -> str:
@@ -215,6 +226,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
         elif loc:
             msg = f"{'.'.join(loc)}: {msg}"
+            if kind in _TYPE_ERRORS and "input" in first:  # strict types: say what came instead
+                msg += f", got {_json_kind(first['input'])}"
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more problem(s))"
         return JSONResponse(error_body(400, msg, ".".join(loc) or None), status_code=400)

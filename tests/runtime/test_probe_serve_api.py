@@ -147,3 +147,64 @@ def test_the_served_model_name_or_none_is_served(client, path, model):
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "toy"
+
+
+# ---- strict types -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,field,value,kind", [
+    ("/v1/completions", "max_tokens", True, "a boolean"),
+    ("/v1/completions", "max_tokens", "3", "a string"),
+    ("/v1/completions", "max_tokens", 2.5, "a decimal number"),
+    ("/v1/completions", "temperature", "0", "a string"),
+    ("/v1/completions", "temperature", False, "a boolean"),
+    ("/v1/completions", "stream", "true", "a string"),
+    ("/v1/completions", "stream", 1, "an integer"),
+    ("/v1/completions", "ignore_eos", 0, "an integer"),
+    ("/v1/completions", "seed", True, "a boolean"),
+    ("/v1/completions", "logprobs", True, "a boolean"),
+    ("/v1/completions", "top_k", "5", "a string"),
+    ("/v1/completions", "stop_token_ids", [True], "a boolean"),
+    ("/v1/chat/completions", "logprobs", 1, "an integer"),
+    ("/v1/chat/completions", "max_completion_tokens", True, "a boolean"),
+    ("/v1/chat/completions", "top_logprobs", "2", "a string"),
+    ("/generate", "return_logprob", "yes", "a string"),
+    ("/generate", "stream", 0, "an integer"),
+])
+def test_a_value_of_the_wrong_json_type_is_400_naming_the_field(client, path, field, value, kind):
+    """pydantic's lax mode took `"max_tokens": true` as 1, "3" as 3, "true" as true and 0 as false, and served the
+    request; OpenAI refuses them. The 400 names the field and the JSON type that came."""
+    r = client.post(path, json={**_body(path, 2), field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith(field), err
+    assert err["message"].startswith(field) and f"got {kind}" in err["message"], err
+
+
+@pytest.mark.parametrize("field,value", [("max_new_tokens", True), ("temperature", "1"), ("ignore_eos", 1),
+                                         ("seed", "7")])
+def test_a_wrong_json_type_inside_sampling_params_is_400(client, field, value):
+    body = _body("/generate", 2)
+    body["sampling_params"][field] = value
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == f"sampling_params.{field}", r.text
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [True, 5], "max_tokens": 2},
+    {"prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": 1}},
+])
+def test_a_wrong_json_type_inside_a_list_or_object_is_400(client, body):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+
+
+def test_integers_stay_valid_for_number_fields(client):
+    """JSON has one number type: 1 is as good a temperature as 1.0 (and 0 a greedy one)."""
+    for path in PATHS:
+        body = _body(path, 2)
+        if path == "/generate":
+            body["sampling_params"].update(temperature=0, top_p=1, min_p=0)
+        else:
+            body.update(temperature=0, top_p=1, min_p=0)
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
