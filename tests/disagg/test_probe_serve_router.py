@@ -65,3 +65,52 @@ def test_a_model_the_pair_does_not_serve_is_404_through_the_router():
             assert ok.json()["model"] == "tiny-r1"
     finally:
         sup.stop()
+
+
+def test_a_client_that_leaves_a_non_stream_request_aborts_it_on_the_servers(servers):  # noqa: F811
+    """A client that gave up on a non-stream request (a timeout) left it running on the server to its last token:
+    the router kept waiting for the answer nobody would read. Now the router drops the upstream request, the
+    server aborts it and frees its pages, as it does for a client of its own."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "runtime"))
+    from test_server_api import SlowToy, _server
+
+    srv = _server(SlowToy)  # 10 ms a token: 200 tokens take 2 s
+    try:
+        url, _ = _router(servers, [], [f"http://127.0.0.1:{srv.port}"])
+        body = {"prompt": "take your time", "max_tokens": 200, "ignore_eos": True}
+        with httpx.Client(timeout=0.5) as c:
+            try:
+                c.post(f"{url}/v1/completions", json=body)
+                raise AssertionError("the request finished before the client's timeout")
+            except httpx.TimeoutException:
+                pass
+        deadline = time.monotonic() + 1.0  # well before the 2 s the request would run
+        while srv.metrics.finished.get("abort", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.metrics.finished.get("abort", 0) == 1 and not srv.metrics.finished.get("length"), \
+            srv.metrics.finished
+        assert not srv.scheduler.by_rid
+        assert srv.engine.pool.num_free_pages == srv.engine.pool.allocator.capacity
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_leaves_a_non_stream_request_aborts_both_sides_of_a_pair(servers):  # noqa: F811
+    p, d = Fake("p0"), Fake("d0")
+    d.hold.clear()  # the decode server holds the non-stream answer until released
+    url, _ = _router(servers, *([u] for u in servers(p, d)))
+    try:
+        with httpx.Client(timeout=0.5) as c:
+            try:
+                c.post(f"{url}/v1/completions", json={"prompt": "x"})
+                raise AssertionError("the held request was answered")
+            except httpx.TimeoutException:
+                pass
+        deadline = time.monotonic() + 5
+        while (not p.aborts or not d.aborts) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tid = d.seen[0][1]["x-pd-transfer-id"]
+        assert [a["transfer_id"] for a in d.aborts] == [tid] and [a["transfer_id"] for a in p.aborts] == [tid]
+        assert d.aborts[0]["reason"] == "client disconnected"
+    finally:
+        d.hold.set()
