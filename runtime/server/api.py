@@ -37,7 +37,8 @@ MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gi
 class _Strict(BaseModel):
     # strict: a JSON boolean is no integer and a string no number or boolean (OpenAI refuses them; lax pydantic took
     # `"max_tokens": true` as 1); an integer stays a valid number
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: Python's JSON reader takes NaN and Infinity, which no JSON has
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -237,10 +238,17 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.type), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), None,
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = str(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
+            msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
+                   "/generate and GET /v1/models, /health, /metrics")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            msg = f"method {request.method} not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+        return JSONResponse(error_body(exc.status_code, msg, None,
                                        "not_found_error" if exc.status_code == 404 else "invalid_request_error"),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
@@ -387,6 +395,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                            f"(GET /v1/models): send \"model\": {json.dumps(model_name)} or leave model out",
                            "model", "not_found_error")
 
+    def _check_stream_options(body: _SamplingFields) -> bool:
+        """include_usage of a stream; ApiError 400 for stream_options on a request that does not stream."""
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true; remove it or set stream to true",
+                           "stream_options")
+        return bool(body.stream_options and body.stream_options.include_usage)
+
     def _encode(text: str, param: str = "prompt") -> list[int]:
         if codec is None:
             raise ApiError(400, "this server has no tokenizer: send token ids instead of text", param)
@@ -396,6 +411,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
+        include_usage = _check_stream_options(body)
         if body.echo:
             raise ApiError(400, "echo is not supported; send echo=false", "echo")
         prompt = body.prompt
@@ -421,7 +437,6 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     "top_logprobs": [{_tok_str(i): v for i, v in lp[1]} for lp in lps]}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             return _openai_stream(req, q, head, lambda out: {"index": 0, "text": out.text, "logprobs": lp_obj([out]),
                                                              "finish_reason": _finish_reason(out)}, include_usage)
@@ -434,6 +449,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         _check_model(body.model)
+        include_usage = _check_stream_options(body)
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
         msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)
@@ -461,7 +477,6 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             return {"content": content}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name}
 
             first = [True]
@@ -486,6 +501,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if (body.text is None) == (body.input_ids is None):
             raise ApiError(400, "send exactly one of 'text' or 'input_ids'", "text")
         ids = _encode(body.text, "text") if body.text is not None else list(body.input_ids)
+        if body.top_logprobs_num and not body.return_logprob:
+            raise ApiError(400, "top_logprobs_num needs return_logprob=true", "top_logprobs_num")
         s = body.sampling_params
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         if any(not x for x in stop):
@@ -501,6 +518,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                  "finish_reason": {"type": final.finish_reason.value} if final and final.finish_reason else None}
             if body.return_logprob:
                 m["output_token_logprobs"] = [[lp[0], t] for lp, t in zip(req.output_logprobs, req.output_ids)]
+                if body.top_logprobs_num:  # per output token, the top [logprob, token id] pairs
+                    m["output_top_logprobs"] = [[[v, i] for i, v in lp[1]] for lp in req.output_logprobs]
             return m
 
         if body.stream:

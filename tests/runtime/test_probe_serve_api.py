@@ -208,3 +208,60 @@ def test_integers_stay_valid_for_number_fields(client):
             body.update(temperature=0, top_p=1, min_p=0)
         r = client.post(path, json=body)
         assert r.status_code == 200, (path, r.text)
+
+
+# ---- more edges ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_is_400(client, path):
+    """`stream_options` belongs to a stream; OpenAI and vLLM refuse it on a non-stream request (it was ignored, so
+    a client asking for usage chunks never learnt why none came)."""
+    r = client.post(path, json=_body(path, 2, stream_options={"include_usage": True}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "stream_options" and "stream" in err["message"], err
+
+
+@pytest.mark.parametrize("raw", ['{"prompt": "x", "max_tokens": 2, "temperature": NaN}',
+                                 '{"prompt": "x", "max_tokens": 2, "top_p": NaN}',
+                                 '{"prompt": "x", "max_tokens": 2, "min_p": -Infinity}',
+                                 '{"prompt": "x", "max_tokens": 2, "temperature": Infinity}'])
+def test_nan_and_infinity_are_400_saying_so(client, raw):
+    """Python's JSON reader takes NaN and Infinity (no JSON has them); the 400 said a NaN temperature was above 100."""
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "finite number" in r.json()["error"]["message"], r.text
+
+
+def test_generate_returns_the_top_logprobs_it_was_asked_for(client):
+    """`top_logprobs_num` with `return_logprob` computed the top tokens and dropped them: meta_info had only the
+    chosen tokens' logprobs. Now `output_top_logprobs` has, per output token, the top [logprob, token id] pairs,
+    the same as /v1/completions gives for `logprobs: n`."""
+    body = _body("/generate", 4, return_logprob=True, top_logprobs_num=3)
+    g = client.post("/generate", json=body).json()
+    tops = g["meta_info"]["output_top_logprobs"]
+    assert len(tops) == len(g["output_ids"]) == 4 and all(len(t) == 3 for t in tops), g
+    ref = client.post("/v1/completions", json={**_body("/v1/completions", 4), "logprobs": 3}).json()
+    lp = ref["choices"][0]["logprobs"]
+    for top, ref_lp, (chosen_lp, tok) in zip(tops, lp["token_logprobs"], g["meta_info"]["output_token_logprobs"]):
+        assert [v for v, _ in top] == sorted((v for v, _ in top), reverse=True)
+        assert chosen_lp == pytest.approx(ref_lp, abs=1e-5)
+        assert top[0][1] == tok and top[0][0] == pytest.approx(chosen_lp)  # greedy: the chosen token is the top one
+    # streamed, the last event carries the same
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        r.read()
+    last = json.loads(_events(r.text)[-2])
+    assert last["meta_info"]["output_top_logprobs"] == tops
+
+
+def test_generate_top_logprobs_num_without_return_logprob_is_400(client):
+    r = client.post("/generate", json=_body("/generate", 2, top_logprobs_num=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num", r.text
+
+
+def test_an_unknown_route_names_the_routes_served(client):
+    r = client.get("/v1/model")
+    assert r.status_code == 404, r.text
+    msg = r.json()["error"]["message"]
+    assert "/v1/model" in msg and "/v1/models" in msg and "/v1/chat/completions" in msg, msg
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and "POST" in r.json()["error"]["message"], r.text
