@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -167,6 +168,33 @@ def _not_an_object(body: Any) -> str:
     if isinstance(body, (bytes, bytearray)):  # a body FastAPI did not parse (no JSON content type)
         return "the request body was not read as JSON: send a JSON object with 'Content-Type: application/json'"
     return f"the request body must be a JSON object, got {_json_kind(body)}"
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the character that stands for each byte in a token's piece. Printable
+    Latin-1 bytes stand for themselves; the others, in byte order, for characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(rest)}}
+
+
+def _token_bytes_reader(codec: TextCodec | None) -> Callable[[int], bytes | None]:
+    """token id -> the token's own bytes, for a byte-level BPE tokenizer (DeepSeek's; a single byte of a multi-byte
+    character is a token there, whose text alone is no character); None where they cannot be known."""
+    tok = getattr(codec, "tok", None)
+    backend = getattr(tok, "_tok", None) or getattr(tok, "backend_tokenizer", None) or tok
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(backend, "id_to_token"):
+        return lambda t: None
+    table = _byte_level_table()
+    added = getattr(backend, "get_added_tokens_decoder", lambda: {})()  # their pieces are plain text
+
+    def token_bytes(t: int) -> bytes | None:
+        piece = backend.id_to_token(t)
+        if piece is None or t in added or not all(ch in table for ch in piece):
+            return None
+        return bytes(table[ch] for ch in piece)
+
+    return token_bytes
 
 
 def _error_type(status: int) -> str:
@@ -374,8 +402,29 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     def _finish_reason(out: StepOutput) -> str | None:
         return out.finish_reason.value if out.finished and out.finish_reason else None
 
+    token_bytes = _token_bytes_reader(codec)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def _tok_text(t: int) -> tuple[str, bytes]:
+        """A token's text in logprobs and its own bytes. A token that is part of a character (alone it decodes to
+        U+FFFD) reads "bytes:\\xNN..." as in OpenAI's API, so that every token has a text of its own (they are the
+        keys of /v1/completions' top_logprobs)."""
+        if codec is None:
+            return str(t), str(t).encode()
+        text = codec.decode([t], False)
+        raw = token_bytes(t) if "\ufffd" in text else None
+        if raw is None:
+            return text, text.encode()
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
     def _tok_str(t: int) -> str:
-        return codec.decode([t], False) if codec is not None else str(t)
+        return _tok_text(t)[0]
+
+    def _tok_bytes(t: int) -> list[int]:
+        return list(_tok_text(t)[1])
 
     def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -417,8 +466,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise ApiError(400, f"batched prompts are not supported: send one prompt per request (got {len(prompt)})",
-                               "prompt")
+                raise ApiError(400, "batched prompts are not supported: send one prompt per request "
+                               f"(got {len(prompt)})", "prompt")
             prompt = prompt[0]
         ids = _encode(prompt) if isinstance(prompt, str) else list(prompt)
         req, q = _start(ids, _params(body, body.max_tokens or 16, body.logprobs))
@@ -471,8 +520,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             content = []
             for o in outs:
                 for t, lp in zip(o.token_ids, o.logprobs):
-                    content.append({"token": _tok_str(t), "logprob": lp[0], "bytes": list(_tok_str(t).encode()),
-                                    "top_logprobs": [{"token": _tok_str(i), "logprob": v, "bytes": list(_tok_str(i).encode())}
+                    content.append({"token": _tok_str(t), "logprob": lp[0], "bytes": _tok_bytes(t),
+                                    "top_logprobs": [{"token": _tok_str(i), "logprob": v, "bytes": _tok_bytes(i)}
                                                      for i, v in lp[1]]})
             return {"content": content}
 

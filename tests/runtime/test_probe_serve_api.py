@@ -265,3 +265,46 @@ def test_an_unknown_route_names_the_routes_served(client):
     assert "/v1/model" in msg and "/v1/models" in msg and "/v1/chat/completions" in msg, msg
     r = client.get("/v1/completions")
     assert r.status_code == 405 and "POST" in r.json()["error"]["message"], r.text
+
+
+# ---- logprobs of tokens that are part of a character ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded tiny model and its byte-level BPE tokenizer (single bytes of multi-byte characters are tokens)."""
+    from pdlab.runtime.config import ServerConfig, build_config
+    from pdlab.runtime.server.serve import Server
+
+    srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=64, max_total_tokens=4096,
+                              max_context_len=1024))
+    srv.start()
+    with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as c:
+        yield c
+    srv.stop()
+
+
+def test_top_logprobs_keep_every_token_that_is_part_of_a_character(embedded):
+    """Each token that is a piece of a UTF-8 character decoded to "\\ufffd" on its own, so in /v1/completions'
+    top_logprobs (a JSON object keyed by token text) they overwrote one another: `logprobs: 20` gave 11-19 entries.
+    Such a token now reads "bytes:\\xNN..." (OpenAI's form), one text per token."""
+    for seed in range(3):
+        j = embedded.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 16, "temperature": 1.0,
+                                                  "seed": seed, "logprobs": 20, "ignore_eos": True}).json()
+        lp = j["choices"][0]["logprobs"]
+        assert [len(t) for t in lp["top_logprobs"]] == [20] * 16, lp["top_logprobs"]
+        assert not any("\ufffd" in t for t in lp["tokens"]), lp["tokens"]
+
+
+def test_chat_logprob_bytes_are_the_tokens_bytes(embedded):
+    """OpenAI's `bytes` are each token's own UTF-8 bytes, so that a client can join the pieces of a character; they
+    were the bytes of "\\ufffd" (ef bf bd) for every such piece, and the joined bytes did not give the text."""
+    for seed in range(3):
+        r = embedded.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "temperature": 1.0, "seed": seed,
+            "logprobs": True, "top_logprobs": 3, "ignore_eos": True, "skip_special_tokens": False}).json()
+        content = r["choices"][0]["logprobs"]["content"]
+        joined = b"".join(bytes(x["bytes"]) for x in content)
+        assert joined.decode("utf-8", "replace") == r["choices"][0]["message"]["content"], (joined, r)
+        for x in content:
+            assert x["token"].startswith("bytes:") or bytes(x["bytes"]) == x["token"].encode(), x
+            for top in x["top_logprobs"]:
+                assert top["token"].startswith("bytes:") or bytes(top["bytes"]) == top["token"].encode(), top
