@@ -502,7 +502,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
         msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)
-                                                     else "".join(p.text for p in m.content), f"messages[{i}].content")}
+                                                     else "".join(p.text for p in m.content), f"messages[{i}].content"),
+                 **({"name": _unicode(m.name, f"messages[{i}].name")} if m.name is not None else {})}
                 for i, m in enumerate(body.messages)]
         try:
             ids = codec.chat_prompt(msgs)

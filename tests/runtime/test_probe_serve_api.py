@@ -308,3 +308,26 @@ def test_chat_logprob_bytes_are_the_tokens_bytes(embedded):
             assert x["token"].startswith("bytes:") or bytes(x["bytes"]) == x["token"].encode(), x
             for top in x["top_logprobs"]:
                 assert top["token"].startswith("bytes:") or bytes(top["bytes"]) == top["token"].encode(), top
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    """`name` of a chat message was accepted and dropped before the template; a template that shows participants'
+    names (as vLLM passes them) now gets it, and a message without one gets none."""
+    from pdlab.runtime.config import ServerConfig, build_config
+    from pdlab.runtime.server.serve import Server
+
+    srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=64, max_total_tokens=4096,
+                              max_context_len=1024))
+    tok = srv.engine.tokenizer
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m.get('name') %}[{{ m['name'] }}]{% endif %}"
+                         "{{ m['content'] }}{% endfor %}<|assistant|>")
+    srv.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as c:
+            msgs = [{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}]
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            want = len(tok.encode("<|user|>[alice]hi<|user|>yo<|assistant|>", add_special_tokens=False))
+            assert r.json()["usage"]["prompt_tokens"] == want, (r.json()["usage"], want)
+    finally:
+        srv.stop()
