@@ -483,7 +483,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     toks.append(t)
                     lps.append(lp)
             return {"tokens": [_tok_str(t) for t in toks], "token_logprobs": [lp[0] for lp in lps],
-                    "top_logprobs": [{_tok_str(i): v for i, v in lp[1]} for lp in lps]}
+                    # the sampled token's too, as OpenAI's (up to logprobs + 1 entries)
+                    "top_logprobs": [{**{_tok_str(i): v for i, v in lp[1]}, _tok_str(t): lp[0]}
+                                     for t, lp in zip(toks, lps)]}
 
         if body.stream:
 

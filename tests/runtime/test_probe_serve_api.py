@@ -290,7 +290,9 @@ def test_top_logprobs_keep_every_token_that_is_part_of_a_character(embedded):
         j = embedded.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 16, "temperature": 1.0,
                                                   "seed": seed, "logprobs": 20, "ignore_eos": True}).json()
         lp = j["choices"][0]["logprobs"]
-        assert [len(t) for t in lp["top_logprobs"]] == [20] * 16, lp["top_logprobs"]
+        # 20, or 21 where the sampled token is not among the top 20
+        assert all(len(t) == 20 + (tok not in list(t)[:20]) for tok, t in zip(lp["tokens"], lp["top_logprobs"])), \
+            lp["top_logprobs"]
         assert not any("\ufffd" in t for t in lp["tokens"]), lp["tokens"]
 
 
@@ -331,3 +333,16 @@ def test_a_messages_name_reaches_the_chat_template():
             assert r.json()["usage"]["prompt_tokens"] == want, (r.json()["usage"], want)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_completions_top_logprobs_hold_the_sampled_token(client, n):
+    """OpenAI's completions API always returns the sampled token's logprob in top_logprobs (up to logprobs + 1
+    entries); `logprobs: 0` gave empty objects, and a sampled token outside the top n was missing."""
+    j = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 24, "temperature": 5.0, "seed": 3,
+                                             "logprobs": n, "ignore_eos": True}).json()
+    lp = j["choices"][0]["logprobs"]
+    for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top.get(tok) == pytest.approx(chosen), (tok, chosen, top)
+        assert n <= len(top) <= n + 1, top
+    assert n == 0 or any(len(t) == n + 1 for t in lp["top_logprobs"])  # at temperature 5 some token is not the top
