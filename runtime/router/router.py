@@ -202,28 +202,39 @@ class Router:
                 released = True
                 d.inflight -= 1
 
+        up_req = self.client.build_request("POST", f"{d.url}{path}", content=body,
+                                           headers={**headers, H_ROLE: "decode"})
+        # a client that leaves before the answer (a non-stream request, or before a stream's first byte) drops the
+        # request on both servers, as one that leaves mid-stream does
+        watch = asyncio.ensure_future(_disconnected(request))
         try:
-            up_req = self.client.build_request("POST", f"{d.url}{path}", content=body,
-                                               headers={**headers, H_ROLE: "decode"})
-            upstream = await self.client.send(up_req, stream=True)
-        except httpx.HTTPError as e:
-            release()
-            d.errors += 1
-            d.mark(False, f"{type(e).__name__}: {e}")
-            if prefill_task is not None:
-                asyncio.create_task(self._abort(p, tid, "decode server unreachable", headers))
-            return _error(502, f"decode server {d.url} failed: {type(e).__name__}: {e}", "bad_gateway")
-        if not stream or upstream.status_code != 200:
             try:
-                content = await upstream.aread()
+                upstream = await _until_gone(self.client.send(up_req, stream=True), watch)
             except httpx.HTTPError as e:
-                d.errors += 1
-                return _error(502, f"decode server {d.url} broke off: {e}", "bad_gateway")
-            finally:
-                await upstream.aclose()
                 release()
-            return Response(content, status_code=upstream.status_code,
-                            media_type=upstream.headers.get("content-type", "application/json"))
+                d.errors += 1
+                d.mark(False, f"{type(e).__name__}: {e}")
+                if prefill_task is not None:
+                    asyncio.create_task(self._abort(p, tid, "decode server unreachable", headers))
+                return _error(502, f"decode server {d.url} failed: {type(e).__name__}: {e}", "bad_gateway")
+            except _ClientGone:
+                release()
+                return self._client_gone(p, d, tid, headers)
+            if not stream or upstream.status_code != 200:
+                try:
+                    content = await _until_gone(upstream.aread(), watch)
+                except httpx.HTTPError as e:
+                    d.errors += 1
+                    return _error(502, f"decode server {d.url} broke off: {e}", "bad_gateway")
+                except _ClientGone:
+                    return self._client_gone(p, d, tid, headers)
+                finally:
+                    await upstream.aclose()  # closed before the end: the server sees its client leave
+                    release()
+                return Response(content, status_code=upstream.status_code,
+                                media_type=upstream.headers.get("content-type", "application/json"))
+        finally:
+            watch.cancel()  # a stream notices a disconnect itself (its relay is closed)
 
         async def relay():
             finished = False
@@ -242,9 +253,7 @@ class Router:
                 release()
                 if not finished:  # the client went away mid-stream: both servers drop the request
                     log.info("client left %s; aborting on both servers", tid)
-                    asyncio.create_task(self._abort(d, tid, "client disconnected", headers))
-                    if p is not None:
-                        asyncio.create_task(self._abort(p, tid, "client disconnected", headers))
+                    self._abort_pair(p, d, tid, "client disconnected", headers)
 
         return StreamingResponse(relay(), status_code=200,
                                  media_type=upstream.headers.get("content-type", "text/event-stream"),
@@ -268,6 +277,17 @@ class Router:
             await self._abort(d, tid, f"prefill server {p.url} failed: {type(e).__name__}: {e}", headers)
         finally:
             p.inflight -= 1
+
+    def _client_gone(self, p: Backend | None, d: Backend, tid: str, headers: Mapping[str, str]) -> Response:
+        log.info("client left %s; aborting on both servers", tid)
+        self._abort_pair(p, d, tid, "client disconnected", headers)
+        return _error(499, "client disconnected", "invalid_request_error")  # nobody reads it
+
+    def _abort_pair(self, p: Backend | None, d: Backend, tid: str, why: str, headers: Mapping[str, str]) -> None:
+        """Tell the decode server and the prefill server (if any) to drop transfer tid, in the background."""
+        asyncio.create_task(self._abort(d, tid, why, headers))
+        if p is not None:
+            asyncio.create_task(self._abort(p, tid, why, headers))
 
     async def _abort(self, b: Backend, tid: str, why: str, headers: Mapping[str, str] | None = None,
                      refused_status: int | None = None) -> None:
@@ -366,6 +386,33 @@ def _error(status: int, message: str, kind: str, headers: Mapping[str, str] | No
     """The OpenAI error body the servers send: {"error": {"message", "type", "param", "code"}}."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status, headers=dict(headers) if headers else None)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the upstream answer came."""
+
+
+async def _until_gone(coro, watch: asyncio.Future):
+    """The result of `coro`, unless `watch` (the client's disconnect) finishes first: then `coro` is cancelled and
+    _ClientGone raised."""
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # the client left, or this handler was cancelled
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (its body is read already, so the next ASGI message is
+    http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _message(r: httpx.Response) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdlab.runtime.core import Req, SamplingParams, StepOutput
+from pdlab.runtime.core import FinishReason, Req, SamplingParams, StepOutput
 from pdlab.runtime.engine.loop import EngineLoop
 from pdlab.runtime.scheduler.output import TextCodec
 from pdlab.runtime.server.metrics import RuntimeMetrics
@@ -35,7 +36,10 @@ MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gi
 
 # ---- request bodies ------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON boolean is no integer and a string no number or boolean (OpenAI refuses them; lax pydantic took
+    # `"max_tokens": true` as 1); an integer stays a valid number
+    # allow_inf_nan: Python's JSON reader takes NaN and Infinity, which no JSON has
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -133,6 +137,10 @@ def _unicode(text: str, param: str) -> str:
     return text
 
 
+# pydantic's error kinds for a value of the wrong JSON type
+_TYPE_ERRORS = {"int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
+                "model_attributes_type"}
+
 # request fields of several types: pydantic reports one error per type tried, which says little
 _UNION_FIELDS = {"prompt": "expects a string, a list of token ids or a list of one string",
                  "stop": "expects a string or a list of strings",
@@ -148,13 +156,45 @@ def _union_field(loc: list[str]) -> int | None:
     return None
 
 
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: "a boolean", "a string", "a decimal number"..."""
+    kinds = {list: "an array", dict: "an object", type(None): "null", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a decimal number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def _not_an_object(body: Any) -> str:
     """The 400 message for a request body that parsed to something other than a JSON object."""
     if isinstance(body, (bytes, bytearray)):  # a body FastAPI did not parse (no JSON content type)
         return "the request body was not read as JSON: send a JSON object with 'Content-Type: application/json'"
-    kinds = {list: "an array", type(None): "null", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number"}
-    return f"the request body must be a JSON object, got {kinds.get(type(body), type(body).__name__)}"
+    return f"the request body must be a JSON object, got {_json_kind(body)}"
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the character that stands for each byte in a token's piece. Printable
+    Latin-1 bytes stand for themselves; the others, in byte order, for characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(rest)}}
+
+
+def _token_bytes_reader(codec: TextCodec | None) -> Callable[[int], bytes | None]:
+    """token id -> the token's own bytes, for a byte-level BPE tokenizer (DeepSeek's; a single byte of a multi-byte
+    character is a token there, whose text alone is no character); None where they cannot be known."""
+    tok = getattr(codec, "tok", None)
+    backend = getattr(tok, "_tok", None) or getattr(tok, "backend_tokenizer", None) or tok
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(backend, "id_to_token"):
+        return lambda t: None
+    table = _byte_level_table()
+    added = getattr(backend, "get_added_tokens_decoder", lambda: {})()  # their pieces are plain text
+
+    def token_bytes(t: int) -> bytes | None:
+        piece = backend.id_to_token(t)
+        if piece is None or t in added or not all(ch in table for ch in piece):
+            return None
+        return bytes(table[ch] for ch in piece)
+
+    return token_bytes
 
 
 def _error_type(status: int) -> str:
@@ -215,6 +255,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
         elif loc:
             msg = f"{'.'.join(loc)}: {msg}"
+            if kind in _TYPE_ERRORS and "input" in first:  # strict types: say what came instead
+                msg += f", got {_json_kind(first['input'])}"
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more problem(s))"
         return JSONResponse(error_body(400, msg, ".".join(loc) or None), status_code=400)
@@ -224,10 +266,17 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.type), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), None,
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = str(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
+            msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
+                   "/generate and GET /v1/models, /health, /metrics")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            msg = f"method {request.method} not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+        return JSONResponse(error_body(exc.status_code, msg, None,
                                        "not_found_error" if exc.status_code == 404 else "invalid_request_error"),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
@@ -314,8 +363,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     await nxt
             await gen.aclose()
         final = outs[-1]
-        if final.error and not final.token_ids and final.completion_tokens == 0:
-            raise ApiError(final.error_status, final.error, type_=_error_type(final.error_status))
+        if final.error or final.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            # a failure, also after the first token (a failed step, the server stopping): the client gets the
+            # cause's status, as a stream gets it in its error event, never a 200 with part of an answer
+            why = final.error or "the request was aborted"
+            if final.completion_tokens:
+                why += f" (after {final.completion_tokens} generated tokens; the partial output is dropped)"
+            raise ApiError(final.error_status, why, type_=_error_type(final.error_status))
         return outs, final
 
     def _usage(final: StepOutput) -> dict:
@@ -348,8 +402,29 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     def _finish_reason(out: StepOutput) -> str | None:
         return out.finish_reason.value if out.finished and out.finish_reason else None
 
+    token_bytes = _token_bytes_reader(codec)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def _tok_text(t: int) -> tuple[str, bytes]:
+        """A token's text in logprobs and its own bytes. A token that is part of a character (alone it decodes to
+        U+FFFD) reads "bytes:\\xNN..." as in OpenAI's API, so that every token has a text of its own (they are the
+        keys of /v1/completions' top_logprobs)."""
+        if codec is None:
+            return str(t), str(t).encode()
+        text = codec.decode([t], False)
+        raw = token_bytes(t) if "\ufffd" in text else None
+        if raw is None:
+            return text, text.encode()
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
     def _tok_str(t: int) -> str:
-        return codec.decode([t], False) if codec is not None else str(t)
+        return _tok_text(t)[0]
+
+    def _tok_bytes(t: int) -> list[int]:
+        return list(_tok_text(t)[1])
 
     def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -362,6 +437,20 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                               stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
 
+    def _check_model(model: str | None) -> None:
+        """ApiError 404 for a `model` this server does not serve (absent or empty: the served one)."""
+        if model and model != model_name:
+            raise ApiError(404, f"the model {model!r} does not exist on this server; it serves {model_name!r} "
+                           f"(GET /v1/models): send \"model\": {json.dumps(model_name)} or leave model out",
+                           "model", "not_found_error")
+
+    def _check_stream_options(body: _SamplingFields) -> bool:
+        """include_usage of a stream; ApiError 400 for stream_options on a request that does not stream."""
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true; remove it or set stream to true",
+                           "stream_options")
+        return bool(body.stream_options and body.stream_options.include_usage)
+
     def _encode(text: str, param: str = "prompt") -> list[int]:
         if codec is None:
             raise ApiError(400, "this server has no tokenizer: send token ids instead of text", param)
@@ -370,13 +459,15 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     # ---- /v1/completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model)
+        include_usage = _check_stream_options(body)
         if body.echo:
             raise ApiError(400, "echo is not supported; send echo=false", "echo")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise ApiError(400, f"batched prompts are not supported: send one prompt per request (got {len(prompt)})",
-                               "prompt")
+                raise ApiError(400, "batched prompts are not supported: send one prompt per request "
+                               f"(got {len(prompt)})", "prompt")
             prompt = prompt[0]
         ids = _encode(prompt) if isinstance(prompt, str) else list(prompt)
         req, q = _start(ids, _params(body, body.max_tokens or 16, body.logprobs))
@@ -392,10 +483,11 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                     toks.append(t)
                     lps.append(lp)
             return {"tokens": [_tok_str(t) for t in toks], "token_logprobs": [lp[0] for lp in lps],
-                    "top_logprobs": [{_tok_str(i): v for i, v in lp[1]} for lp in lps]}
+                    # the sampled token's too, as OpenAI's (up to logprobs + 1 entries)
+                    "top_logprobs": [{**{_tok_str(i): v for i, v in lp[1]}, _tok_str(t): lp[0]}
+                                     for t, lp in zip(toks, lps)]}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             return _openai_stream(req, q, head, lambda out: {"index": 0, "text": out.text, "logprobs": lp_obj([out]),
                                                              "finish_reason": _finish_reason(out)}, include_usage)
@@ -407,10 +499,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     # ---- /v1/chat/completions ----------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        _check_model(body.model)
+        include_usage = _check_stream_options(body)
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
         msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)
-                                                     else "".join(p.text for p in m.content), f"messages[{i}].content")}
+                                                     else "".join(p.text for p in m.content), f"messages[{i}].content"),
+                 **({"name": _unicode(m.name, f"messages[{i}].name")} if m.name is not None else {})}
                 for i, m in enumerate(body.messages)]
         try:
             ids = codec.chat_prompt(msgs)
@@ -428,13 +523,12 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             content = []
             for o in outs:
                 for t, lp in zip(o.token_ids, o.logprobs):
-                    content.append({"token": _tok_str(t), "logprob": lp[0], "bytes": list(_tok_str(t).encode()),
-                                    "top_logprobs": [{"token": _tok_str(i), "logprob": v, "bytes": list(_tok_str(i).encode())}
+                    content.append({"token": _tok_str(t), "logprob": lp[0], "bytes": _tok_bytes(t),
+                                    "top_logprobs": [{"token": _tok_str(i), "logprob": v, "bytes": _tok_bytes(i)}
                                                      for i, v in lp[1]]})
             return {"content": content}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name}
 
             first = [True]
@@ -459,6 +553,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if (body.text is None) == (body.input_ids is None):
             raise ApiError(400, "send exactly one of 'text' or 'input_ids'", "text")
         ids = _encode(body.text, "text") if body.text is not None else list(body.input_ids)
+        if body.top_logprobs_num and not body.return_logprob:
+            raise ApiError(400, "top_logprobs_num needs return_logprob=true", "top_logprobs_num")
         s = body.sampling_params
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         if any(not x for x in stop):
@@ -474,6 +570,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                  "finish_reason": {"type": final.finish_reason.value} if final and final.finish_reason else None}
             if body.return_logprob:
                 m["output_token_logprobs"] = [[lp[0], t] for lp, t in zip(req.output_logprobs, req.output_ids)]
+                if body.top_logprobs_num:  # per output token, the top [logprob, token id] pairs
+                    m["output_top_logprobs"] = [[[v, i] for i, v in lp[1]] for lp in req.output_logprobs]
             return m
 
         if body.stream:

@@ -69,12 +69,9 @@ def test_stop_drains_then_aborts_with_503():
     err = json.loads(ev[-2])["error"]
     assert err["code"] == 503 and "shutting down" in err["message"]
 
-    ns = res["non_stream"]
+    ns = res["non_stream"]  # tokens already made, but no answer: the 503 (it was a 200 with finish_reason "abort")
     assert isinstance(ns, httpx.Response), ns
-    if ns.status_code == 200:  # tokens already made: the partial answer, as for any abort after the first token
-        assert ns.json()["choices"][0]["finish_reason"] == "abort"
-    else:
-        assert ns.status_code == 503 and "shutting down" in ns.json()["error"]["message"], ns.text
+    assert ns.status_code == 503 and "shutting down" in ns.json()["error"]["message"], ns.text
 
     assert not srv.scheduler.by_rid
     assert srv.engine.pool.num_free_pages == srv.engine.pool.allocator.capacity
