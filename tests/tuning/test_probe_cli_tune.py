@@ -169,3 +169,55 @@ def test_where_only_the_reference_runs_tune_says_how_to_search_it(tmp_path, caps
     err = capsys.readouterr()
     assert "the reference (torch) is searched only when named: --backends torch" in err.err
     assert "none registered" not in err.err + err.out and "to use these configs" not in err.out
+
+
+def test_show_prints_each_bucket_label_whole(isolated, capsys):
+    # the labels have no spaces: rich cut them at the column width, so buckets that differ only in their last
+    # keys (seqlen, tokens_per_expert) printed alike
+    from pdlab.kernels import tuned
+    from pdlab.tuning import store
+
+    bucket = {"active_experts": 8, "experts": 256, "hidden": 7168, "intermediate": 2048, "layout": "masked",
+              "payload": "nvfp4", "tokens_per_expert": 1}
+    results = {}
+    for tpe in (1, 16):
+        results.update(store.merge_bucket({**bucket, "tokens_per_expert": tpe},
+                                          {"torch_grouped": store.backend_result({}, 1.0, 1.0)}))
+    store.write_results(isolated / "configs", "cpu", "moe_experts", {"device": "cpu"}, results)
+    assert main(["show", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    # the bucket column, cell by cell (a folded label continues on the next lines)
+    column = "".join(line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│"))
+    for tpe in (1, 16):
+        assert tuned.bucket_label({**bucket, "tokens_per_expert": tpe}) in column
+
+
+@pytest.mark.parametrize("make, note", [(lambda p: None, "(missing)"), (lambda p: p.write_text("x"), "(not a folder"),
+                                        (lambda p: p.mkdir(), "(not readable")])
+def test_show_says_why_a_config_root_gives_nothing(tmp_path, monkeypatch, capsys, make, note):
+    import os
+    import pathlib
+
+    root = tmp_path / "configs"
+    make(root)
+    monkeypatch.setenv("PDLAB_CONFIG_DIR", str(root))
+    if note == "(not readable":  # as a user without read access (root, who runs CI, reads every folder)
+        access, iterdir = os.access, pathlib.Path.iterdir
+
+        def denied(path):
+            if str(path) == str(root):
+                raise PermissionError(13, "Permission denied", str(path))
+            return iterdir(path)
+
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: str(p) != str(root) and access(p, mode, **kw))
+        monkeypatch.setattr(pathlib.Path, "iterdir", denied)
+    assert main(["show"]) == 0  # a traceback (PermissionError) before
+    out = capsys.readouterr().out.replace("\n", "")
+    assert f"{root} {note}" in out
+
+
+def test_show_of_a_device_without_files_names_the_stored_ones(capsys):
+    assert main(["show", "--geomean", "--device", "NVIDIA_H20"]) == 0  # a typo of the shipped NVIDIA_H200
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "no tuned-config files for NVIDIA_H20" in out and "files are stored for: NVIDIA_H200" in out
