@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                     apart = measured_apart(e)
                     for bname, r in sorted(e.get("backends", {}).items()):
                         win = ("*" + ("~" if apart else "")) if bname == e.get("backend") else ""
-                        table.add_row(label, bname + win, ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items()),
+                        knobs = ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items())
+                        table.add_row(label, bname + win, knobs,
                                       _f(r.get("time_ms")), _f(r.get("default_time_ms")), _f(r.get("speedup"), "x"),
                                       str(r.get("date") or "-"))
                 console.print(table)
