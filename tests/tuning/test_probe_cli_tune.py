@@ -117,6 +117,34 @@ def test_speedup_plot_labels_name_only_what_differs_between_buckets(tmp_path, mo
     assert "hidden=256" in seen["text"] and "tokens_per_expert=1" in seen["text"]
 
 
+def test_history_plot_title_stays_inside_the_figure(tmp_path, monkeypatch):
+    # a moe_experts bucket label on one line ran past both edges of the 7-inch figure (cut at both ends)
+    from types import SimpleNamespace
+
+    from pdlab.kernels import tuned
+    from pdlab.tuning import plots
+
+    bucket = {"active_experts": 8, "experts": 256, "hidden": 7168, "intermediate": 2048, "layout": "contiguous",
+              "payload": "nvfp4", "tokens_per_expert": 1}
+    study = SimpleNamespace(history=[(0, 1.0, "COMPLETE"), (1, None, "FAIL"), (2, 0.8, "COMPLETE")],
+                            default_time_ms=0.9)
+    seen = {}
+
+    def save(fig, plt, path):
+        fig.tight_layout()
+        renderer = fig.canvas.get_renderer()
+        box = fig.axes[0].title.get_window_extent(renderer)
+        seen.update(x0=box.x0, x1=box.x1, width=fig.bbox.width, text=fig.axes[0].get_title())
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", save)
+    label = tuned.bucket_label(bucket)
+    plots.plot_history(study, tmp_path / "h.png", title=f"moe_experts [triton] {label}")
+    assert seen["x0"] >= 0 and seen["x1"] <= seen["width"], seen
+    assert all(f"{k}={v}" in seen["text"].replace("\n", "") for k, v in bucket.items())  # wrapped, nothing lost
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--trials", "0"], "argument --trials: '0' is below 1"),
     (["--repeats", "0"], "argument --repeats: '0' is below 1"),
