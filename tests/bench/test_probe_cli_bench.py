@@ -257,3 +257,22 @@ def test_an_option_the_run_would_ignore_is_a_usage_error(argv, says, tmp_path, c
     # these options were silently ignored: the run measured other shapes than the command line named
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert says in _last_line(capsys.readouterr().out)
+
+
+def test_bench_quantize_sweep_runs_at_the_cpu_shape_without_a_gpu(tmp_path, capsys, monkeypatch):
+    # on CPU the sweep ran at R1's [4096, 7168]: under TRITON_INTERPRET=1 minutes per call, hours in all
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["quantize", "--sweep", "--m", "1", "4", "--k", "64", "--grouped", "none", "--repeats", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 0
+    df = pd.read_csv(tmp_path / "quantize.csv")
+    sweep = df[df["config"] != "default"]
+    assert len(sweep) > 10 and set(sweep["shape"]) == {"[4, 64]"} and set(sweep["backend"]) == {"triton"}
+
+
+def test_bench_quantize_sweep_without_triton_in_the_backends_exits_2(tmp_path, capsys):
+    assert main(["quantize", "--sweep", "--backends", "torch", "--grouped", "none", "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert "--sweep times the triton backend" in line and "--backends torch" in line
+    assert not (tmp_path / "quantize.csv").exists()
