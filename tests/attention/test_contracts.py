@@ -164,3 +164,11 @@ def test_softmax_scale_as_number_or_one_element_tensor_still_runs(prob, scale):
     out, lse = _call(prob, softmax_scale=scale)
     ref_out, ref_lse = _call(prob, softmax_scale=float(scale))
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_a_query_on_another_device_is_named_not_blamed_on_the_rest(prob):
+    # q on another device than every other tensor said "'kv_cache' is on cpu while the other tensors are on meta"
+    with pytest.raises(ShapeError, match=r"'kv_cache' is on cpu while 'q' is on meta"):
+        _call(prob, q=prob.q.to("meta"))
+    with pytest.raises(ShapeError, match=r"'seqlens' is on meta while the other tensors are on cpu"):
+        _call(prob, seqlens=prob.seqlens.to("meta"))
