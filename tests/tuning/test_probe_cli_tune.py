@@ -249,3 +249,16 @@ def test_show_of_a_device_without_files_names_the_stored_ones(capsys):
     assert main(["show", "--geomean", "--device", "NVIDIA_H20"]) == 0  # a typo of the shipped NVIDIA_H200
     out = capsys.readouterr().out.replace("\n", "")
     assert "no tuned-config files for NVIDIA_H20" in out and "files are stored for: NVIDIA_H200" in out
+
+
+@needs_cpu_only
+def test_buckets_no_usable_backend_takes_exit_1_saying_why(tmp_path, capsys, monkeypatch):
+    # `tune moe --arch cpu --only payload=nvfp4`: torch_grouped takes bf16 activations only, so nothing was searched;
+    # the run said "nothing stored; tuning took 0.0 s" and exited 0
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["moe", "--arch", "cpu", "--only", "tokens_per_expert=1", "--only", "payload=nvfp4",
+                 "--store", str(tmp_path / "st"), "--out", str(tmp_path / "out"), "--budget", "5s",
+                 "--no-progress"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("tune moe: moe_experts: none of the backends that run on this cpu device (torch_grouped)")
+    assert "--dry-run --arch cpu" in line and not (tmp_path / "st" / "cpu" / "moe_experts.json").exists()
