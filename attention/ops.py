@@ -139,6 +139,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     dims = MLA_DECODE.check(backend_name(backend), q=q, kv_cache=kv_cache, block_table=block_table,
                             seqlens=seqlens)
     _check_pool(MLA_DECODE, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
+    softmax_scale = _softmax_scale(MLA_DECODE, backend, softmax_scale)
     kv_cache = _as_bytes(kv_cache)
     bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"],
               "kv_dtype": kv_dtype_name(kv_cache), "q_len": dims["Sq"]}
@@ -148,7 +149,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         # a tuned entry is its nearest bucket's: "auto" runs the Gluon kernel wherever "gluon" could and, where this
         # problem has more query rows than that kernel holds (S_q 4 at 16 heads), the Triton one instead of failing
         cfg["kernel"] = "auto"
-    return b.impl(q, kv_cache, block_table, seqlens, float(softmax_scale), kv_scale=kv_scale, config=cfg)
+    return b.impl(q, kv_cache, block_table, seqlens, softmax_scale, kv_scale=kv_scale, config=cfg)
 
 
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
@@ -191,12 +192,13 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
                                 f"sequences {bad[:4]}", seqlens, "seqlens[b] >= qo_indptr[b+1] - qo_indptr[b]",
                                 "seqlens counts the cached prefix plus the new tokens.")
     _check_pool(MLA_PREFILL, backend, kv_cache, kv_scale, dims, block_table, seqlens, max_seqlen)
+    softmax_scale = _softmax_scale(MLA_PREFILL, backend, softmax_scale)
     kv_cache = _as_bytes(kv_cache)
     bucket = {"batch": dims["B"], "seqlen": dims["pages"] * dims["page"], "heads": dims["H"],
               "kv_dtype": kv_dtype_name(kv_cache), "q_len": int(max_q_len) if max_q_len is not None else dims["T"]}
     b = _select(MLA_PREFILL, backend, q, kv_cache, q_len=None, bucket=bucket)
     cfg, _ = resolve_config(MLA_PREFILL.name, b, bucket, q.device, config)
-    return b.impl(q, kv_cache, block_table, seqlens, qo_indptr, float(softmax_scale), kv_scale=kv_scale,
+    return b.impl(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, kv_scale=kv_scale,
                   max_q_len=max_q_len, config=cfg)
 
 
@@ -427,6 +429,20 @@ def _as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     if kv_cache.dtype == getattr(torch, "float8_e4m3fn", None):
         return kv_cache.view(torch.uint8)
     return kv_cache
+
+
+def _softmax_scale(op: Op, backend, value) -> float:
+    """`value` as the float the kernels take; a ShapeError naming it when it is no finite number > 0 (None, NaN,
+    inf, 0 or below: the output would be NaN or meaningless, with nothing said)."""
+    try:
+        scale = float(value)
+    except (TypeError, ValueError, RuntimeError):  # None, a non-number, a tensor of several values
+        scale = math.nan
+    op.require(backend_name(backend), math.isfinite(scale) and scale > 0, "softmax_scale", f"is {value!r:.60}",
+               value, "a finite number > 0",
+               "softmax_scale multiplies q·k before the softmax: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), "
+               "1/sqrt(192) for DeepSeek-V3/R1 (times YaRN's mscale² with rope scaling).")
+    return scale
 
 
 def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping[str, int],

@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         args.new_tokens = 0
 
     cuda = torch.cuda.is_available()
+    if args.cuda_graph and not cuda:  # CUDA graphs need a GPU: every row would be timed eagerly, labelled as asked
+        print("bench attention: --cuda-graph times CUDA-graph replays and needs a CUDA GPU; this machine has none "
+              "(drop --cuda-graph)")
+        return 2
     device = torch.device("cuda" if cuda else "cpu")
     defaults = _GPU_DEFAULTS if cuda else _CPU_DEFAULTS
     get = lambda name: getattr(args, name) or defaults[name]  # noqa: E731
@@ -185,9 +189,13 @@ def run(args: argparse.Namespace) -> int:
             ref = None
             if not args.no_reference:
                 ref = call("torch", None)
+            # the lengths and new tokens as run: a sequence holds at least its S_q new tokens, a prefill adds at
+            # most its length (--seqlen 2 --s-q 4 ran 4 tokens, --new-tokens 5 --seqlen 3 ran 3 new ones)
+            L = L if args.varlen else lens[0]
+            sq = sq if args.op == "decode" else max(new)
             base = {"op": args.op, "batch": B, "seqlen": L, "heads": H, "kv_dtype": kv_dtype, "page": page,
-                    "s_q": sq,
-                    "shape": f"B{B} L{L} H{H} {kv_dtype} p{page}" + (f" q{sq}" if args.op == "decode" else "")}
+                    "s_q": sq, "shape": f"B{B} L{L} H{H} {kv_dtype} p{page} " + ("q" if args.op == "decode" else "n")
+                    + str(sq)}
             bucket = {"batch": B, "seqlen": p.block_table.shape[1] * page, "heads": H, "kv_dtype": kv_dtype,
                       "q_len": sq if args.op == "decode" else p.max_q_len}
             for name in usable:

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--grouped", type=str, default=None,
                    help="also run a masked grouped shape E,M_max (default on GPU: 32,256; 'none' to skip)")
-    p.add_argument("--sweep", action="store_true", help="also time the triton backend over a few launch configs")
+    p.add_argument("--sweep", action="store_true", help="also time the triton backend over a few launch configs "
+                   "(at M=4096, K=7168 on GPU; at the run's largest --m and first --k on CPU, where Triton interprets)")
     p.add_argument("--repeats", type=int_arg(1), default=50)
     p.add_argument("--measure-peaks", action="store_true",
                    help="measure this GPU's copy bandwidth and bf16 rate first (cached for later runs)")
@@ -92,9 +93,15 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"bench quantize: --out {problem}; give a folder to write the results into")
         return 2
+    if args.sweep and "triton" not in names:  # the sweep times triton: rows the user left out would appear
+        print(f"bench quantize: --sweep times the triton backend's launch configs; --backends {args.backends} "
+              "leaves it out (add triton, or drop --sweep)")
+        return 2
     jobs = [(case, name, None) for case in cases for name in names]
     if args.sweep:
-        jobs += [((4096, 7168, None), "triton", cfg) for cfg in SWEEP]
+        # the interpreter takes minutes per call at R1's [4096, 7168]: hours for the sweep; on CPU the run's own shape
+        sweep_shape = (4096, 7168, None) if cuda else (max(ms), ks[0], None)
+        jobs += [(sweep_shape, "triton", cfg) for cfg in SWEEP]
 
     gen = torch.Generator(device=device).manual_seed(args.seed)
     rows, ref_cache = [], {}

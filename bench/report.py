@@ -80,11 +80,13 @@ def print_table(df: pd.DataFrame, title: str, columns: Sequence[str] | None = No
         print(df[cols].to_string(index=False))
         return
     table = Table(title=title, show_lines=False)
-    for c in cols:
-        table.add_column(str(c), justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left")
-    for _, row in df[cols].iterrows():
-        table.add_row(*[_cell(v, floatfmt) for v in row])
-    Console(width=max(120, sum(len(str(c)) + 6 for c in cols))).print(table)
+    for c in cols:  # fold, never cut: a shape or bucket label has no spaces to wrap at, and cut ones look alike
+        table.add_column(str(c), justify="right" if pd.api.types.is_numeric_dtype(df[c]) else "left", overflow="fold")
+    cells = [[_cell(v, floatfmt) for v in row] for _, row in df[cols].iterrows()]
+    for row in cells:
+        table.add_row(*row)
+    natural = sum(max([len(str(c))] + [len(r[i]) for r in cells]) + 3 for i, c in enumerate(cols)) + 1
+    Console(width=min(max(120, natural), 240)).print(table)
 
 
 def _cell(value: object, floatfmt: str) -> str:

@@ -229,7 +229,7 @@ class Op:
         Returns the bound dims (name → size). `bound` pre-binds dims (e.g. {"page": 64}).
         Raises ShapeError on the first violation, naming the argument."""
         dims: dict[str, int] = dict(bound) if bound else {}
-        device = None
+        device, on_device = None, []
         for arg, value in tensors.items():
             spec = self.inputs.get(arg) or self.outputs.get(arg)
             if spec is None:
@@ -272,9 +272,10 @@ class Op:
             if spec.same_device:
                 if device is None:
                     device = value.device
-                elif value.device != device:
-                    self._fail(backend, arg, f"is on {value.device} while the other tensors are on {device}",
-                               spec, dims, value)
+                elif value.device != device:  # with one tensor before it, that one may be the odd one: name it
+                    others = f"{on_device[0]!r} is" if len(on_device) == 1 else "the other tensors are"
+                    self._fail(backend, arg, f"is on {value.device} while {others} on {device}", spec, dims, value)
+                on_device.append(arg)
             if spec.contiguous and not value.is_contiguous():
                 self._fail(backend, arg, "must be contiguous (call .contiguous())", spec, dims, value)
             if spec.last_dim_contiguous and value.dim() and value.stride(-1) != 1:

@@ -258,7 +258,28 @@ def read_store(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: not valid JSON ({exc}); delete it or re-run `tune`") from exc
     if not isinstance(data, dict) or "entries" not in data or "metadata" not in data:
         raise ValueError(f"{path}: not a pdlab tuned-config file (needs 'metadata' and 'entries')")
+    problem = _store_problem(data)
+    if problem:
+        raise ValueError(f"{path}: not a pdlab tuned-config file ({problem}); delete it or re-run `tune`")
     return data
+
+
+def _store_problem(data: dict) -> str | None:
+    """What in a parsed store's structure the readers could not walk (a hand-edited or foreign file), else None."""
+    if not isinstance(data["metadata"], dict):
+        return f"'metadata' is a JSON {type(data['metadata']).__name__}, not an object"
+    if not isinstance(data["entries"], dict):
+        return f"'entries' is a JSON {type(data['entries']).__name__}, not an object"
+    for label, entry in data["entries"].items():
+        if not isinstance(entry, dict):
+            return f"entry {label!r} is a JSON {type(entry).__name__}, not an object"
+        for key in ("bucket", "backends"):
+            if not isinstance(entry.get(key, {}), dict):
+                return f"entry {label!r} has a '{key}' that is not an object"
+        bad = [name for name, r in entry.get("backends", {}).items() if not isinstance(r, dict)]
+        if bad:
+            return f"entry {label!r} has backend {bad[0]!r} whose result is not an object"
+    return None
 
 
 @contextmanager

@@ -206,7 +206,10 @@ def _config(backend: registry.Backend, layout: Layout, intermediate: int, expect
     """The runner's config (and, with_source, where it came from)."""
     source = "explicit" if explicit else "default"
     if not backend.config_space and not backend.default_config:
-        cfg = dict(explicit or {})
+        if explicit:  # a runner without knobs would ignore them: say so, as the lookup does for unknown keys
+            raise ValueError(f"{OP}[{backend.name}]: unknown config keys {sorted(explicit)}; known: [] (this runner "
+                             "has no knobs: pass config=None or {}, or name a runner that takes them, e.g. triton)")
+        cfg = {}
     else:
         cfg, source = resolve_config(OP, backend.name, bucket(layout, intermediate, expected_m, active_experts),
                                      device=layout.hidden.device, explicit=explicit)

@@ -42,7 +42,7 @@ def plot_history(study, path: Path, title: str) -> Path:
         ax.scatter(bad, [0] * len(bad), marker="x", color="red", label="failed")
     ax.set_xlabel("trial")
     ax.set_ylabel("time per call (ms)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_wrap(title, 90), fontsize=9)  # a bucket label runs past the figure's edges on one line
     ax.legend(fontsize=7)
     return _save(fig, plt, path)
 
@@ -85,6 +85,17 @@ def _save(fig, plt, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _wrap(text: str, width: int) -> str:
+    """`text` in lines of at most `width` characters, broken after spaces or commas (bucket labels have no spaces)."""
+    lines, line = [], ""
+    for part in re.split(r"(?<=[ ,])", text):
+        if line and len(line) + len(part) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += part
+    return "\n".join(lines + [line.rstrip()])
 
 
 def _label(bucket) -> str:

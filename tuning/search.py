@@ -176,6 +176,10 @@ def _tune_op(target, buckets, model, settings, *, device, store_root, metadata, 
     for bucket, bs in plan:
         skipped += [(bucket, b.name, "does not accept this bucket") for b in usable if b not in bs]
     total = sum(len(bs) for _, bs in plan)
+    if not total:  # every bucket left is one no usable backend takes (e.g. nvfp4 activations on a CPU)
+        raise RuntimeError(f"none of the backends that run on this {arch} device ({', '.join(b.name for b in usable)}) "
+                           f"accepts any of the {len(buckets)} buckets to tune; `--dry-run --arch {arch}` shows how "
+                           "many buckets each backend takes (change --only or --backends)")
     winners: dict[str, list[dict]] = {}
     broken: dict[str, dict[str, str]] = {}  # backend → configs that broke the CUDA context in any bucket
     notes: list[str] = []

@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
     name, key, arch = _identity(args.device)
     console = Console(width=160)
     console.print(f"device {name} ({arch}), key {key}; roots searched in order: "
-                  + ", ".join(str(r) for r in tuned.config_roots()))
+                  + ", ".join(f"{r}{_root_note(r)}" for r in tuned.config_roots()), soft_wrap=True, highlight=False)
     found = 0
     for root in tuned.config_roots():
-        if not root.is_dir():
+        if _root_note(root):
             continue
         for dev_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             if dev_dir.name != key and not args.all_devices:
@@ -80,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
                 table = Table(title=f"{path} — {status}\n{meta.get('date', '?')}, model {meta.get('model', '?')}, "
                               f"{meta.get('command', '')}", title_justify="left")
                 for col in ("bucket", "backend", "config", "tuned ms", "default ms", "speedup", "measured"):
-                    table.add_column(col)
+                    table.add_column(col, overflow="fold")  # a bucket label has no spaces: cut, buckets look alike
                 for label in sorted(data["entries"]):
                     e = data["entries"][label]
                     apart = measured_apart(e)
                     for bname, r in sorted(e.get("backends", {}).items()):
                         win = ("*" + ("~" if apart else "")) if bname == e.get("backend") else ""
-                        table.add_row(label, bname + win, ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items()),
+                        knobs = ", ".join(f"{k}={v}" for k, v in (r.get("config") or {}).items())
+                        table.add_row(label, bname + win, knobs,
                                       _f(r.get("time_ms")), _f(r.get("default_time_ms")), _f(r.get("speedup"), "x"),
                                       str(r.get("date") or "-"))
                 console.print(table)
@@ -99,13 +100,30 @@ def run(args: argparse.Namespace) -> int:
             print(f"tune show: --op {args.op!r} is no op; ops: {', '.join(registry.ops())}", file=sys.stderr)
             return 2
     if not found:
+        others = sorted({d.name for r in tuned.config_roots() if not _root_note(r)
+                         for d in r.iterdir() if d.is_dir() and any(d.glob("*.json"))} - {key})
         console.print(f"no tuned-config files for {key}" + (f" and op {args.op}" if args.op else "")
-                      + ": every op runs its backend's default config")
+                      + ": every op runs its backend's default config"
+                      + (f" (files are stored for: {', '.join(others)}; --device takes one of these)"
+                         if others and args.device else ""), soft_wrap=True, highlight=False)
     console.print("* = fastest backend of the bucket; *~ = chosen from times measured more than "
                   f"{APART_HOURS:g} h apart (other runs: re-tune the bucket's backends together to compare like "
                   "with like). Lookup: nearest bucket by Σ|log2 ratio| over numeric keys, non-numeric keys equal; "
                   "the first root with a match wins.", style="dim")
     return 0
+
+
+def _root_note(root) -> str:
+    """Why a config root gives no files ('' when it can be listed): $PDLAB_CONFIG_DIR may name anything."""
+    import os
+
+    if not root.exists():
+        return " (missing)"
+    if not root.is_dir():
+        return " (not a folder: ignored)"
+    if not os.access(root, os.R_OK | os.X_OK):
+        return " (not readable: ignored)"
+    return ""
 
 
 def _identity(device) -> tuple[str, str, str]:
@@ -120,6 +138,8 @@ def _identity(device) -> tuple[str, str, str]:
     except (RuntimeError, ValueError):
         key = str(device).replace(" ", "_")
         for root in tuned.config_roots():
+            if _root_note(root):
+                continue
             for path in sorted((root / key).glob("*.json")):
                 try:
                     meta = tuned.read_store(path)["metadata"]

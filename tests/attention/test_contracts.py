@@ -145,3 +145,30 @@ def test_tuned_file_drives_config_and_backend(tmp_path, monkeypatch):
     finally:
         tuned.clear_cache()
         ops.clear_config_cache()
+
+
+@pytest.mark.parametrize("scale", [None, float("nan"), float("inf"), 0.0, -0.1, torch.tensor(float("nan")),
+                                   torch.tensor([0.1, 0.2]), "scale"])
+def test_softmax_scale_that_is_no_positive_number_is_named(prob, scale):
+    # None gave a bare TypeError from float(); NaN or inf gave NaN outputs, 0 or below a meaningless softmax, silently
+    with pytest.raises(ShapeError, match=r"mla_decode argument 'softmax_scale' is .*finite number > 0") as e:
+        _call(prob, softmax_scale=scale)
+    assert e.value.argument == "softmax_scale" and "1/sqrt(192)" in e.value.hint
+    p = prefill_problem([20, 9], [5, 9], 4, 16, torch.float32, seed=2)
+    with pytest.raises(ShapeError, match=r"mla_prefill argument 'softmax_scale'"):
+        mla_prefill(p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, scale)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1, torch.tensor(0.1), torch.tensor([0.1])])
+def test_softmax_scale_as_number_or_one_element_tensor_still_runs(prob, scale):
+    out, lse = _call(prob, softmax_scale=scale)
+    ref_out, ref_lse = _call(prob, softmax_scale=float(scale))
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_a_query_on_another_device_is_named_not_blamed_on_the_rest(prob):
+    # q on another device than every other tensor said "'kv_cache' is on cpu while the other tensors are on meta"
+    with pytest.raises(ShapeError, match=r"'kv_cache' is on cpu while 'q' is on meta"):
+        _call(prob, q=prob.q.to("meta"))
+    with pytest.raises(ShapeError, match=r"'seqlens' is on meta while the other tensors are on cpu"):
+        _call(prob, seqlens=prob.seqlens.to("meta"))

@@ -257,3 +257,47 @@ def test_an_option_the_run_would_ignore_is_a_usage_error(argv, says, tmp_path, c
     # these options were silently ignored: the run measured other shapes than the command line named
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert says in _last_line(capsys.readouterr().out)
+
+
+def test_bench_quantize_sweep_runs_at_the_cpu_shape_without_a_gpu(tmp_path, capsys, monkeypatch):
+    # on CPU the sweep ran at R1's [4096, 7168]: under TRITON_INTERPRET=1 minutes per call, hours in all
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["quantize", "--sweep", "--m", "1", "4", "--k", "64", "--grouped", "none", "--repeats", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 0
+    df = pd.read_csv(tmp_path / "quantize.csv")
+    sweep = df[df["config"] != "default"]
+    assert len(sweep) > 10 and set(sweep["shape"]) == {"[4, 64]"} and set(sweep["backend"]) == {"triton"}
+
+
+def test_bench_quantize_sweep_without_triton_in_the_backends_exits_2(tmp_path, capsys):
+    assert main(["quantize", "--sweep", "--backends", "torch", "--grouped", "none", "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert "--sweep times the triton backend" in line and "--backends torch" in line
+    assert not (tmp_path / "quantize.csv").exists()
+
+
+def test_bench_attention_cuda_graph_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
+    # every row was timed eagerly, with nothing said, where --cuda-graph asked for graph replays
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["attention", "--cuda-graph", "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert "--cuda-graph" in line and "needs a CUDA GPU" in line
+    assert not (tmp_path / "mla_decode.csv").exists()
+
+
+@pytest.mark.parametrize("argv, seqlen, s_q, shape", [
+    (["--seqlen", "2", "--s-q", "4"], 4, 4, "B1 L4 H16 bf16 p16 q4"),  # each sequence holds its 4 new tokens
+    (["--op", "prefill", "--seqlen", "3", "--new-tokens", "5"], 3, 3, "B1 L3 H16 bf16 p16 n3"),  # 3 are new
+    (["--op", "prefill", "--seqlen", "40", "--new-tokens", "0"], 40, 40, "B1 L40 H16 bf16 p16 n40"),  # all new
+])
+def test_bench_attention_rows_name_the_lengths_they_ran(tmp_path, capsys, argv, seqlen, s_q, shape):
+    # the rows said seqlen 2 (decode, 4 tokens ran) and s_q 5 (prefill, 3 new tokens ran)
+    assert main(["attention", "--batch", "1", "--backend", "torch", "--repeats", "1", "--out", str(tmp_path)]
+                + argv) == 0
+    csv = tmp_path / ("mla_prefill.csv" if "prefill" in argv else "mla_decode.csv")
+    row = pd.read_csv(csv).iloc[0]
+    assert (row["seqlen"], row["s_q"], row["shape"]) == (seqlen, s_q, shape)

@@ -35,6 +35,20 @@ def test_print_table_and_progress(capsys):
     assert seen == [1]
 
 
+def test_print_table_keeps_long_labels_whole(capsys):
+    # tune's summary: labels without spaces were cut with "…" at the header's width, so rows that differ only in
+    # their last keys (the payload here) looked alike
+    shapes = [f"tokens_per_rank={t},mode=low_latency,payload={p}" for t in (16, 128) for p in ("bf16", "nvfp4")]
+    df = pd.DataFrame({"op": ["moe_dispatch"] * 4, "shape": shapes, "backend": ["local"] * 4,
+                       "default_ms": [1.0] * 4, "tuned_ms": [0.5] * 4, "speedup": [2.0] * 4, "trials": [6] * 4,
+                       "failed": [3] * 4, "note": ["passed over the fastest: wrong at an edge shape"] * 4})
+    report.print_table(df, "tuning on cpu")
+    out = capsys.readouterr().out
+    assert "…" not in out
+    column = "".join(line.split("│")[2].strip() for line in out.splitlines() if line.startswith("│"))
+    assert column == "".join(shapes)
+
+
 def test_progress_off_a_terminal_prints_plain_lines(monkeypatch):
     """Redirected to a file (a GPU box under nohup, CI), a rich bar shows nothing until the end: the progress prints
     a plain line at most every every_s seconds and at the last step, with the note (e.g. the best time so far)."""

@@ -76,3 +76,17 @@ def test_global_scale_of_another_dtype_or_device_is_named(problem):
 def test_quantize_payload_of_zero_tokens():
     hidden, scales, gs = quantize_payload(torch.zeros(0, 64, device=DEV), "nvfp4")
     assert hidden.shape == (0, 32) and scales.shape == (0, 4) and gs.dtype == torch.float32
+
+
+def test_a_config_for_a_runner_without_knobs_is_refused_not_ignored(problem):
+    # torch_grouped has no knobs: a config (triton's, a typo) ran silently as if none was given, while the runners
+    # with knobs and the reference refuse unknown keys
+    lay, w = problem
+    bf16 = Contiguous(hidden=torch.randn(lay.hidden.shape[0], 64, device=DEV).to(torch.bfloat16), counts=lay.counts,
+                      offsets=lay.offsets)
+    with pytest.raises(ValueError, match=r"moe_experts\[torch_grouped\]: unknown config keys \['BLOCK_M'\]"):
+        run_experts(bf16, w, runner="torch_grouped", config={"BLOCK_M": 16})
+    with pytest.raises(ValueError, match=r"moe_experts\[torch\]: unknown config keys \['BLOCK_M'\]"):
+        run_experts(bf16, w, runner="torch", config={"BLOCK_M": 16})
+    none = run_experts(bf16, w, runner="torch_grouped").hidden
+    assert torch.equal(run_experts(bf16, w, runner="torch_grouped", config={}).hidden, none)

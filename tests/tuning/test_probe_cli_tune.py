@@ -117,6 +117,34 @@ def test_speedup_plot_labels_name_only_what_differs_between_buckets(tmp_path, mo
     assert "hidden=256" in seen["text"] and "tokens_per_expert=1" in seen["text"]
 
 
+def test_history_plot_title_stays_inside_the_figure(tmp_path, monkeypatch):
+    # a moe_experts bucket label on one line ran past both edges of the 7-inch figure (cut at both ends)
+    from types import SimpleNamespace
+
+    from pdlab.kernels import tuned
+    from pdlab.tuning import plots
+
+    bucket = {"active_experts": 8, "experts": 256, "hidden": 7168, "intermediate": 2048, "layout": "contiguous",
+              "payload": "nvfp4", "tokens_per_expert": 1}
+    study = SimpleNamespace(history=[(0, 1.0, "COMPLETE"), (1, None, "FAIL"), (2, 0.8, "COMPLETE")],
+                            default_time_ms=0.9)
+    seen = {}
+
+    def save(fig, plt, path):
+        fig.tight_layout()
+        renderer = fig.canvas.get_renderer()
+        box = fig.axes[0].title.get_window_extent(renderer)
+        seen.update(x0=box.x0, x1=box.x1, width=fig.bbox.width, text=fig.axes[0].get_title())
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", save)
+    label = tuned.bucket_label(bucket)
+    plots.plot_history(study, tmp_path / "h.png", title=f"moe_experts [triton] {label}")
+    assert seen["x0"] >= 0 and seen["x1"] <= seen["width"], seen
+    assert all(f"{k}={v}" in seen["text"].replace("\n", "") for k, v in bucket.items())  # wrapped, nothing lost
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--trials", "0"], "argument --trials: '0' is below 1"),
     (["--repeats", "0"], "argument --repeats: '0' is below 1"),
@@ -169,3 +197,68 @@ def test_where_only_the_reference_runs_tune_says_how_to_search_it(tmp_path, caps
     err = capsys.readouterr()
     assert "the reference (torch) is searched only when named: --backends torch" in err.err
     assert "none registered" not in err.err + err.out and "to use these configs" not in err.out
+
+
+def test_show_prints_each_bucket_label_whole(isolated, capsys):
+    # the labels have no spaces: rich cut them at the column width, so buckets that differ only in their last
+    # keys (seqlen, tokens_per_expert) printed alike
+    from pdlab.kernels import tuned
+    from pdlab.tuning import store
+
+    bucket = {"active_experts": 8, "experts": 256, "hidden": 7168, "intermediate": 2048, "layout": "masked",
+              "payload": "nvfp4", "tokens_per_expert": 1}
+    results = {}
+    for tpe in (1, 16):
+        results.update(store.merge_bucket({**bucket, "tokens_per_expert": tpe},
+                                          {"torch_grouped": store.backend_result({}, 1.0, 1.0)}))
+    store.write_results(isolated / "configs", "cpu", "moe_experts", {"device": "cpu"}, results)
+    assert main(["show", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    # the bucket column, cell by cell (a folded label continues on the next lines)
+    column = "".join(line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│"))
+    for tpe in (1, 16):
+        assert tuned.bucket_label({**bucket, "tokens_per_expert": tpe}) in column
+
+
+@pytest.mark.parametrize("make, note", [(lambda p: None, "(missing)"), (lambda p: p.write_text("x"), "(not a folder"),
+                                        (lambda p: p.mkdir(), "(not readable")])
+def test_show_says_why_a_config_root_gives_nothing(tmp_path, monkeypatch, capsys, make, note):
+    import os
+    import pathlib
+
+    root = tmp_path / "configs"
+    make(root)
+    monkeypatch.setenv("PDLAB_CONFIG_DIR", str(root))
+    if note == "(not readable":  # as a user without read access (root, who runs CI, reads every folder)
+        access, iterdir = os.access, pathlib.Path.iterdir
+
+        def denied(path):
+            if str(path) == str(root):
+                raise PermissionError(13, "Permission denied", str(path))
+            return iterdir(path)
+
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: str(p) != str(root) and access(p, mode, **kw))
+        monkeypatch.setattr(pathlib.Path, "iterdir", denied)
+    assert main(["show"]) == 0  # a traceback (PermissionError) before
+    out = capsys.readouterr().out.replace("\n", "")
+    assert f"{root} {note}" in out
+
+
+def test_show_of_a_device_without_files_names_the_stored_ones(capsys):
+    assert main(["show", "--geomean", "--device", "NVIDIA_H20"]) == 0  # a typo of the shipped NVIDIA_H200
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "no tuned-config files for NVIDIA_H20" in out and "files are stored for: NVIDIA_H200" in out
+
+
+@needs_cpu_only
+def test_buckets_no_usable_backend_takes_exit_1_saying_why(tmp_path, capsys, monkeypatch):
+    # `tune moe --arch cpu --only payload=nvfp4`: torch_grouped takes bf16 activations only, so nothing was searched;
+    # the run said "nothing stored; tuning took 0.0 s" and exited 0
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["moe", "--arch", "cpu", "--only", "tokens_per_expert=1", "--only", "payload=nvfp4",
+                 "--store", str(tmp_path / "st"), "--out", str(tmp_path / "out"), "--budget", "5s",
+                 "--no-progress"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("tune moe: moe_experts: none of the backends that run on this cpu device (torch_grouped)")
+    assert "--dry-run --arch cpu" in line and not (tmp_path / "st" / "cpu" / "moe_experts.json").exists()
