@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from pdlab.runtime.disagg.config import RoleConfig
+    from pdlab.runtime.engine.engine import preflight
     from pdlab.runtime.router.router import RouterConfig
 
     rargs = {k: getattr(args, k) for k in ROUTER_FLAGS}
@@ -69,12 +70,15 @@ def run(args: argparse.Namespace) -> int:
         if args.role in ("prefill", "decode"):
             cfg = config_from_args(RoleConfig, args)
             cfg = build_config(RoleConfig, **{**cfg.model_dump(), "role": args.role})
+            preflight(cfg)
             return _run_inline(serve_role, cfg.model_dump())
         base = config_from_args(RoleConfig, args).model_dump()
         pre, dec = _split_devices(base)
         pcfg = build_config(RoleConfig, **{**pre, "role": "prefill", "port": 0})
         dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0})
-    except (ConfigError, ValueError) as exc:
+        for c in (pcfg, dcfg):  # settings that conflict with the model: one line here, not a child's traceback
+            preflight(c)
+    except (ConfigError, ValueError, OSError) as exc:  # OSError: a model path or config.json that cannot be read
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2
     return launch_disagg(pcfg.model_dump(), dcfg.model_dump(), router={**rargs, "host": base["host"],

@@ -73,9 +73,7 @@ class Engine:
         if model is None:
             from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
             # settings that conflict with the model are refused before any weight is read
-            self.max_context_len = _checked_context_len(cfg, _model_config_of(cfg.model_path))
-            if cfg.max_total_tokens is not None:
-                self._check_pool_holds_a_request(-(-cfg.max_total_tokens // cfg.page_size) + 1)
+            self.max_context_len = preflight(cfg)
             from pdlab.runtime.model import LoadOptions
             layout = {"weights_layout": None if cfg.moe_weights_layout == "auto" else cfg.moe_weights_layout}
             options = LoadOptions(moe_kwargs=layout)
@@ -176,14 +174,7 @@ class Engine:
     def _check_pool_holds_a_request(self, num_pages: int) -> int:
         """ConfigError unless a pool of `num_pages` (the dummy page included) holds one request of
         max_context_len tokens; returns the pages that request needs."""
-        ps = self.cfg.page_size
-        max_pages = -(-self.max_context_len // ps)
-        if num_pages - 1 < max_pages:  # page 0 is the reserved dummy page
-            raise ConfigError(
-                f"the KV pool holds {num_pages - 1} pages of {ps} tokens, fewer than one maximal request needs "
-                f"({max_pages} pages for max_context_len {self.max_context_len}); raise --max-total-tokens to at "
-                f"least {max_pages * ps} (or --mem-fraction-static) or lower --max-context-len")
-        return max_pages
+        return _require_pool_holds(self.cfg, self.max_context_len, num_pages)
 
     def _check_kv_memory(self, num_pages: int, max_pages: int) -> None:
         """Refuse a KV pool + page table that cannot fit the device's available memory before allocating them
@@ -422,6 +413,31 @@ def context_limit(model_config) -> tuple[int | None, str]:
         if limit is None or scaled > limit:
             limit, source = scaled, f"YaRN original_max_position_embeddings {orig} × factor {factor:g} = {scaled}"
     return limit, source
+
+
+def preflight(cfg: EngineConfig) -> int:
+    """The settings of `cfg` checked against the model `cfg.model_path` names, from its config alone (no weight is
+    read): a max_context_len beyond the model's context (ConfigError unless allow_long_context) and a
+    max_total_tokens too small for one maximal request (ConfigError). Returns the context length that would be
+    served. The engine runs it before loading; launchers run it before starting any process, so a bad setting is
+    one line, not a child's traceback."""
+    ctx = _checked_context_len(cfg, _model_config_of(cfg.model_path))
+    if cfg.max_total_tokens is not None:
+        _require_pool_holds(cfg, ctx, -(-cfg.max_total_tokens // cfg.page_size) + 1)
+    return ctx
+
+
+def _require_pool_holds(cfg: EngineConfig, max_context_len: int, num_pages: int) -> int:
+    """ConfigError unless a pool of `num_pages` pages (the dummy page 0 included) holds one request of
+    max_context_len tokens; returns the pages that request needs."""
+    ps = cfg.page_size
+    max_pages = -(-max_context_len // ps)
+    if num_pages - 1 < max_pages:
+        raise ConfigError(
+            f"the KV pool holds {num_pages - 1} pages of {ps} tokens, fewer than one maximal request needs "
+            f"({max_pages} pages for max_context_len {max_context_len}); raise --max-total-tokens to at "
+            f"least {max_pages * ps} (or --mem-fraction-static) or lower --max-context-len")
+    return max_pages
 
 
 def _checked_context_len(cfg: EngineConfig, model_config) -> int:

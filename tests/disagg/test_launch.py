@@ -346,10 +346,10 @@ def _cli(*args, timeout=60):
     return p.returncode, p.stderr + p.stdout, time.monotonic() - t0
 
 
-def test_disagg_bad_model_path_exits_with_childs_error():
+def test_disagg_bad_model_path_exits_with_one_line_before_any_child():
     rc, out, dt = _cli("--disagg", "--model-path", "/nonexistent/model", "--device", "cpu", "--port", "0")
-    assert rc != 0 and "EOFError" not in out
-    assert "/nonexistent/model" in out and "own error" in out and "exit code" in out, out
+    assert rc == 2 and "EOFError" not in out and "Traceback" not in out, out
+    assert "/nonexistent/model" in out and "is not a directory" in out, out
     assert dt < 30  # includes three interpreters importing torch on a 2-core machine
 
 
@@ -427,3 +427,19 @@ def test_disagg_with_an_api_key():
             assert c.post(f"{acks['prefill']['url']}/disagg/pages", json={}).status_code == 401
     finally:
         sup.stop()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--max-context-len", "100000000"), ["max_context_len 100000000 exceeds the model's context",
+                                          "--allow-long-context"]),
+])
+def test_disagg_setting_that_conflicts_with_the_model_is_one_line_before_any_child(flags, says):
+    """A setting the model cannot serve is refused by the launcher itself (exit 2, one line), not by the prefill
+    child's traceback after three interpreters started."""
+    rc, out, _ = _cli("--disagg", "--device", "cpu", "--port", "0", *flags)
+    assert rc == 2, out
+    assert "Traceback" not in out and "prefill ready" not in out, out
+    for s in says:
+        assert s in out, out
+    rc, out, _ = _cli("--role", "decode", "--device", "cpu", "--port", "0", *flags)
+    assert rc == 2 and "Traceback" not in out and says[0] in out, out
