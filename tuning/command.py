@@ -26,8 +26,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
                         help="keep buckets whose KEY is one of the values (repeatable), e.g. --only batch=1,64")
     parser.add_argument("--backends", default=None, help="comma-separated backends to search (default: all that "
                         "run here)")
-    parser.add_argument("--budget", default="10m", help="wall-time budget per op, e.g. 90s, 10m, 1h, none "
-                        "(default 10m)")
+    parser.add_argument("--budget", default="10m", help="wall-time budget per op, e.g. 90s, 10m, 1h; none or 0: "
+                        "no limit (default 10m)")
     parser.add_argument("--bucket-budget", default=None, help="wall-time cap per bucket (all its backends); "
                         "default: the op budget shared evenly over the buckets")
     parser.add_argument("--trials", type=int_arg(1), default=200, help="max trials per study (default 200)")
@@ -48,13 +48,15 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
 
 
 def parse_duration(text: str | None) -> float | None:
-    """'90s' / '10m' / '1.5h' / '300' (seconds) → seconds; None/'none'/'0' → None (no limit)."""
+    """'90s' / '10m' / '1.5h' / '300' (seconds) → seconds; None, 'none', 'inf' and any zero duration ('0', '0s',
+    '0m') → None (no limit)."""
     if text is None or str(text).lower() in ("none", "inf", "0", ""):
         return None
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smh]?)\s*", str(text).lower())
     if not m:
         raise ValueError(f"duration {text!r}: write e.g. 90s, 10m, 1h or a number of seconds")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return seconds or None  # a zero budget reads as none, whatever its unit
 
 
 def parse_only(items: Sequence[str]) -> dict[str, list[str]]:
