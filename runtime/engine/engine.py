@@ -70,10 +70,11 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = TORCH_DTYPES[cfg.resolved_dtype]
         use_graph = cfg.use_cuda_graph if graph_capture is None else graph_capture
+        context_len = None  # set by preflight where the engine loads the model itself
         if model is None:
             from pdlab.runtime.engine.synthetic import is_synthetic, load_synthetic
             # settings that conflict with the model are refused before any weight is read
-            self.max_context_len = preflight(cfg)
+            context_len = preflight(cfg)
             from pdlab.runtime.model import LoadOptions
             layout = {"weights_layout": None if cfg.moe_weights_layout == "auto" else cfg.moe_weights_layout}
             options = LoadOptions(moe_kwargs=layout)
@@ -91,7 +92,9 @@ class Engine:
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.num_layers = int(_attr(model_config, "num_hidden_layers"))
         self.vocab_size = int(_attr(model_config, "vocab_size"))
-        self.max_context_len = _checked_context_len(cfg, model_config)
+        if context_len is None:  # a model handed in: its config is checked here
+            context_len = _checked_context_len(cfg, model_config)
+        self.max_context_len = context_len
         self.page_size = cfg.page_size
         self.max_running_requests = max_running_requests
         num_pages = self._num_pages()
@@ -164,11 +167,12 @@ class Engine:
         if cfg.max_total_tokens is not None:
             return -(-cfg.max_total_tokens // cfg.page_size) + 1  # + the dummy page
         per_page = MLAKVPool.bytes_per_token(self.num_layers, cfg.resolved_kv_dtype) * cfg.page_size
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cfg.mem_fraction_static
-        else:
-            budget = min(_host_available_bytes() * cfg.mem_fraction_static, 4 << 30)  # CPU: at most 4 GiB
+        from pdlab.runtime.memory.budget import available_bytes
+
+        free = available_bytes(self.device)
+        budget = (8 << 30 if free is None else free) * cfg.mem_fraction_static
+        if self.device.type != "cuda":
+            budget = min(budget, 4 << 30)  # CPU: at most 4 GiB
         return max(2, int(budget // per_page))
 
     def _check_pool_holds_a_request(self, num_pages: int) -> int:
@@ -499,15 +503,3 @@ def _to_host(out: SampleOutput, reqs) -> tuple[list[int], list]:
         top = [(int(host[i, 2 + j]), float(host[i, 2 + n + j])) for j in range(min(want, n))]
         lps.append((float(host[i, 1]), top))
     return ids, lps
-
-
-def _host_available_bytes() -> int:
-    try:
-        return os_sysconf("SC_AVPHYS_PAGES") * os_sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
-def os_sysconf(name: str) -> int:
-    import os
-    return int(os.sysconf(name))

@@ -326,6 +326,16 @@ def test_max_context_len_beyond_the_models_context_is_refused_unless_opted_in(ca
     assert Engine(at_limit, m, tok, cfg).max_context_len == 32
 
 
+def test_an_engine_that_loads_its_model_checks_the_context_once(caplog):
+    """The engine that loads the model itself checks the context against the model's config before the load and
+    not again after it: the opt-in's warning is logged once."""
+    settings = dict(device="cpu", page_size=64, max_total_tokens=8192, max_context_len=8192, allow_long_context=True)
+    with caplog.at_level("WARNING", logger="pdlab.runtime"):
+        eng = Engine(build_config(SchedulerConfig, **settings))  # the embedded tiny model: context 4096
+    assert eng.max_context_len == 8192
+    assert caplog.text.count("allow_long_context is set") == 1, caplog.text
+
+
 def test_yarn_scaling_sets_the_context_limit():
     """With YaRN the model's context is original_max_position_embeddings × factor where that exceeds
     max_position_embeddings (vLLM derives it the same way); one token more is refused."""
