@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pdlab.runtime.core import FinishReason, Req
 
 
@@ -17,6 +19,7 @@ class TextCodec:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
         self.eos_token_ids = ids
+        self._bytes_of: Callable[[int], bytes | None] | None = None  # token_bytes' reader, built on first use
 
     def encode(self, text: str) -> list[int]:
         enc = self.tok.encode(text)  # the tokenizer's own default (e.g. a BOS token) for prompts
@@ -42,6 +45,40 @@ class TextCodec:
                 raise  # the template rejected these messages: the caller's error
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """A token's own bytes, for a byte-level BPE tokenizer (DeepSeek's: a single byte of a multi-byte character
+        is a token there, whose text alone is no character); None where they cannot be known (other tokenizers,
+        added tokens, ids without a piece)."""
+        if self._bytes_of is None:
+            self._bytes_of = _byte_level_reader(self.tok)
+        return self._bytes_of(token_id)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the character that stands for each byte in a token's piece. Printable
+    Latin-1 bytes stand for themselves; the others, in byte order, for characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(rest)}}
+
+
+def _byte_level_reader(tok) -> Callable[[int], bytes | None]:
+    """token id -> its bytes where `tok` (pdlab's Tokenizer, a tokenizers.Tokenizer or a transformers fast tokenizer)
+    decodes byte-level; else a reader that always answers None."""
+    backend = getattr(tok, "_tok", None) or getattr(tok, "backend_tokenizer", None) or tok
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(backend, "id_to_token"):
+        return lambda t: None
+    table = _byte_level_table()
+    added = getattr(backend, "get_added_tokens_decoder", lambda: {})()  # their pieces are plain text
+
+    def token_bytes(t: int) -> bytes | None:
+        piece = backend.id_to_token(t)
+        if piece is None or t in added or not all(ch in table for ch in piece):
+            return None
+        return bytes(table[ch] for ch in piece)
+
+    return token_bytes
 
 
 class OutputState:

@@ -170,33 +170,6 @@ def _not_an_object(body: Any) -> str:
     return f"the request body must be a JSON object, got {_json_kind(body)}"
 
 
-def _byte_level_table() -> dict[str, int]:
-    """Byte-level BPE's alphabet (GPT-2's): the character that stands for each byte in a token's piece. Printable
-    Latin-1 bytes stand for themselves; the others, in byte order, for characters from U+0100 on."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    rest = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(rest)}}
-
-
-def _token_bytes_reader(codec: TextCodec | None) -> Callable[[int], bytes | None]:
-    """token id -> the token's own bytes, for a byte-level BPE tokenizer (DeepSeek's; a single byte of a multi-byte
-    character is a token there, whose text alone is no character); None where they cannot be known."""
-    tok = getattr(codec, "tok", None)
-    backend = getattr(tok, "_tok", None) or getattr(tok, "backend_tokenizer", None) or tok
-    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(backend, "id_to_token"):
-        return lambda t: None
-    table = _byte_level_table()
-    added = getattr(backend, "get_added_tokens_decoder", lambda: {})()  # their pieces are plain text
-
-    def token_bytes(t: int) -> bytes | None:
-        piece = backend.id_to_token(t)
-        if piece is None or t in added or not all(ch in table for ch in piece):
-            return None
-        return bytes(table[ch] for ch in piece)
-
-    return token_bytes
-
-
 def _error_type(status: int) -> str:
     """The OpenAI-style error type of an HTTP status: the request's fault, or the server's side."""
     return {500: "server_error", 502: "bad_gateway", 503: "service_unavailable"}.get(
@@ -402,7 +375,6 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     def _finish_reason(out: StepOutput) -> str | None:
         return out.finish_reason.value if out.finished and out.finish_reason else None
 
-    token_bytes = _token_bytes_reader(codec)
 
     @functools.lru_cache(maxsize=1 << 16)
     def _tok_text(t: int) -> tuple[str, bytes]:
@@ -412,7 +384,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if codec is None:
             return str(t), str(t).encode()
         text = codec.decode([t], False)
-        raw = token_bytes(t) if "\ufffd" in text else None
+        raw = codec.token_bytes(t) if "\ufffd" in text else None
         if raw is None:
             return text, text.encode()
         try:
