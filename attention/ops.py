@@ -438,7 +438,9 @@ def _softmax_scale(op: Op, backend, value) -> float:
         scale = float(value)
     except (TypeError, ValueError, RuntimeError):  # None, a non-number, a tensor of several values
         scale = math.nan
-    op.require(backend_name(backend), math.isfinite(scale) and scale > 0, "softmax_scale", f"is {value!r:.60}",
+    if math.isfinite(scale) and scale > 0:  # the message below is built only for a bad value (a call per layer)
+        return scale
+    op.require(backend_name(backend), False, "softmax_scale", f"is {value!r:.60}",
                value, "a finite number > 0",
                "softmax_scale multiplies q·k before the softmax: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), "
                "1/sqrt(192) for DeepSeek-V3/R1 (times YaRN's mscale² with rope scaling).")

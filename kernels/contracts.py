@@ -229,7 +229,7 @@ class Op:
         Returns the bound dims (name → size). `bound` pre-binds dims (e.g. {"page": 64}).
         Raises ShapeError on the first violation, naming the argument."""
         dims: dict[str, int] = dict(bound) if bound else {}
-        device, on_device = None, []
+        device = None
         for arg, value in tensors.items():
             spec = self.inputs.get(arg) or self.outputs.get(arg)
             if spec is None:
@@ -273,14 +273,20 @@ class Op:
                 if device is None:
                     device = value.device
                 elif value.device != device:  # with one tensor before it, that one may be the odd one: name it
-                    others = f"{on_device[0]!r} is" if len(on_device) == 1 else "the other tensors are"
+                    before = self._device_args_before(arg, tensors)
+                    others = f"{before[0]!r} is" if len(before) == 1 else "the other tensors are"
                     self._fail(backend, arg, f"is on {value.device} while {others} on {device}", spec, dims, value)
-                on_device.append(arg)
             if spec.contiguous and not value.is_contiguous():
                 self._fail(backend, arg, "must be contiguous (call .contiguous())", spec, dims, value)
             if spec.last_dim_contiguous and value.dim() and value.stride(-1) != 1:
                 self._fail(backend, arg, "must have a contiguous last dim (stride(-1) == 1)", spec, dims, value)
         return dims
+
+    def _device_args_before(self, arg: str, tensors: Mapping[str, object]) -> list[str]:
+        """The tensors checked for their device before `arg` (for a failure's message: kept off the check's path)."""
+        names = list(tensors)
+        return [a for a in names[:names.index(arg)] if tensors[a] is not None
+                and (self.inputs.get(a) or self.outputs.get(a)).same_device]
 
     def _fail(self, backend: str | None, arg: str, problem: str, spec: Spec, dims: Mapping[str, int],
               value: object) -> None:
