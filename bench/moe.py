@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     ok = df[df["status"] == "ok"] if "status" in df else df
     cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms",
             "dispatch_combine_graph_ms", "experts_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops",
-            "pct_roofline", "cos_err"]
+            "pct_roofline", "cos_err", "dispatch_config"]
     report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():
@@ -256,6 +256,9 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
     layout, handle = layer.dispatch(tokens, ids, w)
     y = layer.experts(layout, num_tokens=T)  # as the layer's forward calls it (expected rows per expert)
     out = layer.combine(y, handle)
+    # which dispatcher config ran: "tuned" (the store's entry for this shape), "default" or "explicit"
+    row.update(dispatch_config=handle.config_source.split(":")[0],
+               dispatch_config_detail=f"{handle.config_source} {dict(handle.config)}")
     pairs = int((layout.counts if layout.kind == "contiguous" else layout.masked_m).sum())
     active = int(((layout.counts if layout.kind == "contiguous" else layout.masked_m) > 0).sum())
     kw = dict(device=dev, warmup=plan["warmup"], repeats=plan["repeats"],

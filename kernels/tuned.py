@@ -170,6 +170,24 @@ def tuned_summary(op: str, backend: str, device=None) -> str | None:
     return None
 
 
+def store_fingerprint(op: str, device=None) -> int:
+    """A 56-bit digest of everything `resolve_config` reads for `op` on `device`: the device's name and, per root
+    in search order, the bytes of the op's file (missing = empty). Two processes with equal fingerprints resolve
+    every bucket to the same config (collective ops compare it across ranks before trusting the store)."""
+    import hashlib
+
+    name, key, _arch = _device(device)
+    h = hashlib.sha256(name.encode())
+    for i, root in enumerate(config_roots()):
+        try:
+            data = (root / key / f"{op}.json").read_bytes()
+        except OSError:
+            data = b""
+        h.update(f"|{i}:{len(data)}:".encode())
+        h.update(data)
+    return int.from_bytes(h.digest()[:7], "little")
+
+
 def config_roots() -> list[Path]:
     """Folders searched, first wins: $PDLAB_CONFIG_DIR (if set), then the shipped folder."""
     roots = []

@@ -17,7 +17,7 @@ on the sending rank.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -246,6 +246,8 @@ class DispatchHandle:
     state: Any = None
     bytes_sent: int = 0  # dispatch bytes this rank put on the wire to other ranks (0 for local)
     bytes_back: int = 0  # combine bytes this rank will send back to other ranks
+    config: Mapping[str, Any] = field(default_factory=dict)  # the backend knobs this dispatch ran (combine too)
+    config_source: str = "default"  # "explicit" | "default" | "tuned:<file>" (see `BaseDispatcher.call_config`)
 
 
 class BaseDispatcher(ABC):
@@ -253,10 +255,16 @@ class BaseDispatcher(ABC):
 
     Built once per layer: num_experts E (global), hidden_size H, mode ("normal" |
     "low_latency"), the process group (None = one rank), num_max_dispatch_tokens_per_rank (the
-    low-latency buffer's rows per rank), config (backend knobs from the registry's config_space)."""
+    low-latency buffer's rows per rank), config (backend knobs from the registry's config_space).
+
+    Without a config, each call runs the tuned config of its shape from the store (`tune dispatch`), else the
+    registry default: see `call_config` for the bucket every rank agrees on, and `reads_store`."""
 
     name = "base"
     accepts_deferred = False  # True for backends that quantize inside their dispatch kernels
+    # knobs fixed when the dispatcher is built, never taken from the store: they change what a call does, not only
+    # its speed (the nccl low-latency exchange decides whether decode syncs the host, so whether it can be captured)
+    construction_knobs: tuple[str, ...] = ()
 
     def __init__(self, num_experts: int, hidden_size: int, *, mode: str = "normal", group: Any = None,
                  rank: int | None = None, world_size: int | None = None,
@@ -274,6 +282,8 @@ class BaseDispatcher(ABC):
         from pdlab.kernels import registry
 
         self.config = registry.get_backend("moe_dispatch", self.name).config(config)
+        self.config_source = "default" if config is None else "explicit"
+        self.reads_store = config is None and self._ranks_see_one_store()
 
     @staticmethod
     def _rank_and_size(group, rank, world_size) -> tuple[int, int]:
@@ -288,6 +298,66 @@ class BaseDispatcher(ABC):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
         return int(rank), int(world_size)
+
+    def _ranks_see_one_store(self) -> bool:
+        """Whether every rank resolves tuned configs from the same store (one small all-reduce over the group when
+        there are several ranks). The knobs that shape the exchange (chunk counts, DeepEP's channels) must be
+        equal on all ranks or the collectives mismatch; ranks that see different files (another PDLAB_CONFIG_DIR,
+        another device) all run the registry default instead, with a warning."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return True
+        from pdlab.kernels.tuned import store_fingerprint
+
+        fp = store_fingerprint("moe_dispatch", self._group_device())
+        hi, neg_lo = self._all_max([fp, -fp])
+        if hi == -neg_lo:
+            return True
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s dispatch: the ranks see different tuned moe_dispatch configs (another PDLAB_CONFIG_DIR or device on "
+            "some rank); every rank runs the registry default %s. Give all ranks the same config folder to use "
+            "the tuned ones.", self.name, self.config)
+        return False
+
+    def _group_device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
+        import torch.distributed as dist
+
+        if "nccl" in str(dist.get_backend(self.group)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _all_max(self, values: list[int]) -> list[int]:
+        """Element-wise max of `values` (ints) over the ranks of the group (one all-reduce, one host sync)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):  # no process group: nothing to agree with
+            return [int(v) for v in values]
+        t = torch.tensor(values, dtype=torch.int64, device=self._group_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def call_config(self, mode: str, payload: str, top_k: int, tokens_per_rank: int, device=None
+                    ) -> tuple[dict, str]:
+        """The backend knobs one dispatch (and its combine) runs with, and where they came from.
+
+        A config given at construction always wins ("explicit"). Otherwise, where `reads_store`, the tuned entry
+        nearest the bucket {tokens_per_rank, ranks, mode, payload, hidden, experts, top_k} (the keys `tune
+        dispatch` stores), else the registry default. `tokens_per_rank` must be a count every rank agrees on:
+        the backends pass the buffer's rows per rank in low-latency mode and the largest token count over the
+        ranks in normal mode. `construction_knobs` keep their construction-time values."""
+        if not self.reads_store:
+            return dict(self.config), self.config_source
+        from pdlab.kernels.tuned import resolve_config
+
+        bucket = {"tokens_per_rank": int(tokens_per_rank), "ranks": self.world_size, "mode": mode, "payload": payload,
+                  "hidden": self.hidden_size, "experts": self.num_experts, "top_k": int(top_k)}
+        cfg, source = resolve_config("moe_dispatch", self.name, bucket, device)
+        cfg.update({k: self.config[k] for k in self.construction_knobs if k in self.config})
+        return cfg, source
 
     def max_m(self) -> int:
         """Rows per expert of the low-latency slab: num_max_dispatch_tokens_per_rank · world_size."""
@@ -381,11 +451,13 @@ class BaseDispatcher(ABC):
     def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor: ...
 
     def _handle(self, mode: str, layout: Layout, T: int, out_dtype: torch.dtype, state: Any,
-                bytes_sent: int = 0, bytes_back: int = 0) -> DispatchHandle:
+                bytes_sent: int = 0, bytes_back: int = 0, config: tuple[dict, str] | None = None) -> DispatchHandle:
         shape = tuple(layout.hidden.shape[:-1]) + (self.hidden_size,)
+        cfg, source = config if config is not None else (self.config, self.config_source)
         return DispatchHandle(mode, LAYOUT_OF_MODE[mode], T, self.hidden_size, out_dtype, shape, state, bytes_sent,
-                              bytes_back)
+                              bytes_back, cfg, source)
 
     def describe(self) -> str:
+        config = f"tuned per call, default {self.config}" if self.reads_store else f"config={self.config}"
         return (f"{self.name}(mode={self.mode}, rank {self.rank}/{self.world_size}, "
-                f"{self.num_local_experts} local experts, config={self.config})")
+                f"{self.num_local_experts} local experts, {config})")

@@ -108,11 +108,12 @@ class DeepEPDispatcher(BaseDispatcher):
             return TokenPayload(payload, x, None, gs, source=x, deferred=True)
         return super().quantize(x, payload, global_scale)
 
-    def _deep_config(self) -> Any:
+    def _deep_config(self, config: dict) -> Any:
+        """deep_ep.Config of the normal-mode kernels from `config`'s knobs; None (DeepEP's own) when not all set."""
         keys = ("nvl_chunk_size", "nvl_buffer_size", "rdma_chunk_size", "rdma_buffer_size")
-        if not all(k in self.config for k in keys) or not hasattr(self._ep, "Config"):
+        if not all(k in config for k in keys) or not hasattr(self._ep, "Config"):
             return None
-        return self._ep.Config(int(self.config.get("num_sms", 24)), *(int(self.config[k]) for k in keys))
+        return self._ep.Config(int(config.get("num_sms", 24)), *(int(config[k]) for k in keys))
 
     # --- dispatch -----------------------------------------------------------------------------
 
@@ -138,7 +139,11 @@ class DeepEPDispatcher(BaseDispatcher):
             x = torch.cat([tokens.data, tokens.scales.view(torch.uint8)], dim=1).view(torch.bfloat16)
         kwargs = dict(num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma, is_token_in_rank=in_rank,
                       num_tokens_per_expert=n_expert, topk_idx=topk_idx, topk_weights=topk_weights)
-        cfg = self._deep_config()
+        # DeepEP's channels must match on every rank: the tuned config is keyed by the largest token count over
+        # the ranks (one all-reduce, only when the store is read)
+        agreed = self._all_max([T])[0] if self.reads_store and self.world_size > 1 else T
+        config = self.call_config("normal", tokens.kind, topk_idx.shape[1], agreed, topk_idx.device)
+        cfg = self._deep_config(config[0])
         if cfg is not None:
             kwargs["config"] = cfg
         recv_x, recv_idx, recv_w, _per_expert, handle, _ = self.buffer.dispatch(x, **kwargs)
@@ -154,7 +159,8 @@ class DeepEPDispatcher(BaseDispatcher):
         layout, exp = expand(recv, recv_idx, recv_w, 0, self.num_local_experts, "normal")
         sent = int(in_rank.sum()) * tokens.row_bytes() if T else 0
         back = exp.num_rows * H * 2
-        return layout, self._handle("normal", layout, T, out_dtype, _NormalState(exp, handle, recv_w), sent, back)
+        return layout, self._handle("normal", layout, T, out_dtype, _NormalState(exp, handle, recv_w), sent, back,
+                                    config)
 
     def _dispatch_ll(self, tokens, topk_idx, topk_weights, out_dtype):
         T, H = topk_idx.shape[0], self.hidden_size
@@ -184,8 +190,10 @@ class DeepEPDispatcher(BaseDispatcher):
         # every (token, expert) pair travels on its own in DeepEP's low-latency kernels
         sent = T * topk_idx.shape[1] * tokens.row_bytes()
         back = T * topk_idx.shape[1] * H * 2  # no host sync here: each (token, expert) row comes back once
+        config = self.call_config("low_latency", tokens.kind, topk_idx.shape[1], self.num_max_dispatch_tokens_per_rank,
+                                  topk_idx.device)
         return layout, self._handle("low_latency", layout, T, out_dtype,
-                                    _LowLatencyState(handle, topk_idx, topk_weights), sent, back)
+                                    _LowLatencyState(handle, topk_idx, topk_weights), sent, back, config)
 
     # --- combine ------------------------------------------------------------------------------
 
@@ -195,10 +203,10 @@ class DeepEPDispatcher(BaseDispatcher):
             out, _, _ = self.buffer.low_latency_combine(y.hidden.to(torch.bfloat16), st.topk_idx, st.topk_weights,
                                                         st.deep_handle)
             return out.to(handle.out_dtype)
-        partial = reduce_rows(y, st.expansion, int(self.config.get("chunk_rows", 4096)), torch.bfloat16,
-                              self.config.get("reduce_impl", "auto"))
+        partial = reduce_rows(y, st.expansion, int(handle.config.get("chunk_rows", 4096)), torch.bfloat16,
+                              handle.config.get("reduce_impl", "auto"))
         kwargs = {}
-        cfg = self._deep_config()
+        cfg = self._deep_config(dict(handle.config))
         if cfg is not None:
             kwargs["config"] = cfg
         out, _, _ = self.buffer.combine(partial, st.deep_handle, topk_weights=st.recv_topk_weights, **kwargs)

@@ -28,14 +28,17 @@ class LocalDispatcher(BaseDispatcher):
         # one rank: an expert gets each token at most once, so T rows per expert always suffice (T is
         # static within a captured graph, so this stays graph-safe); at least one: a step of no tokens gets an empty
         # slab (masked_m all 0), not a slab of no rows
-        rows = max(1, min(self.max_m(), topk_ids.shape[0])) if mode == "low_latency" else self.max_m()
+        T, k = topk_ids.shape
+        rows = max(1, min(self.max_m(), T)) if mode == "low_latency" else self.max_m()
         layout, exp = expand(tokens, topk_ids, topk_weights, 0, self.num_local_experts, mode, rows, all_local=True)
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
-        return layout, self._handle(mode, layout, topk_ids.shape[0], out_dtype, exp)
+        # one rank: the batch's own token count keys the tuned config (no other rank has to agree)
+        config = self.call_config(mode, tokens.kind, k, T, tokens.data.device)
+        return layout, self._handle(mode, layout, T, out_dtype, exp, config=config)
 
     def _combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
-        return reduce_rows(y, handle.state, int(self.config["chunk_rows"]), handle.out_dtype,
-                           self.config["reduce_impl"])
+        return reduce_rows(y, handle.state, int(handle.config["chunk_rows"]), handle.out_dtype,
+                           handle.config["reduce_impl"])
 
 
 @register_backend("moe_dispatch", "local", archs=("cpu", "cuda"), priority=10, reference=True,

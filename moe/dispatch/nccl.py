@@ -1,11 +1,14 @@
 """`nccl` dispatch: torch.distributed all-to-all (NCCL on GPUs, gloo on CPU); any number of ranks.
 
-Dispatch, per chunk of tokens:
+Dispatch:
 1. each token's destination ranks (its experts' owners), de-duplicated: one row per (token, rank);
-2. the per-rank row counts are exchanged (all_to_all_single of [R] int64, then one host sync);
-3. one all_to_all_single moves packed rows: [topk ids (int32 k) | topk weights (fp32 k) | payload
-   data | payload scales], padded to 16 bytes — so a token crosses each link once, whatever the
-   number of its experts on that rank;
+2. the per-rank row counts are exchanged with each rank's token count (all_to_all_single of [R, 2] int64, then
+   one host sync): every rank now knows the largest token count T_max, which keys the tuned config (the chunk
+   count must be equal on all ranks) and bounds the chunk count;
+3. per chunk of tokens (one chunk: the counts of step 2; more: each chunk's counts exchanged first), one
+   all_to_all_single moves packed rows: [topk ids (int32 k) | topk weights (fp32 k) | payload data | payload
+   scales], padded to 16 bytes — so a token crosses each link once, whatever the number of its experts on that
+   rank;
 4. the receiver expands the rows into its expert layout (see `base.expand`).
 Combine: the receiver sums its local experts' weighted outputs per row in fp32, sends the row sums
 back (bf16 by default, `combine_dtype`), and the sender sums over ranks in fp32.
@@ -15,7 +18,8 @@ peer exactly num_max_dispatch_tokens_per_rank rows (its tokens bound for that pe
 rows marked by expert id -1 after), so the split sizes are known in advance: no counts exchange,
 no host sync, and the decode step (dispatch, experts, combine) can be captured in a CUDA graph.
 The price is the padding on the wire when a rank has fewer tokens than the buffer.
-`ll_exchange="counts"` uses the normal-mode exchange (exact rows, one host sync).
+`ll_exchange="counts"` uses the normal-mode exchange (exact rows, one host sync). The exchange is chosen when the
+dispatcher is built (`construction_knobs`), never from the tuned store: it decides whether decode can be captured.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class NcclDispatcher(BaseDispatcher):
     combine_dtype: "bf16" (default, DeepEP's choice) or "fp32" for the partial sums sent back."""
 
     name = "nccl"
+    construction_knobs = ("ll_exchange",)
 
     def __init__(self, num_experts: int, hidden_size: int, *, combine_dtype: str = "bf16", **kwargs):
         super().__init__(num_experts, hidden_size, **kwargs)
@@ -82,9 +87,22 @@ class NcclDispatcher(BaseDispatcher):
         if pad:
             parts.append(torch.zeros((T, pad), dtype=torch.uint8, device=dev))
         row_bytes += pad
-        if mode == "low_latency" and self.config["ll_exchange"] == "fixed":
-            return self._dispatch_fixed(tokens, parts, in_rank, row_bytes, k)
-        num_chunks = max(1, min(int(self.config["num_chunks"]), max(T, 1)))
+        config = None
+        if mode == "low_latency":  # keyed by the buffer's rows per rank, known alike on every rank before any exchange
+            config = self.call_config(mode, tokens.kind, k, self.num_max_dispatch_tokens_per_rank, dev)
+            if config[0]["ll_exchange"] == "fixed":
+                return self._dispatch_fixed(tokens, parts, in_rank, row_bytes, k, config)
+        # the whole batch's row counts per rank, each with this rank's token count: every rank learns T_max
+        send_counts = in_rank.sum(0)
+        first = torch.stack([send_counts, torch.full_like(send_counts, T)], dim=1)  # [R, 2] int64
+        recv_first = torch.empty_like(first)
+        self._dist.all_to_all_single(recv_first, first, group=self.group)
+        counts = torch.stack([first[:, 0], recv_first[:, 0], recv_first[:, 1]]).cpu().tolist()  # host sync
+        t_max = max(counts[2])
+        if config is None:
+            config = self.call_config(mode, tokens.kind, k, t_max, dev)
+        # equal on every rank (T_max and the config are): a rank with fewer tokens sends empty chunks
+        num_chunks = max(1, min(int(config[0]["num_chunks"]), t_max))
         bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
         packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [T, row_bytes] uint8
         chunks, received, sent_rows, back_rows = [], [], 0, 0
@@ -92,13 +110,16 @@ class NcclDispatcher(BaseDispatcher):
         sent_before = 0
         for t0, t1 in zip(bounds[:-1], bounds[1:]):
             m = in_rank[t0:t1]
-            send_counts = m.sum(0)
-            recv_counts = torch.empty_like(send_counts)
-            self._dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-            splits = torch.stack([send_counts, recv_counts]).cpu().tolist()  # the one host sync per chunk
+            if num_chunks == 1:
+                splits = counts[:2]
+            else:
+                send_counts = m.sum(0)
+                recv_counts = torch.empty_like(send_counts)
+                self._dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+                splits = torch.stack([send_counts, recv_counts]).cpu().tolist()  # one host sync per chunk
             n_send = sum(splits[0])
             # rank-major send order: (token t, rank r) goes to row start[r] + #(earlier tokens bound for r)
-            start = torch.cumsum(send_counts, 0) - send_counts
+            start = torch.cumsum(send_counts, 0) - send_counts  # the whole batch's counts when one chunk
             row = torch.where(m, torch.cumsum(m, 0) - 1 + start, n_send)  # n_send = a dummy slot
             send_token = torch.empty(n_send + 1, dtype=torch.long, device=dev)
             send_token[row.flatten()] = torch.arange(t0, t1, device=dev)[:, None].expand(t1 - t0, R).flatten()
@@ -119,10 +140,10 @@ class NcclDispatcher(BaseDispatcher):
         out_dtype = tokens.source.dtype if tokens.source is not None else torch.bfloat16
         back_bytes = back_rows * self.hidden_size * self.combine_dtype.itemsize
         return layout, self._handle(mode, layout, T, out_dtype, _State(exp, chunks, row_bytes, back_index),
-                                    bytes_sent=sent_rows * row_bytes, bytes_back=back_bytes)
+                                    bytes_sent=sent_rows * row_bytes, bytes_back=back_bytes, config=config)
 
     def _dispatch_fixed(self, tokens: TokenPayload, parts: list[torch.Tensor], in_rank: torch.Tensor,
-                        row_bytes: int, k: int) -> tuple[Layout, DispatchHandle]:
+                        row_bytes: int, k: int, config: tuple[dict, str]) -> tuple[Layout, DispatchHandle]:
         """Low-latency exchange without a host sync: [R, Tm] rows to and from every rank.
 
         parts: byte views [T, b] of each row (ids first); in_rank: [T, R] bool, token t bound for
@@ -149,7 +170,8 @@ class NcclDispatcher(BaseDispatcher):
         return layout, self._handle("low_latency", layout, T, out_dtype,
                                     _State(exp, [_Chunk(None, splits, splits)], row_bytes, back_index),
                                     bytes_sent=peers_rows * row_bytes,
-                                    bytes_back=peers_rows * self.hidden_size * self.combine_dtype.itemsize)
+                                    bytes_back=peers_rows * self.hidden_size * self.combine_dtype.itemsize,
+                                    config=config)
 
     @staticmethod
     def _wire_parts(tokens: TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> list[torch.Tensor]:
@@ -185,8 +207,8 @@ class NcclDispatcher(BaseDispatcher):
         from pdlab.moe.dispatch._reduce import gather_reduce
 
         state: _State = handle.state
-        impl = self.config["reduce_impl"]
-        partial = reduce_rows(y, state.expansion, int(self.config["chunk_rows"]), self.combine_dtype, impl)
+        impl, chunk_rows = handle.config["reduce_impl"], int(handle.config["chunk_rows"])
+        partial = reduce_rows(y, state.expansion, chunk_rows, self.combine_dtype, impl)
         H = partial.shape[1]
         back = torch.empty((sum(sum(c.send_splits) for c in state.chunks), H), dtype=partial.dtype,
                            device=partial.device)
@@ -198,8 +220,7 @@ class NcclDispatcher(BaseDispatcher):
                                          partial[r0:r0 + n_recv].view(torch.uint8),
                                          chunk.send_splits, chunk.recv_splits, group=self.group)
             r0, s0 = r0 + n_recv, s0 + n_send
-        return gather_reduce(back, state.back_index, None, handle.out_dtype, impl=impl,
-                             chunk_rows=int(self.config["chunk_rows"]))
+        return gather_reduce(back, state.back_index, None, handle.out_dtype, impl=impl, chunk_rows=chunk_rows)
 
 
 def _probe() -> str | None:
@@ -212,7 +233,7 @@ def _probe() -> str | None:
 
 @register_backend("moe_dispatch", "nccl", archs=("cpu", "cuda"), probe=_probe, priority=20,
                   config_space={"num_chunks": [1, 2, 4], "reduce_impl": ["triton", "torch"],
-                                "chunk_rows": [2048, 4096, 8192], "ll_exchange": ["fixed", "counts"]},
+                                "chunk_rows": [2048, 4096, 8192]},
                   default_config={"num_chunks": 1, "reduce_impl": "auto", "chunk_rows": 4096,
                                   "ll_exchange": "fixed"},
                   options={"modes": ("normal", "low_latency"), "payloads": ("bf16", "fp8", "nvfp4"),

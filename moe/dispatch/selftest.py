@@ -42,15 +42,24 @@ def global_tokens(seed: int, world: int, tokens_per_rank: int, hidden: int, num_
 def dispatch_roundtrip(rank: int, world: int, *, seed: int, mode: str, payload: str, tokens_per_rank: int,
                        hidden: int, num_experts: int, top_k: int, dispatcher: str = "nccl",
                        slow_rank: int | None = None, skew: bool = False, config: dict | None = None,
-                       max_tokens: int | None = None, rank_tokens: list[int] | None = None) -> dict[str, Any]:
+                       max_tokens: int | None = None, rank_tokens: list[int] | None = None,
+                       config_dirs: list[str] | None = None) -> dict[str, Any]:
     """combine(dispatch(x)) with identity experts (the dequantised payload) on this rank's tokens.
 
     Returns this rank's output [T, H] (CPU), its dispatched layout's row/expert counts, the bytes
-    it sent and the de-duplicated (token, remote rank) pair count it should have sent.
-    rank_tokens: uneven tokens per rank (e.g. [0, 7]: rank 0 has none); default tokens_per_rank each."""
+    it sent, the de-duplicated (token, remote rank) pair count it should have sent, and the config the
+    call ran with (`config`, `config_source`).
+    rank_tokens: uneven tokens per rank (e.g. [0, 7]: rank 0 has none); default tokens_per_rank each.
+    config_dirs: each rank's PDLAB_CONFIG_DIR (tuned-config folder) for this case."""
+    import os
+
+    from pdlab.kernels import tuned
     from pdlab.moe.dispatch import create_dispatcher
     from pdlab.moe.layouts import dequantize_hidden, with_hidden
 
+    if config_dirs is not None:
+        os.environ[tuned.CONFIG_DIR_ENV] = config_dirs[rank]
+        tuned.clear_cache()
     dev = rank_device(rank)
     counts = rank_tokens or [tokens_per_rank] * world
     x, ids, w = global_tokens(seed, 1, sum(counts), hidden, num_experts, top_k, dtype=torch.bfloat16, skew=skew)
@@ -70,7 +79,8 @@ def dispatch_roundtrip(rank: int, world: int, *, seed: int, mode: str, payload: 
     pairs[:, rank] = False
     rows = (layout.counts if hasattr(layout, "counts") else layout.masked_m).cpu()
     return {"out": out.cpu(), "per_expert_rows": rows, "bytes_sent": handle.bytes_sent,
-            "remote_pairs": int(pairs.sum()), "rank": rank, "layout": layout.kind}
+            "remote_pairs": int(pairs.sum()), "rank": rank, "layout": layout.kind, "config": dict(handle.config),
+            "config_source": handle.config_source}
 
 
 def low_latency_graph(rank: int, world: int, *, payload: str = "nvfp4", tokens_per_rank: int = 64,

@@ -122,3 +122,26 @@ def test_ratios_report_the_graph_times_when_every_row_has_them():
     rows[0]["dispatch_combine_graph_ms"] = float("nan")  # one row without a graph time: no graph ratio
     (r,) = bench_moe._ratios(pd.DataFrame(rows))
     assert "graph_ratio" not in r
+
+
+def test_bench_moe_rows_say_which_dispatch_config_ran(tmp_path, monkeypatch):
+    from pdlab.kernels import tuned
+    from pdlab.tuning import store
+
+    # a tuned entry for the CPU shape's normal-mode bf16 dispatch (16 experts, top-4, hidden 256): those rows run
+    # it; the low-latency rows have no entry and run the default
+    bucket = {"tokens_per_rank": 8, "ranks": 1, "mode": "normal", "payload": "bf16", "hidden": 256, "experts": 16,
+              "top_k": 4}
+    meta = {"device": "cpu", "device_key": "cpu", "arch": "cpu", "versions": tuned.running_versions(["torch"])}
+    store.write_results(tmp_path / "cfg", "cpu", "moe_dispatch", meta,
+                        store.merge_bucket(bucket, {"local": store.backend_result({"chunk_rows": 2048}, 1.0, 2.0)}))
+    monkeypatch.setenv(tuned.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
+    tuned.clear_cache()
+    try:
+        assert bench_moe.run(_args(tmp_path, "--tokens", "8", "--ll-tokens", "4", "--dispatch", "bf16",
+                                   "--runner", "torch", "--mode", "both")) == 0
+    finally:
+        tuned.clear_cache()
+    df = pd.read_csv(tmp_path / "moe_ep1.csv").set_index("mode")
+    assert df.loc["normal", "dispatch_config"] == "tuned" and "2048" in df.loc["normal", "dispatch_config_detail"]
+    assert df.loc["low_latency", "dispatch_config"] == "default"
