@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -108,6 +109,8 @@ ROUTING_METHODS = (("sigmoid", "noaux_tc"), ("softmax", "greedy"), ("softmax", "
 def routing_problem(scoring_func: str, topk_method: str, routed_scaling_factor: float, norm_topk_prob: bool
                     ) -> str | None:
     """Why the router cannot run this routing (naming the config field and its value), or None."""
+    if not (isinstance(routed_scaling_factor, (int, float)) and 0 < routed_scaling_factor < math.inf):
+        return scaling_problem(routed_scaling_factor)
     scorings = sorted({s for s, _ in ROUTING_METHODS})
     methods = [m for _, m in ROUTING_METHODS]
     if scoring_func not in scorings:
@@ -125,6 +128,11 @@ def routing_problem(scoring_func: str, topk_method: str, routed_scaling_factor: 
                 f"'softmax' is not supported: DeepSeek-V2 implementations disagree on whether the renormalised "
                 f"weights are scaled (set norm_topk_prob false, as DeepSeek-V2 configs do, or the factor to 1)")
     return None
+
+
+def scaling_problem(routed_scaling_factor: Any) -> str:
+    return (f"routed_scaling_factor={routed_scaling_factor!r} must be a finite number > 0 (it multiplies every "
+            "routed weight: 1.0 leaves them as they are, DeepSeek-V3 uses 2.5)")
 
 
 DEEPSEEK_R1 = MoEConfig(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, n_group=8,

@@ -17,13 +17,14 @@ a token is best-first here, unspecified there).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from pdlab.kernels import registry
 from pdlab.kernels.contracts import Op, Spec
-from pdlab.moe.config import routing_problem
+from pdlab.moe.config import routing_problem, scaling_problem
 
 ROUTE = Op(
     "moe_route",
@@ -44,7 +45,7 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
         router_logits: [T, E] fp32 (bf16/fp16 are upcast). correction_bias: [E] fp32 or None (noaux_tc only).
         top_k: experts per token. n_group: expert groups (E % n_group == 0). topk_group: groups kept
             (both ignored by topk_method "greedy").
-        routed_scaling_factor: multiplies the final weights. renormalize: divide by their sum first
+        routed_scaling_factor: multiplies the final weights; a finite number > 0. renormalize: divide by their sum first
             (the HF config's norm_topk_prob).
         scoring_func / topk_method: the HF config's fields: "sigmoid"/"noaux_tc", "softmax"/"greedy" or
             "softmax"/"group_limited_greedy"; any other pair is a ValueError naming it.
@@ -52,6 +53,9 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
     Returns:
         topk_ids [T, top_k] int32 (best first), topk_weights [T, top_k] fp32.
     """
+    scale = float(routed_scaling_factor)
+    if not 0.0 < scale < math.inf:
+        raise ValueError(f"moe_route: {scaling_problem(routed_scaling_factor)}")
     if scoring_func != "sigmoid" or topk_method != "noaux_tc":
         problem = routing_problem(scoring_func, topk_method, routed_scaling_factor, renormalize)
         if problem:
@@ -75,7 +79,7 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, *, 
     impl = _select("moe_route", backend, router_logits.device)
     return impl(router_logits.float(), None if correction_bias is None else correction_bias.float(),
                 top_k=top_k, n_group=n_group, topk_group=topk_group,
-                routed_scaling_factor=float(routed_scaling_factor), renormalize=renormalize,
+                routed_scaling_factor=scale, renormalize=renormalize,
                 softmax=scoring_func == "softmax", group_top2=top2)
 
 
