@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
@@ -333,7 +334,8 @@ def _select(op: Op, backend: str | Backend | None, q: torch.Tensor, kv_cache: to
         chosen = registry.select(op.name, backend, device=q.device)
     else:  # the choice depends only on these keys: made once each (a tuned winner not installed here costs a
         # raised error each time it is asked for)
-        key = (op.name, tuple(sorted((bucket or {}).items())), str(q.device), tuple(sorted(feats.items())))
+        key = (op.name, tuple(sorted((bucket or {}).items())), str(q.device), tuple(sorted(feats.items())),
+               _config_dir())
         chosen = _SELECTED.get(key)
         if chosen is None:
             chosen = _SELECTED[key] = _auto_select(op, q.device, bucket, feats)
@@ -370,14 +372,20 @@ def _auto_select(op: Op, device: torch.device, bucket: Mapping[str, Any] | None,
     return registry.select(op.name, None, device=device, accept=unmeasured)
 
 
+# keyed, like kernels.tuned's own cache, by $PDLAB_CONFIG_DIR too: a process that points it elsewhere gets that store
 _SELECTED: dict[tuple, Backend] = {}
 _CONFIG_CACHE: dict[tuple, tuple[dict, str]] = {}
 _BACKEND_CACHE: dict[tuple, str | None] = {}
+_CONFIG_DIR_ENV = "PDLAB_CONFIG_DIR"  # kernels.tuned.CONFIG_DIR_ENV, which this module imports lazily
+
+
+def _config_dir() -> str:
+    return os.environ.get(_CONFIG_DIR_ENV, "")
 
 
 def _tuned_backend(op: str, bucket: Mapping[str, Any], device: torch.device) -> str | None:
     """The backend that won the nearest tuned bucket on this device (None if untuned); cached."""
-    key = (op, tuple(sorted(bucket.items())), str(device))
+    key = (op, tuple(sorted(bucket.items())), str(device), _config_dir())
     if key not in _BACKEND_CACHE:
         name = None
         try:
@@ -399,7 +407,7 @@ def resolve_config(op: str, b: Backend, bucket: Mapping[str, int], device: torch
     source: "explicit", "tuned:<file>" or "default"."""
     if config is not None:
         return b.config(config), "explicit"
-    key = (op, b.name, tuple(sorted(bucket.items())), str(device))
+    key = (op, b.name, tuple(sorted(bucket.items())), str(device), _config_dir())
     hit = _CONFIG_CACHE.get(key)
     if hit is None:
         hit = (b.config(), "default")

@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ll-tokens", default=None, type=comma_list(positive_int, "token counts >= 1, e.g. 1,16,128"),
                    help="tokens per rank in low-latency mode (default: the --tokens values up to 256)")
     p.add_argument("--mode", default="both", choices=["normal", "low_latency", "both"])
-    p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 config.json")
+    p.add_argument("--model", default="deepseek-r1", help="deepseek-r1 or a path to an HF DeepseekV3 / DeepseekV2 "
+                   "config.json (its scoring_func, topk_method, norm_topk_prob and routed_scaling_factor route "
+                   "the tokens)")
     p.add_argument("--num-max-dispatch-tokens", type=int_arg(1), default=None,
                    help="low-latency buffer tokens per rank (default: the largest low-latency token count)")
     p.add_argument("--repeats", type=int_arg(1), default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
@@ -214,6 +216,7 @@ def bench_rank(rank: int, world: int, *, plan: dict[str, Any]) -> list[dict[str,
     facts = device_facts(dev) if dev.type == "cuda" else None
     distributed = dist.is_initialized()
     weights, gate, bias = synthetic_moe(cfg, plan["seed"], dev)
+    bias = bias if cfg.topk_method == "noaux_tc" else None  # DeepSeek-V2's softmax routings take no bias
     jobs = [(mode, t, p, r) for mode in plan["modes"]
             for t in (plan["tokens"] if mode == "normal" else plan["ll_tokens"])
             for p in plan["payloads"] for r in plan["runners"]]

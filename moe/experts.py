@@ -16,6 +16,7 @@ a layer is built.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -109,7 +110,7 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
         ShapeError when the layout does not fit the runner's contract (wrong layout kind, shapes,
         dtypes, or weights of another size), and for row counts beyond the slab or the layout's bound
         (`check_rows`: the torch runner always, the others under PDLAB_CHECK_INVARIANTS=1); ValueError for an
-        unsupported payload.
+        unsupported payload, and for expected_m / active_experts that are not integers >= 1.
     """
     if not isinstance(layout, (Contiguous, Masked)):
         raise ShapeError(OP, runner, "layout", "must be a Contiguous or Masked layout object", "Contiguous | Masked",
@@ -193,12 +194,28 @@ def _expected(layout: Layout, num_experts: int, expected_m: int | None, active_e
               ) -> tuple[int, int]:
     """(tokens per expert, experts holding tokens) the call's bucket names. Not given: rows over experts and
     min(experts, rows) for contiguous rows, the slab's rows and every expert for a masked slab."""
+    for name, hint in (("expected_m", expected_m), ("active_experts", active_experts)):
+        if hint is not None and (type(hint) is not int or hint < 1):
+            _check_hint(name, hint)
     rows = layout.hidden.shape[0] if layout.kind == "contiguous" else None
     if expected_m is None:
         expected_m = max(1, rows // max(num_experts, 1)) if rows is not None else layout.hidden.shape[1]
     if active_experts is None:
         active_experts = min(num_experts, rows) if rows is not None else num_experts
     return int(expected_m), max(1, min(int(active_experts), num_experts))
+
+
+def _check_hint(name: str, hint: Any) -> None:
+    """ValueError unless the size hint is an integer >= 1 (numpy and torch integers pass; bool does not)."""
+    if not isinstance(hint, bool):
+        try:
+            if operator.index(hint) >= 1:
+                return
+        except TypeError:
+            pass
+    what = "tokens per expert" if name == "expected_m" else "experts holding tokens"
+    raise ValueError(f"{OP}: {name}={hint!r} must be an integer >= 1 (the {what} the caller expects), or None "
+                     "for the layout's own count")
 
 
 def _config(backend: registry.Backend, layout: Layout, intermediate: int, expected_m: int, active_experts: int,

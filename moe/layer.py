@@ -36,7 +36,8 @@ class MoELayer:
         weights: ExpertWeights of all cfg.num_experts experts (sliced to this rank's) or of this
             rank's E/ep_size experts already.
         gate_weight: [E, H] router weight (fp32 as DeepSeek keeps it; any float dtype).
-        correction_bias: [E] fp32 e_score_correction_bias, or None.
+        correction_bias: [E] fp32 e_score_correction_bias, or None (which cfg.topk_method "noaux_tc" reads as
+            zeros; the other methods take none).
         shared_experts: nn.Module or callable [T, H] → [T, H] added to the routed output, or None.
         dispatcher: "local" | "nccl" | "deepep" | None (local on one rank, else the best usable) or
             a BaseDispatcher (then used for its own mode only).
@@ -89,6 +90,9 @@ class MoELayer:
         if correction_bias is not None and tuple(correction_bias.shape) != (cfg.num_experts,):
             raise ShapeError("moe_layer", None, "correction_bias", "has the wrong shape", f"[E={cfg.num_experts}]",
                              describe_tensor(correction_bias), "e_score_correction_bias has one value per expert")
+        if correction_bias is not None and cfg.topk_method != "noaux_tc":
+            raise ValueError(f"MoELayer: correction_bias (e_score_correction_bias) steers noaux_tc routing only, but "
+                             f"the config routes by topk_method={cfg.topk_method!r}: pass correction_bias=None")
         self.gate_weight, self.correction_bias = gate_weight, correction_bias
         self.shared_experts = shared_experts
         self.route_backend, self.runner_config = route_backend, dict(runner_config or {})
@@ -167,7 +171,7 @@ class MoELayer:
         c = self.cfg
         return route(logits, self.correction_bias, top_k=c.top_k, n_group=c.n_group, topk_group=c.topk_group,
                      routed_scaling_factor=c.routed_scaling_factor, renormalize=c.norm_topk_prob,
-                     backend=self.route_backend)
+                     scoring_func=c.scoring_func, topk_method=c.topk_method, backend=self.route_backend)
 
     def quantize(self, x: torch.Tensor, mode: str | None = None) -> TokenPayload:
         """x [T, H] → the dispatch payload (sender side; bf16 passes through)."""

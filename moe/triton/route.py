@@ -1,4 +1,5 @@
-"""Triton noaux_tc routing kernel: one program per token (see pdlab.moe.routing for the maths)."""
+"""Triton top-k routing kernel (noaux_tc, greedy, group_limited_greedy): one program per token
+(see pdlab.moe.routing for the maths)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,30 @@ import triton.language as tl
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scale,
                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, SOFTMAX: tl.constexpr,
+                  GROUP_TOP2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     s = tl.arange(0, BLOCK_S)[None, :]
     valid = (g < N_GROUP) & (s < GROUP_SIZE)
     e = g * GROUP_SIZE + s  # [BLOCK_G, BLOCK_S] expert index
-    logit = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0)
-    score = tl.sigmoid(logit)
+    neg = float("-inf")
+    if SOFTMAX:
+        logit = tl.load(logits_ptr + t * E + e, mask=valid, other=neg)
+        p = tl.exp(logit - tl.max(tl.max(logit, axis=1), axis=0))  # 0 outside the E experts
+        score = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    else:
+        score = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=valid, other=0.0))
     choice = score
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0)
-    neg = float("-inf")
     choice = tl.where(valid, choice, neg)
     if N_GROUP > 1:
         m1 = tl.max(choice, axis=1)
-        first = tl.min(tl.where(choice == m1[:, None], s, BLOCK_S), axis=1)
-        m2 = tl.max(tl.where(s == first[:, None], neg, choice), axis=1)
-        gscore = tl.where(tl.arange(0, BLOCK_G) < N_GROUP, m1 + m2, neg)
+        if GROUP_TOP2:
+            first = tl.min(tl.where(choice == m1[:, None], s, BLOCK_S), axis=1)
+            m1 = m1 + tl.max(tl.where(s == first[:, None], neg, choice), axis=1)
+        gscore = tl.where(tl.arange(0, BLOCK_G) < N_GROUP, m1, neg)
         gidx = tl.arange(0, BLOCK_G)
         keep = tl.zeros([BLOCK_G], dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
@@ -55,9 +62,11 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scale,
     tl.store(w_ptr + t * TOP_K + kk, ws, mask=kk < TOP_K)
 
 
-def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, n_group: int, topk_group: int,
-                   routed_scaling_factor: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32, bias [E] fp32 | None → (ids [T, top_k] int32, weights [T, top_k] fp32)."""
+def topk_route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, n_group: int, topk_group: int,
+               routed_scaling_factor: float, renormalize: bool, softmax: bool = False, group_top2: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32, bias [E] fp32 | None → (ids [T, top_k] int32, weights [T, top_k] fp32).
+    softmax: softmax scores (else sigmoid). group_top2: a group scores its best two experts' sum (else its best)."""
     T, E = logits.shape
     logits = logits.contiguous()
     if bias is not None:
@@ -72,5 +81,5 @@ def noaux_tc_route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: in
         HAS_BIAS=bias is not None, N_GROUP=n_group, GROUP_SIZE=group_size,
         BLOCK_G=triton.next_power_of_2(n_group), BLOCK_S=triton.next_power_of_2(group_size),
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        RENORM=renormalize, num_warps=4 if E >= 128 else 1)
+        RENORM=renormalize, SOFTMAX=softmax, GROUP_TOP2=group_top2, num_warps=4 if E >= 128 else 1)
     return ids, weights
