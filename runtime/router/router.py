@@ -354,7 +354,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
 
         app.add_api_route(path, handler, methods=["POST"])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD (the server sends no body)
     async def health():
         ok_d = any(b.healthy for b in router.decode)
         ok_p = not router.disaggregated or any(b.healthy for b in router.prefill)

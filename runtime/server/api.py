@@ -243,7 +243,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         msg = str(exc.detail)
         if exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
             msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
-                   "/generate and GET /v1/models, /health, /metrics")
+                   "/generate and GET /v1/models, /metrics, GET or HEAD /health")
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             msg = f"method {request.method} not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
@@ -257,7 +257,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"),
                             status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD (the server sends no body)
     async def health():
         alive = loop._thread is None or loop._thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine loop stopped"}, status_code=200 if alive else 503)

@@ -242,6 +242,14 @@ def test_no_healthy_server_is_503(servers):
         r = c.post(f"{url}/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and "no healthy decode server" in r.json()["error"]["message"]
         assert c.get(f"{url}/health").status_code == 503
+        head = c.head(f"{url}/health")  # load balancers probe with HEAD
+        assert head.status_code == 503 and head.content == b""
+        d.healthy = True
+        deadline = time.monotonic() + 5
+        while c.head(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        head = c.head(f"{url}/health")
+        assert head.status_code == 200 and head.content == b""
 
 
 def test_client_disconnect_aborts_both_sides(servers):

@@ -86,6 +86,13 @@ def test_health_models_metrics(client):
         assert name in text
 
 
+def test_head_health_answers_like_get_without_a_body(client):
+    """Load balancers probe with HEAD: the same status and headers as GET, no body."""
+    get, head = client.get("/health"), client.head("/health")
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
 def _metric(client, name: str) -> float:
     line = next(ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(name + " "))
     return float(line.split()[1])
