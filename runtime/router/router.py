@@ -36,6 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdlab.runtime.server.request_id import EchoRequestId
+
 log = logging.getLogger("pdlab.router")
 
 H_TID, H_PREFILL, H_DECODE, H_ROLE = "X-PD-Transfer-Id", "X-PD-Prefill", "X-PD-Decode", "X-PD-Role"
@@ -331,6 +333,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         await router.stop()
 
     app = FastAPI(title="pdlab router", lifespan=lifespan)
+    app.add_middleware(EchoRequestId)  # the servers get the header with the request (it is no hop-by-hop header)
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)

@@ -29,6 +29,7 @@ from pdlab.runtime.core import FinishReason, Req, SamplingParams, StepOutput
 from pdlab.runtime.engine.loop import EngineLoop
 from pdlab.runtime.scheduler.output import TextCodec
 from pdlab.runtime.server.metrics import RuntimeMetrics
+from pdlab.runtime.server.request_id import EchoRequestId, request_id
 
 log = logging.getLogger("pdlab.runtime")
 MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gives the precise limit
@@ -201,6 +202,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                                type_="authentication_error")
 
     app = FastAPI(title="pdlab runtime", version="0.1.0", dependencies=[Depends(_auth)])
+    app.add_middleware(EchoRequestId)
     ctx_len = max_context_len or loop.scheduler.max_context_len
     vocab = getattr(getattr(loop.scheduler, "engine", None), "vocab_size", None)
     inflight: dict[str, Any] = {}
@@ -535,7 +537,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                             max_tokens=s.max_new_tokens, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
                             ignore_eos=s.ignore_eos, skip_special_tokens=s.skip_special_tokens,
                             logprobs=body.top_logprobs_num if body.return_logprob else None)
-        req, q = _start(ids, sp, body.rid)
+        rid = body.rid
+        if rid is None:  # the client's X-Request-Id names the request as a `rid` would
+            try:
+                rid = request_id(request.headers)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "X-Request-Id") from None
+        req, q = _start(ids, sp, rid)
 
         def meta(final: StepOutput | None, n: int) -> dict:
             m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
