@@ -63,6 +63,15 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"device {self.device!r} requested but CUDA is not available here; use --device cpu")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
             raise ValueError(f"cuda_graph_bs must be positive batch sizes, got {self.cuda_graph_bs}")
+        # a setting the other one makes meaningless is refused, not ignored (1.0, the default, scales nothing: a
+        # dumped config repeats it)
+        if self.kv_scale != 1.0 and self.kv_dtype != "fp8":
+            kv = self.kv_dtype if self.kv_dtype != "auto" else f"{self.resolved_kv_dtype} (--kv-dtype auto: the dtype)"
+            raise ValueError(f"--kv-scale {self.kv_scale:g} only applies to an fp8 KV cache, but the KV cache is "
+                             f"{kv}; add --kv-dtype fp8, or drop --kv-scale")
+        if self.cuda_graph_bs is not None and self.disable_cuda_graph:
+            raise ValueError("--cuda-graph-bs sets the sizes of CUDA graphs that --disable-cuda-graph turns off; "
+                             "drop one of the two")
         return self
 
     @property

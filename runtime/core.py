@@ -187,6 +187,19 @@ class StepOutput:
     error_status: int = 400
 
 
+# token ids below 0 in a step's host results: that request's logits could not be sampled (engine → scheduler)
+NAN_LOGITS, NO_FINITE_LOGIT, INF_LOGITS = -1, -2, -3
+_BAD_LOGITS = {NAN_LOGITS: "NaN logits", INF_LOGITS: "+inf logits", NO_FINITE_LOGIT: "logits that are all -inf"}
+
+
+def bad_logits_error(code: int, token_index: int) -> str:
+    """The error of a request whose logits (a `check_logits` code) could not be sampled at output token
+    `token_index` (1-based): the model's or its kernels' numerical fault, not the request's."""
+    what = _BAD_LOGITS.get(code, f"unsampleable logits (code {code})")
+    return (f"the model produced {what} for this request at output token {token_index}; nothing can be sampled "
+            "from them (a numerical fault of the model or its kernels, not of the request); the request is ended")
+
+
 def filler_ids(n: int, vocab: int, stride: int = 7, salt: int = 0) -> list[int]:
     """n token ids in [2, vocab) (ids 0 and 1 are usually special) that vary along the prompt: prompts for
     warm-up and measurements, whose values do not matter. Different `salt`s give different prompts."""

@@ -17,7 +17,7 @@ from pdlab.runtime.config import ConfigError, EngineConfig
 from pdlab.runtime.context import ForwardContext
 from pdlab.runtime.core import Batch
 from pdlab.kernels.env import ENV
-from pdlab.runtime.engine.sample import SampleOutput, SamplingTensors, sample
+from pdlab.runtime.engine.sample import SampleOutput, SamplingTensors, greedy, sample
 from pdlab.runtime.memory.pool import MLAKVPool
 from pdlab.runtime.memory.table import PageTable
 
@@ -45,8 +45,9 @@ class PendingStep:
 class ForwardOutput:
     """Host results of one step for the requests that sampled (batch order, others skipped).
 
-    sampled: indices into batch.reqs that got a token; next_ids: their tokens; logprobs: per sampled
-    request None or (chosen_logprob, [(token_id, logprob), ...])."""
+    sampled: indices into batch.reqs that got a token; next_ids: their tokens, or a negative code for a request whose
+    logits could not be sampled (`pdlab.runtime.core.bad_logits_error`); logprobs: per sampled request None or
+    (chosen_logprob, [(token_id, logprob), ...])."""
 
     sampled: list[int]
     next_ids: list[int]
@@ -240,14 +241,14 @@ class Engine:
             logits = logits[torch.tensor(p.sampled, device=logits.device)]
         p.sreqs = [reqs[i] for i in p.sampled]
         if all(r.params.temperature == 0.0 and r.params.logprobs is None for r in p.sreqs):
-            p.out = SampleOutput(next_ids=logits.argmax(dim=-1))  # greedy fast path: no per-row settings
+            p.out = greedy(logits)  # fast path: no per-row settings
         else:
             p.out = sample(logits, SamplingTensors.from_reqs(p.sreqs, self.vocab_size, logits.device))
         if self.profile:
             p.ev1.record()
         if self.device.type == "cuda" and p.out.chosen_logprobs is None:
             p.host_ids = torch.empty(len(p.sampled), dtype=torch.int64, pin_memory=True)
-            p.host_ids.copy_(p.out.next_ids, non_blocking=True)
+            p.host_ids.copy_(p.out.checked_ids, non_blocking=True)
             p.done = torch.cuda.Event()
             p.done.record()
         return p
@@ -483,15 +484,15 @@ def _attr(cfg, name: str):
 
 
 def _to_host(out: SampleOutput, reqs) -> tuple[list[int], list]:
-    """One device→host transfer for tokens and logprobs."""
-    parts = [out.next_ids.to(torch.float64)[:, None]]
+    """One device→host transfer for tokens (`checked_ids`: negative codes flag unsampleable logits) and logprobs."""
+    parts = [out.checked_ids.to(torch.float64)[:, None]]
     if out.chosen_logprobs is not None:
         parts.append(out.chosen_logprobs.to(torch.float64)[:, None])
         if out.top_ids is not None:
             parts += [out.top_ids.to(torch.float64), out.top_logprobs.to(torch.float64)]
     host = torch.cat(parts, dim=1).cpu().numpy() if len(parts) > 1 else None
     if host is None:
-        return out.next_ids.tolist(), [None] * len(reqs)
+        return out.checked_ids.tolist(), [None] * len(reqs)
     ids = host[:, 0].astype(np.int64).tolist()
     lps = []
     n = out.top_ids.shape[1] if out.top_ids is not None else 0

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
               max_total_tokens=a.max_total_tokens or need + 4096, max_running_requests=max(sizes),
               max_context_len=max(a.context + a.steps + 64, max(ttft_lens, default=0) + 64),
               chunked_prefill_size=8192, max_prefill_tokens=8192, disable_cuda_graph=a.disable_cuda_graph,
-              cuda_graph_bs=sizes)
+              cuda_graph_bs=None if a.disable_cuda_graph else sizes)
     load_s = time.perf_counter() - t0
     lines = llm.engine.describe()
     print("\n".join(lines), flush=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdlab.runtime.core import Req
+from pdlab.runtime.core import INF_LOGITS, NAN_LOGITS, NO_FINITE_LOGIT, Req
 
 _M32 = 0xFFFFFFFF
 
@@ -49,18 +49,39 @@ class SamplingTensors:
 
 @dataclass
 class SampleOutput:
-    """next_ids: [B] int64. chosen_logprobs: [B] fp32 or None. top_ids/top_logprobs: [B, n] or None
+    """next_ids: [B] int64, always in the vocabulary (a chained decode step feeds them to the model). checked_ids:
+    [B] int64, next_ids with a negative code (`pdlab.runtime.core.NAN_LOGITS`, ...) in each row whose logits cannot be
+    sampled: what the host reads. chosen_logprobs: [B] fp32 or None. top_ids/top_logprobs: [B, n] or None
     (n = the largest `logprobs` asked in the batch). Logprobs are of the model's distribution
     (log_softmax of the logits, before temperature and filters)."""
 
     next_ids: torch.Tensor
+    checked_ids: torch.Tensor
     chosen_logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
 
+def greedy(logits: torch.Tensor) -> SampleOutput:
+    """The argmax of each row of logits [B, V] (any float dtype): a batch of greedy requests without logprobs needs
+    no per-row settings."""
+    ids = logits.argmax(dim=-1)
+    return SampleOutput(next_ids=ids, checked_ids=check_logits(logits, ids, ids))
+
+
+def check_logits(logits: torch.Tensor, argmax_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """next_ids [B] int64 with each row whose logits [B, V] cannot be sampled replaced by a negative code: NAN_LOGITS
+    (a NaN), INF_LOGITS (a +inf) or NO_FINITE_LOGIT (every logit -inf). argmax_ids: [B] int64, the argmax of each row
+    (argmax propagates NaN, so the value there is the row's fault if it has one). A gather and three element-wise
+    ops over [B], no host sync: the codes reach the host with the tokens."""
+    top = logits.gather(1, argmax_ids[:, None])[:, 0]
+    code = top.nan_to_num(nan=NAN_LOGITS, posinf=INF_LOGITS, neginf=NO_FINITE_LOGIT).to(torch.int64)
+    return torch.where(top.isfinite(), next_ids, code)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
-    """logits: [B, V] fp32 (one row per sampled request). Returns the next token of each row."""
+    """logits: [B, V] fp32 (one row per sampled request). Returns the next token of each row; rows whose logits
+    cannot be sampled are flagged in `checked_ids` (see `check_logits`)."""
     if logits.dim() != 2 or logits.shape[0] != st.temperature.shape[0]:
         raise ValueError(f"sample(): logits must be [B, V] with B={st.temperature.shape[0]} rows, got {tuple(logits.shape)}")
     logits = logits.float()
@@ -75,7 +96,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
         noise = gumbel_noise(st.seed, st.step, logits.shape[1])
         sampled = (scaled + noise).argmax(dim=-1)
         next_ids = torch.where(st.temperature > 0, sampled, greedy_ids)
-    out = SampleOutput(next_ids=next_ids)
+    out = SampleOutput(next_ids=next_ids, checked_ids=check_logits(logits, greedy_ids, next_ids))
     if st.max_logprobs >= 0:
         lp = torch.log_softmax(logits, dim=-1)
         out.chosen_logprobs = lp.gather(1, next_ids[:, None])[:, 0]

@@ -36,6 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdlab.runtime.server.request_id import EchoRequestId
+
 log = logging.getLogger("pdlab.router")
 
 H_TID, H_PREFILL, H_DECODE, H_ROLE = "X-PD-Transfer-Id", "X-PD-Prefill", "X-PD-Decode", "X-PD-Role"
@@ -331,6 +333,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         await router.stop()
 
     app = FastAPI(title="pdlab router", lifespan=lifespan)
+    app.add_middleware(EchoRequestId)  # the servers get the header with the request (it is no hop-by-hop header)
     app.state.router = router
 
     @app.exception_handler(StarletteHTTPException)
@@ -354,7 +357,7 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
 
         app.add_api_route(path, handler, methods=["POST"])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD (the server sends no body)
     async def health():
         ok_d = any(b.healthy for b in router.decode)
         ok_p = not router.disaggregated or any(b.healthy for b in router.prefill)

@@ -33,7 +33,8 @@ class TextCodec:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat: the tokenizer's chat template when it has one, else a plain
-        "role: content" transcript ending with "assistant:"."""
+        "role: content" transcript ending with "assistant:" ("role (name): content" for a message with a `name`, which
+        a template gets too)."""
         try:
             if hasattr(self.tok, "encode_chat"):  # pdlab's tokenizer
                 return list(self.tok.encode_chat(messages, add_generation_prompt=True))
@@ -43,7 +44,7 @@ class TextCodec:
         except ValueError as exc:
             if not _no_template(exc):
                 raise  # the template rejected these messages: the caller's error
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        text = "".join(f"{_speaker(m)}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
 
     def token_bytes(self, token_id: int) -> bytes | None:
@@ -128,6 +129,12 @@ def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len
     new = st.text[st.sent:safe]
     st.sent = max(st.sent, safe)
     return new, finish
+
+
+def _speaker(message: dict) -> str:
+    """Who speaks a chat message in the plain transcript: its role, and its `name` when it has one."""
+    name = message.get("name")
+    return f"{message['role']} ({name})" if name else message["role"]
 
 
 def _no_template(exc: ValueError) -> bool:

@@ -25,7 +25,7 @@ from typing import Callable
 
 from pdlab.runtime.config import SchedulerConfig
 from pdlab.runtime.core import (Batch, FinishReason, Req, ReqStatus, RequestError, SamplingParams, StepOutput,
-                               filler_ids)
+                               bad_logits_error, filler_ids)
 from pdlab.kernels.env import ENV
 from pdlab.runtime.scheduler.decode import DecodeManager
 from pdlab.runtime.scheduler.output import TextCodec, process_token
@@ -427,6 +427,11 @@ class Scheduler:
         for i, tok, lp in zip(out.sampled, out.next_ids, out.logprobs):
             r = batch.reqs[i]
             if r.finished:
+                continue
+            if tok < 0:  # its logits could not be sampled: end this request alone, as a failed step would
+                why = bad_logits_error(tok, len(r.output_ids) + 1)
+                log.error("request %s: %s", r.rid, why)
+                self._finish(r, FinishReason.ERROR, error=why, error_status=500)
                 continue
             if r.status == ReqStatus.PREFILLING:
                 self.prefill.prefilling.remove(r)

@@ -29,6 +29,7 @@ from pdlab.runtime.core import FinishReason, Req, SamplingParams, StepOutput
 from pdlab.runtime.engine.loop import EngineLoop
 from pdlab.runtime.scheduler.output import TextCodec
 from pdlab.runtime.server.metrics import RuntimeMetrics
+from pdlab.runtime.server.request_id import EchoRequestId, request_id
 
 log = logging.getLogger("pdlab.runtime")
 MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gives the precise limit
@@ -201,6 +202,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                                type_="authentication_error")
 
     app = FastAPI(title="pdlab runtime", version="0.1.0", dependencies=[Depends(_auth)])
+    app.add_middleware(EchoRequestId)
     ctx_len = max_context_len or loop.scheduler.max_context_len
     vocab = getattr(getattr(loop.scheduler, "engine", None), "vocab_size", None)
     inflight: dict[str, Any] = {}
@@ -243,7 +245,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         msg = str(exc.detail)
         if exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
             msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
-                   "/generate and GET /v1/models, /health, /metrics")
+                   "/generate and GET /v1/models, /metrics, GET or HEAD /health")
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             msg = f"method {request.method} not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
@@ -257,7 +259,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"),
                             status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD (the server sends no body)
     async def health():
         alive = loop._thread is None or loop._thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine loop stopped"}, status_code=200 if alive else 503)
@@ -535,7 +537,13 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                             max_tokens=s.max_new_tokens, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
                             ignore_eos=s.ignore_eos, skip_special_tokens=s.skip_special_tokens,
                             logprobs=body.top_logprobs_num if body.return_logprob else None)
-        req, q = _start(ids, sp, body.rid)
+        rid = body.rid
+        if rid is None:  # the client's X-Request-Id names the request as a `rid` would
+            try:
+                rid = request_id(request.headers)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "X-Request-Id") from None
+        req, q = _start(ids, sp, rid)
 
         def meta(final: StepOutput | None, n: int) -> dict:
             m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,

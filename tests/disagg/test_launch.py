@@ -84,6 +84,12 @@ def test_http_greedy_equals_colocated(stack):
         # an OpenAI completion with token ids through the router
         r = c.post(f"{url}/v1/completions", json={"prompt": prompts[2], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # a client's X-Request-Id: /generate takes it as its id on both servers (whose ids are the transfer's) and
+        # it comes back from the router, twice in a row (the first is no longer in flight)
+        for _ in range(2):
+            r = c.post(f"{url}/generate", json={"input_ids": prompts[2], "sampling_params": {"max_new_tokens": 3}},
+                       headers={"X-Request-Id": "client-1"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "client-1", r.text
 
 
 def test_http_client_disconnect_frees_pages_on_both_sides(stack):

@@ -125,6 +125,25 @@ def test_non_stream_and_error_status_pass_through(servers):
         assert c.get(f"{url}/v1/models").json()["data"][0]["id"] == "d0"
 
 
+def test_x_request_id_is_passed_on_and_echoed(servers):
+    p, d = Fake("p0"), Fake("d0")
+    pu, du = servers(p, d)
+    url, _ = _router(servers, [pu], [du])
+    h = {"X-Request-Id": "trace-9"}
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=h)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-9"
+        r = c.post(f"{url}/v1/completions", json={"prompt": "x", "stream": True}, headers=h)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-9"
+        r = c.post(f"{url}/v1/completions", json={"prompt": "x", "bad": 1}, headers=h)
+        assert r.status_code == 400 and r.headers["x-request-id"] == "trace-9"
+        assert c.get(f"{url}/health", headers=h).headers["x-request-id"] == "trace-9"
+    deadline = time.monotonic() + 5
+    while len(p.seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(hd["x-request-id"] == "trace-9" for _, hd, _ in p.seen + d.seen)
+
+
 def test_a_refusal_of_the_prefill_server_reaches_the_decode_server(servers):
     """The decode server took a request that its prefill server refused (servers started with other settings): the
     router tells the decode server the refusal, with its status, instead of letting it wait for KV until the
@@ -242,6 +261,14 @@ def test_no_healthy_server_is_503(servers):
         r = c.post(f"{url}/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and "no healthy decode server" in r.json()["error"]["message"]
         assert c.get(f"{url}/health").status_code == 503
+        head = c.head(f"{url}/health")  # load balancers probe with HEAD
+        assert head.status_code == 503 and head.content == b""
+        d.healthy = True
+        deadline = time.monotonic() + 5
+        while c.head(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        head = c.head(f"{url}/health")
+        assert head.status_code == 200 and head.content == b""
 
 
 def test_client_disconnect_aborts_both_sides(servers):

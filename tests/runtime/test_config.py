@@ -30,8 +30,8 @@ def test_flags_override_file(tmp_path):
     assert (c.page_size, c.kv_dtype, c.port, c.cuda_graph_bs) == (16, "fp8", 4321, [1, 2, 4])
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"chunked_prefill_size": 512, "max_prefill_tokens": 1024}))
-    c = _parse(["--config", str(j), "--disable-cuda-graph", "--cuda-graph-bs", "1", "8"])
-    assert c.chunked_prefill_size == 512 and c.disable_cuda_graph and c.cuda_graph_bs == [1, 8]
+    c = _parse(["--config", str(j), "--no-overlap-schedule", "--cuda-graph-bs", "1", "8"])
+    assert c.chunked_prefill_size == 512 and not c.overlap_schedule and c.cuda_graph_bs == [1, 8]
 
 
 def test_prefill_server_captures_no_decode_graphs(monkeypatch):
@@ -107,6 +107,30 @@ def test_serve_cli_rejects_bad_settings_before_loading(capsys):
     rc = main(["serve", "--device", "cpu", "--allocator", "token", "--page-size", "64"])
     assert rc == 2
     assert "--allocator paged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["--kv-scale", "0.05"], ("--kv-scale", "--kv-dtype fp8")),
+    (["--kv-dtype", "bf16", "--kv-scale", "2"], ("--kv-scale", "--kv-dtype fp8")),
+    (["--disable-cuda-graph", "--cuda-graph-bs", "1", "2"], ("--cuda-graph-bs", "--disable-cuda-graph")),
+])
+@pytest.mark.parametrize("mode", [[], ["--disagg"]], ids=["colocated", "disagg"])
+def test_flags_that_would_be_ignored_are_usage_errors(capsys, argv, flags, mode):
+    """A flag that the other one makes meaningless is refused in one line naming both (exit 2), not ignored."""
+    from pdlab.runtime.cli import main
+    rc = main(["serve", "--device", "cpu", *mode, *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines() if flags[0] in ln)
+    assert all(f in line for f in flags), err
+
+
+def test_flags_that_agree_are_accepted():
+    assert build_config(ServerConfig, kv_dtype="fp8", kv_scale=0.05).kv_scale == 0.05
+    assert build_config(ServerConfig, kv_scale=1.0).kv_scale == 1.0  # the default, as a dumped config repeats it
+    assert build_config(ServerConfig, disable_cuda_graph=True).cuda_graph_bs is None
+    c = build_config(ServerConfig, kv_dtype="fp8", kv_scale=0.5, cuda_graph_bs=[1, 2])
+    assert build_config(ServerConfig, **c.model_dump()) == c  # a round trip (the disaggregation launcher's) passes
 
 
 def test_disagg_flags_are_delegated(monkeypatch, capsys):

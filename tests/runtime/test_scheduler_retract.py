@@ -35,7 +35,7 @@ COMBOS = [("token", 1), ("paged", 1), ("paged", 16), ("paged", 64)]
 def test_greedy_identical_under_pressure(allocator, page, kv_dtype, mode, monkeypatch):
     monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
     common = dict(page_size=page, kv_dtype=kv_dtype, allocator=allocator, chunked_prefill_size=32,
-                  max_prefill_tokens=64, retract_mode=mode, kv_scale=0.05)
+                  max_prefill_tokens=64, retract_mode=mode, **_fp8_scale(kv_dtype))
     key = (allocator, page, kv_dtype)
     if key not in _REF:  # the pressure-free run does not depend on the retraction mode
         _REF[key] = _run(max_total_tokens=4096, **common)[0]
@@ -94,7 +94,8 @@ def test_overlap_schedule_gives_identical_outputs(kv_dtype, page, monkeypatch):
     strings, stop ids and varied max_tokens: same tokens and texts as the plain loop, no page leak."""
     monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 7, 25, 1, 33, 12)]
-    base = dict(page_size=page, kv_dtype=kv_dtype, kv_scale=0.05, chunked_prefill_size=32, max_prefill_tokens=64)
+    base = dict(page_size=page, kv_dtype=kv_dtype, chunked_prefill_size=32, max_prefill_tokens=64,
+                **_fp8_scale(kv_dtype))
     m, tok, cfg = load_toy(max_position_embeddings=CTX)
     plain = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", max_context_len=CTX, max_total_tokens=4096,
                 **base).generate(PROMPTS, params)
@@ -143,7 +144,7 @@ def test_corrupted_restore_changes_greedy_outputs(monkeypatch):
     from pdlab.runtime.memory.pool import MLAKVPool as KVPool
 
     common = dict(page_size=16, kv_dtype="bf16", allocator="paged", chunked_prefill_size=32,
-                  max_prefill_tokens=64, retract_mode="backup", kv_scale=0.05)
+                  max_prefill_tokens=64, retract_mode="backup")
     ref = _run(max_total_tokens=4096, **common)[0]
     original = KVPool.copy_from_cpu
 
@@ -155,3 +156,8 @@ def test_corrupted_restore_changes_greedy_outputs(monkeypatch):
     got, llm = _run(max_total_tokens=CTX + 16, decode_reserve_tokens=0, **common)
     assert llm.scheduler.num_retractions >= 1
     assert [g["token_ids"] for g in got] != [r["token_ids"] for r in ref]
+
+
+def _fp8_scale(kv_dtype: str) -> dict:
+    """The KV scale setting of a cache of `kv_dtype` (only an fp8 cache takes one)."""
+    return {"kv_scale": 0.05} if kv_dtype == "fp8" else {}

@@ -86,6 +86,54 @@ def test_health_models_metrics(client):
         assert name in text
 
 
+def test_head_health_answers_like_get_without_a_body(client):
+    """Load balancers probe with HEAD: the same status and headers as GET, no body."""
+    get, head = client.get("/health"), client.head("/health")
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_x_request_id_is_echoed(client):
+    """A client's X-Request-Id comes back on every response: success, stream, error, health."""
+    rid = {"X-Request-Id": "trace-42"}
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=rid)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                   "stream": True}, headers=rid)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}, headers=rid)
+    assert r.status_code == 400 and r.headers["x-request-id"] == "trace-42"
+    assert client.head("/health", headers=rid).headers["x-request-id"] == "trace-42"
+    assert "x-request-id" not in client.get("/health").headers  # none sent, none made up
+
+
+def test_x_request_id_names_a_generate_request():
+    """/generate lets a client choose its request id (`rid`); the header does the same where the body gives none,
+    and a duplicate of an id in flight is refused as a duplicate `rid` is."""
+    srv = _server(SlowToy)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
+            h = {"X-Request-Id": "gen-7"}
+            r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}, headers=h)
+            assert r.status_code == 200 and r.json()["meta_info"]["id"] == "gen-7"
+            assert r.headers["x-request-id"] == "gen-7"
+            body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}, "stream": True}
+            with c.stream("POST", "/generate", json=body, headers=h) as first:
+                lines = first.iter_lines()  # kept: a dropped iterator closes the stream
+                next(lines)  # in flight
+                dup = c.post("/generate", json={**body, "stream": False}, headers=h)
+                assert dup.status_code == 400 and "gen-7" in dup.json()["error"]["message"]
+                assert dup.headers["x-request-id"] == "gen-7"
+            r = c.post("/generate", json={"input_ids": [5], "rid": "body-id", "sampling_params": {"max_new_tokens": 1}},
+                       headers=h)
+            assert r.json()["meta_info"]["id"] == "body-id" and r.headers["x-request-id"] == "gen-7"
+            r = c.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}},
+                       headers={"X-Request-Id": "x" * 201})
+            assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
 def _metric(client, name: str) -> float:
     line = next(ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(name + " "))
     return float(line.split()[1])

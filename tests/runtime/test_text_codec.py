@@ -38,3 +38,12 @@ def test_no_template_falls_back_to_a_transcript():
 def test_a_template_that_rejects_the_messages_is_the_callers_error():
     with pytest.raises(ValueError, match="needs a system message"):
         TextCodec(HFLike("t")).chat_prompt(MSGS)
+
+
+def test_the_transcript_names_each_speaker_as_a_template_would():
+    """A message's `name` reaches a chat template; the transcript without one kept only the role, so two named users
+    read as one speaker."""
+    msgs = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo", "name": "bob"},
+            {"role": "assistant", "content": "hello"}]
+    text = "user (ann): hi\nuser (bob): yo\nassistant: hello\nassistant:"
+    assert TextCodec(HFLike(None)).chat_prompt(msgs) == [ord(c) for c in text]
