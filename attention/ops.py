@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from pdlab.kernels import registry
+from pdlab.kernels import registry, tuned
 from pdlab.kernels.contracts import Op, ShapeError, Spec, dtype_name
 from pdlab.kernels.registry import Backend
 
@@ -431,6 +431,9 @@ def clear_config_cache() -> None:
     _CONFIG_CACHE.clear()
     _BACKEND_CACHE.clear()
     _SELECTED.clear()
+
+
+tuned.on_clear_cache(clear_config_cache)
 
 
 def _as_bytes(kv_cache: torch.Tensor) -> torch.Tensor:

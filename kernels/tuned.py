@@ -63,6 +63,7 @@ _WARNED: set = set()
 _OBSERVERS: list[list] = []
 _ADAPTERS: dict[tuple[str, str], Any] = {}
 _UPGRADES: dict[str, Any] = {}
+_CLEAR_HOOKS: list = []
 
 
 def register_adapter(op: str, backend: str, fn) -> None:
@@ -313,10 +314,19 @@ def observe() -> Iterator[list[tuple[str, str, dict]]]:
 
 
 def clear_cache() -> None:
-    """Forget resolved configs, loaded files and once-only warnings (after files changed)."""
+    """Forget resolved configs, loaded files and once-only warnings (after files changed), and every cache an op
+    keeps of its own lookups (registered with `on_clear_cache`)."""
     _RESOLVED.clear()
     _FILES.clear()
     _WARNED.clear()
+    for fn in _CLEAR_HOOKS:
+        fn()
+
+
+def on_clear_cache(fn) -> None:
+    """Call fn() whenever `clear_cache` runs: for ops that cache resolved configs themselves (attention/ops.py)."""
+    if fn not in _CLEAR_HOOKS:
+        _CLEAR_HOOKS.append(fn)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,3 +63,22 @@ def test_a_changed_config_dir_is_followed_within_one_process(tmp_path, monkeypat
     finally:
         tuned.clear_cache()
         ops.clear_config_cache()
+
+
+def test_tuned_clear_cache_also_forgets_the_attention_ops_lookups(tmp_path, monkeypatch):
+    # a store file rewritten in place (same folder): kernels.tuned.clear_cache() is the documented way to pick it up
+    root = _store(tmp_path / "a", "torch", 16)
+    tri = registry.get_backend("mla_decode", "triton")
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(tuned.CONFIG_DIR_ENV, str(root))
+    tuned.clear_cache()
+    try:
+        assert ops.resolve_config("mla_decode", tri, BUCKET, cpu)[0]["BLOCK_N"] == 16
+        (root / "cpu" / "mla_decode.json").unlink()
+        (root / "cpu").rmdir()
+        _store(root, "triton", 32)
+        tuned.clear_cache()
+        assert ops.resolve_config("mla_decode", tri, BUCKET, cpu)[0]["BLOCK_N"] == 32
+        assert ops._tuned_backend("mla_decode", BUCKET, cpu) == "triton"
+    finally:
+        tuned.clear_cache()
