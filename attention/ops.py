@@ -376,11 +376,10 @@ def _auto_select(op: Op, device: torch.device, bucket: Mapping[str, Any] | None,
 _SELECTED: dict[tuple, Backend] = {}
 _CONFIG_CACHE: dict[tuple, tuple[dict, str]] = {}
 _BACKEND_CACHE: dict[tuple, str | None] = {}
-_CONFIG_DIR_ENV = "PDLAB_CONFIG_DIR"  # kernels.tuned.CONFIG_DIR_ENV, which this module imports lazily
 
 
 def _config_dir() -> str:
-    return os.environ.get(_CONFIG_DIR_ENV, "")
+    return os.environ.get(tuned.CONFIG_DIR_ENV, "")
 
 
 def _tuned_backend(op: str, bucket: Mapping[str, Any], device: torch.device) -> str | None:

@@ -207,12 +207,12 @@ def _expected(layout: Layout, num_experts: int, expected_m: int | None, active_e
 
 def _check_hint(name: str, hint: Any) -> None:
     """ValueError unless the size hint is an integer >= 1 (numpy and torch integers pass; bool does not)."""
-    if not isinstance(hint, bool):
-        try:
-            if operator.index(hint) >= 1:
-                return
-        except TypeError:
-            pass
+    try:
+        ok = not isinstance(hint, bool) and operator.index(hint) >= 1
+    except TypeError:  # not an integer at all
+        ok = False
+    if ok:
+        return
     what = "tokens per expert" if name == "expected_m" else "experts holding tokens"
     raise ValueError(f"{OP}: {name}={hint!r} must be an integer >= 1 (the {what} the caller expects), or None "
                      "for the layout's own count")

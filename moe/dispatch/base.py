@@ -280,10 +280,14 @@ class BaseDispatcher(ABC):
         self.expert_start = self.rank * self.num_local_experts
         self.num_max_dispatch_tokens_per_rank = int(num_max_dispatch_tokens_per_rank)
         from pdlab.kernels import registry
+        from pdlab.kernels.tuned import tuned_summary
 
         self.config = registry.get_backend("moe_dispatch", self.name).config(config)
         self.config_source = "default" if config is None else "explicit"
         self.reads_store = config is None and self._ranks_see_one_store()
+        # whether the store has any entry of this backend here (equal on every rank when reads_store): without one
+        # every call runs the default, so no rank-agreed count has to be worked out for the lookup
+        self.has_tuned_entries = self.reads_store and tuned_summary("moe_dispatch", self.name) is not None
 
     @staticmethod
     def _rank_and_size(group, rank, world_size) -> tuple[int, int]:

@@ -140,8 +140,8 @@ class DeepEPDispatcher(BaseDispatcher):
         kwargs = dict(num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma, is_token_in_rank=in_rank,
                       num_tokens_per_expert=n_expert, topk_idx=topk_idx, topk_weights=topk_weights)
         # DeepEP's channels must match on every rank: the tuned config is keyed by the largest token count over
-        # the ranks (one all-reduce, only when the store is read)
-        agreed = self._all_max([T])[0] if self.reads_store and self.world_size > 1 else T
+        # the ranks (one all-reduce, only when the store holds entries of this backend)
+        agreed = self._all_max([T])[0] if self.has_tuned_entries and self.world_size > 1 else T
         config = self.call_config("normal", tokens.kind, topk_idx.shape[1], agreed, topk_idx.device)
         cfg = self._deep_config(config[0])
         if cfg is not None:
