@@ -72,6 +72,13 @@ class EngineConfig(BaseModel):
         if self.cuda_graph_bs is not None and self.disable_cuda_graph:
             raise ValueError("--cuda-graph-bs sets the sizes of CUDA graphs that --disable-cuda-graph turns off; "
                              "drop one of the two")
+        prefill_graph_default = field_default(self, "cuda_graph_max_prefill_tokens")
+        if self.disable_cuda_graph and self.cuda_graph_max_prefill_tokens not in (0, prefill_graph_default):
+            raise ValueError(f"--cuda-graph-max-prefill-tokens {self.cuda_graph_max_prefill_tokens} sizes prefill CUDA "
+                             "graphs that --disable-cuda-graph turns off; drop one of the two")
+        if self.max_total_tokens is not None and self.mem_fraction_static != field_default(self, "mem_fraction_static"):
+            raise ValueError(f"--mem-fraction-static {self.mem_fraction_static:g} sizes the KV pool from free memory, "
+                             f"but --max-total-tokens {self.max_total_tokens} sets its size; drop one of the two")
         return self
 
     @property
@@ -96,6 +103,12 @@ class EngineConfig(BaseModel):
         return self.resolved_device.startswith("cuda") and not self.disable_cuda_graph
 
 
+def field_default(cfg: BaseModel, name: str) -> Any:
+    """The field's declared default: a setting the others make meaningless is refused only when it differs from it
+    (a dumped config repeats every default, and must load again)."""
+    return type(cfg).model_fields[name].default
+
+
 class SchedulerConfig(EngineConfig):
     max_running_requests: int = Field(256, ge=1, description="requests decoding at once")
     chunked_prefill_size: int = Field(8192, ge=1, description="most prompt tokens of one request per step (longer prompts are chunked)")
@@ -117,6 +130,11 @@ class SchedulerConfig(EngineConfig):
             raise ValueError(f"chunked_prefill_size {self.chunked_prefill_size} exceeds max_prefill_tokens "
                              f"{self.max_prefill_tokens}, so a chunk could never be scheduled; raise "
                              "--max-prefill-tokens or lower --chunked-prefill-size")
+        chunk_default = field_default(self, "kv_backup_chunk_pages")
+        if self.retract_mode == "recompute" and self.kv_backup_chunk_pages != chunk_default:
+            raise ValueError(f"--kv-backup-chunk-pages {self.kv_backup_chunk_pages} sizes the copies of KV backups, "
+                             "but --retract-mode recompute makes none (it drops a retracted request's KV); drop "
+                             "--kv-backup-chunk-pages, or use --retract-mode backup")
         if self.cuda_graph_bs is not None and max(self.cuda_graph_bs) > self.max_running_requests:
             raise ValueError(f"cuda_graph_bs {max(self.cuda_graph_bs)} exceeds max_running_requests "
                              f"{self.max_running_requests}; drop the larger sizes")

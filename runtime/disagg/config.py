@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pdlab.runtime.config import ServerConfig
+from pdlab.runtime.config import ServerConfig, field_default
 
 
 class RoleConfig(ServerConfig):
@@ -37,6 +37,12 @@ class RoleConfig(ServerConfig):
                     f"--chunked-prefill-size to <= {self.dispatch_max_tokens_per_rank}")
             raise ValueError("low-latency dispatch on a prefill server: pdlab's model runs prefill steps with normal "
                              "dispatch only; use --moe-dispatch-mode normal on prefill servers")
+        if self.moe_dispatch_mode == "normal" and self.dispatch_max_tokens_per_rank != field_default(
+                self, "dispatch_max_tokens_per_rank"):
+            raise ValueError(f"--dispatch-max-tokens-per-rank {self.dispatch_max_tokens_per_rank} sizes the "
+                             "low-latency dispatch buffer, but --moe-dispatch-mode is normal (a decode server's "
+                             "captured steps size theirs by --max-running-requests); add --moe-dispatch-mode "
+                             "low_latency (decode servers), or drop --dispatch-max-tokens-per-rank")
         if self.moe_runner is not None:
             _check_runner(self.moe_runner, self.moe_dispatch_mode)
         if self.role == "decode" and self.max_total_tokens is not None and self.max_context_len is not None:

@@ -438,10 +438,11 @@ def _require_pool_holds(cfg: EngineConfig, max_context_len: int, num_pages: int)
     ps = cfg.page_size
     max_pages = -(-max_context_len // ps)
     if num_pages - 1 < max_pages:
+        more = (f"raise --max-total-tokens to at least {max_pages * ps}" if cfg.max_total_tokens is not None else
+                f"raise --mem-fraction-static {cfg.mem_fraction_static:g}, give --max-total-tokens {max_pages * ps}")
         raise ConfigError(
             f"the KV pool holds {num_pages - 1} pages of {ps} tokens, fewer than one maximal request needs "
-            f"({max_pages} pages for max_context_len {max_context_len}); raise --max-total-tokens to at "
-            f"least {max_pages * ps} (or --mem-fraction-static) or lower --max-context-len")
+            f"({max_pages} pages for max_context_len {max_context_len}); {more} or lower --max-context-len")
     return max_pages
 
 

@@ -388,6 +388,8 @@ def test_import_error_in_a_worker_fails_launch_fast(capfd):
      "smaller than one maximal request"),
     (dict(role="prefill", kv_transfer="nixl", kv_transfer_convert=True), "needs the local transfer backend"),
     (dict(role="decode", moe_runner="no_such_runner"), "unknown MoE runner"),
+    (dict(role="decode", dispatch_max_tokens_per_rank=64),  # normal mode: the buffer it sizes is never built
+     "--dispatch-max-tokens-per-rank 64 sizes the low-latency dispatch buffer, but --moe-dispatch-mode is normal"),
 ])
 def test_impossible_role_configs_rejected(settings, match):
     with pytest.raises(ConfigError, match=match):
@@ -396,6 +398,10 @@ def test_impossible_role_configs_rejected(settings, match):
 
 def test_valid_role_configs():
     build_config(RoleConfig, role="decode", moe_dispatch_mode="low_latency", moe_runner="cutedsl")
+    assert build_config(RoleConfig, role="decode", moe_dispatch_mode="low_latency",
+                        dispatch_max_tokens_per_rank=64).dispatch_max_tokens_per_rank == 64
+    c = build_config(RoleConfig, role="decode")
+    assert build_config(RoleConfig, **c.model_dump()) == c  # a dumped config repeats each default, and loads
     build_config(RoleConfig, role="prefill", moe_runner="triton", chunked_prefill_size=4096)
 
 

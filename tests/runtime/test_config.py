@@ -113,6 +113,11 @@ def test_serve_cli_rejects_bad_settings_before_loading(capsys):
     (["--kv-scale", "0.05"], ("--kv-scale", "--kv-dtype fp8")),
     (["--kv-dtype", "bf16", "--kv-scale", "2"], ("--kv-scale", "--kv-dtype fp8")),
     (["--disable-cuda-graph", "--cuda-graph-bs", "1", "2"], ("--cuda-graph-bs", "--disable-cuda-graph")),
+    (["--disable-cuda-graph", "--cuda-graph-max-prefill-tokens", "128"],
+     ("--cuda-graph-max-prefill-tokens 128", "--disable-cuda-graph")),
+    (["--max-total-tokens", "8192", "--mem-fraction-static", "0.5"], ("--mem-fraction-static 0.5", "--max-total-tokens")),
+    (["--retract-mode", "recompute", "--kv-backup-chunk-pages", "64"],
+     ("--kv-backup-chunk-pages 64", "--retract-mode recompute")),
 ])
 @pytest.mark.parametrize("mode", [[], ["--disagg"]], ids=["colocated", "disagg"])
 def test_flags_that_would_be_ignored_are_usage_errors(capsys, argv, flags, mode):
@@ -129,6 +134,12 @@ def test_flags_that_agree_are_accepted():
     assert build_config(ServerConfig, kv_dtype="fp8", kv_scale=0.05).kv_scale == 0.05
     assert build_config(ServerConfig, kv_scale=1.0).kv_scale == 1.0  # the default, as a dumped config repeats it
     assert build_config(ServerConfig, disable_cuda_graph=True).cuda_graph_bs is None
+    # eager prefill said twice; the pool's size given one way; backup copies chunked as backups are made
+    assert build_config(ServerConfig, disable_cuda_graph=True, cuda_graph_max_prefill_tokens=0).disable_cuda_graph
+    assert build_config(ServerConfig, max_total_tokens=8192, mem_fraction_static=0.85).max_total_tokens == 8192
+    assert build_config(ServerConfig, mem_fraction_static=0.5).mem_fraction_static == 0.5
+    assert build_config(ServerConfig, retract_mode="backup", kv_backup_chunk_pages=64).kv_backup_chunk_pages == 64
+    assert build_config(ServerConfig, retract_mode="recompute").kv_backup_chunk_pages == 256
     c = build_config(ServerConfig, kv_dtype="fp8", kv_scale=0.5, cuda_graph_bs=[1, 2])
     assert build_config(ServerConfig, **c.model_dump()) == c  # a round trip (the disaggregation launcher's) passes
 
