@@ -16,6 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+# settings the disaggregation launcher sets for each server it starts; no flag sets them
+LAUNCHER_FIELDS = frozenset({"role", "device_servers", "device_server_index"})
+
+
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the setting, why, and the fix."""
 
@@ -46,6 +50,10 @@ class EngineConfig(BaseModel):
         "auto", description="how NVFP4 experts are stored, converted in place at load (auto: fragment order where the "
                             "triton runner's Gluon GEMMs run (sm90), tiled on other GPUs, as loaded on CPU)")
     seed: int = Field(0, ge=0, description="seed of the embedded model's random weights and of unseeded requests")
+    device_servers: int = Field(1, ge=1, le=16, description="servers of one model on this device, started one after "
+                                "another, that size their KV pools from its free memory: each takes an equal share "
+                                "(set by --disagg when both roles land on one device; not a flag)")
+    device_server_index: int = Field(0, ge=0, description="this server's place in that start order (not a flag)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -61,6 +69,9 @@ class EngineConfig(BaseModel):
             import torch
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} requested but CUDA is not available here; use --device cpu")
+        if self.device_server_index >= self.device_servers:
+            raise ValueError(f"device_server_index {self.device_server_index} is not a place among device_servers "
+                             f"{self.device_servers}; give an index in 0..{self.device_servers - 1}")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
             raise ValueError(f"cuda_graph_bs must be positive batch sizes, got {self.cuda_graph_bs}")
         # a setting the other one makes meaningless is refused, not ignored (1.0, the default, scales nothing: a

@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 
-from pdlab.runtime.config import ConfigError, add_config_arguments, build_config, config_from_args
+from pdlab.runtime.config import LAUNCHER_FIELDS, ConfigError, add_config_arguments, build_config, config_from_args
 
 log = logging.getLogger("pdlab.disagg")
 
@@ -29,7 +29,7 @@ ROUTER_FLAGS = ("prefill", "decode", "policy", "health_interval", "health_timeou
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pdlab.runtime.disagg.config import RoleConfig
 
-    add_config_arguments(parser, RoleConfig, exclude={"role"})
+    add_config_arguments(parser, RoleConfig, exclude=LAUNCHER_FIELDS)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--disagg", action="store_true", help="prefill + decode servers and a router on this machine")
     mode.add_argument("--role", choices=["prefill", "decode", "router"], help="start one role")
@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             return _run_inline(serve_role, cfg.model_dump())
         base = config_from_args(RoleConfig, args).model_dump()
         pre, dec = _split_devices(base)
+        if pre["device"] == dec["device"]:  # one device: started one after another, each pool an equal share
+            pre, dec = ({**c, "device_servers": 2, "device_server_index": i} for i, c in enumerate((pre, dec)))
         pcfg = build_config(RoleConfig, **{**pre, "role": "prefill", "port": 0})
         dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0})
         for c in (pcfg, dcfg):  # settings that conflict with the model: one line here, not a child's traceback
@@ -97,10 +99,16 @@ def launch_disagg(prefill_cfg: dict, decode_cfg: dict, *, router: dict, start_ti
     grace = max(float(c.get("shutdown_timeout", 10.0)) for c in (prefill_cfg, decode_cfg, router))
     sup = Supervisor(start_timeout=start_timeout, stop_timeout=grace + 10.0)
     try:
-        acks = sup.start([
-            ChildSpec("prefill", serve_role, args=(prefill_cfg,), kwargs={"model_factory": model_factory}),
-            ChildSpec("decode", serve_role, args=(decode_cfg,), kwargs={"model_factory": model_factory}),
-        ])
+        specs = [ChildSpec(role, serve_role, args=(c,), kwargs={"model_factory": model_factory})
+                 for role, c in (("prefill", prefill_cfg), ("decode", decode_cfg))]
+        if any(c.get("device_servers", 1) > 1 for c in (prefill_cfg, decode_cfg)):
+            # servers sharing a device start one after another: each checks and sizes its memory against what the
+            # one before it took (started together, both would see the same free memory and over-commit it)
+            acks = {}
+            for spec in sorted(specs, key=lambda sp: sp.args[0].get("device_server_index", 0)):
+                acks.update(sup.start([spec]))
+        else:
+            acks = sup.start(specs)
         rcfg = RouterConfig(**{**router, "prefill": [acks["prefill"]["url"]], "decode": [acks["decode"]["url"]]})
         acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
         for name in ("prefill", "decode", "router"):

@@ -171,10 +171,23 @@ class Engine:
         from pdlab.runtime.memory.budget import available_bytes
 
         free = available_bytes(self.device)
-        budget = (8 << 30 if free is None else free) * cfg.mem_fraction_static
+        budget = kv_budget(8 << 30 if free is None else free, cfg.mem_fraction_static, cfg.device_servers,
+                           cfg.device_server_index, self._weight_bytes() if cfg.device_servers > 1 else 0)
         if self.device.type != "cuda":
             budget = min(budget, 4 << 30)  # CPU: at most 4 GiB
         return max(2, int(budget // per_page))
+
+    def _weight_bytes(self) -> int:
+        """Bytes of this engine's model parameters and buffers (each storage once); 0 for a model that is not a
+        torch module."""
+        seen, total = set(), 0
+        tensors = [*getattr(self.model, "parameters", lambda: [])(), *getattr(self.model, "buffers", lambda: [])()]
+        for t in tensors:
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     def _check_pool_holds_a_request(self, num_pages: int) -> int:
         """ConfigError unless a pool of `num_pages` (the dummy page included) holds one request of
@@ -430,6 +443,20 @@ def preflight(cfg: EngineConfig) -> int:
     if cfg.max_total_tokens is not None:
         _require_pool_holds(cfg, ctx, -(-cfg.max_total_tokens // cfg.page_size) + 1)
     return ctx
+
+
+def kv_budget(free: int, fraction: float, servers: int = 1, index: int = 0, weight_bytes: int = 0) -> float:
+    """Bytes of KV pool for a server that sees `free` bytes of its device free, its model loaded.
+
+    Alone (servers 1): `fraction` of `free`. Shared: `servers` servers of one model (`weight_bytes` each) are
+    started one after another on the device, and each takes an equal share P of `fraction` of the memory left
+    once every server's weights are loaded. The server at `index` sees free = F0 - (index + 1)·W - index·P (F0:
+    free before any server loaded), so with G = F0 - servers·W and P = fraction·G / servers:
+    P = fraction · (free - (servers - index - 1)·W) / (servers - fraction·index)."""
+    if servers <= 1:
+        return free * fraction
+    left = max(0, free - (servers - index - 1) * weight_bytes)  # the later servers' weights still to come
+    return fraction * left / (servers - fraction * index)
 
 
 def _require_pool_holds(cfg: EngineConfig, max_context_len: int, num_pages: int) -> int:

@@ -16,15 +16,14 @@ import sys
 import threading
 import time
 
-from pdlab.runtime.config import ConfigError, ServerConfig, add_config_arguments, config_from_args
+from pdlab.runtime.config import LAUNCHER_FIELDS, ConfigError, ServerConfig, add_config_arguments, config_from_args
 
 log = logging.getLogger("pdlab.runtime")
 
-_NOT_FLAGS = {"role"}  # set by the disaggregation launcher, not by `runtime serve`
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, ServerConfig, exclude=_NOT_FLAGS)
+    add_config_arguments(parser, ServerConfig, exclude=LAUNCHER_FIELDS)
     parser.add_argument("--disagg", action="store_true",
                         help="start prefill + decode servers and a router (handled by the disaggregation launcher)")
 

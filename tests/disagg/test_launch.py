@@ -455,3 +455,40 @@ def test_disagg_setting_that_conflicts_with_the_model_is_one_line_before_any_chi
         assert s in out, out
     rc, out, _ = _cli("--role", "decode", "--device", "cpu", "--port", "0", *flags)
     assert rc == 2 and "Traceback" not in out and says[0] in out, out
+
+
+def test_disagg_on_one_device_starts_the_servers_one_after_another(monkeypatch):
+    """Both roles on one device: the launcher marks them the two servers of that device (each sizes an equal KV
+    pool) and starts the decode server once the prefill one is up, so its memory checks see what prefill took
+    (started together, both measured the same free memory and sized pools for all of it)."""
+    import pdlab.runtime.supervisor as supervisor
+    from pdlab.runtime.disagg import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "launch_disagg", lambda pre, dec, **kw: seen.update(pre=pre, dec=dec) or 0)
+    assert launch.main(["--disagg", "--device", "cpu", "--port", "0"]) == 0
+    assert [(c["role"], c["device"], c["device_servers"], c["device_server_index"])
+            for c in (seen["pre"], seen["dec"])] == [("prefill", "cpu", 2, 0), ("decode", "cpu", 2, 1)]
+    with pytest.raises(SystemExit):  # set by the launcher, not a flag
+        launch.main(["--disagg", "--device", "cpu", "--device-servers", "3"])
+    monkeypatch.undo()
+
+    batches = []
+
+    class Recording(supervisor.Supervisor):
+        def start(self, specs):
+            batches.append([s.name for s in specs])
+            return super().start(specs)
+
+    monkeypatch.setattr(supervisor, "Supervisor", Recording)
+    cfgs = [{**BASE, "role": r, "device_servers": 2, "device_server_index": i}
+            for i, r in enumerate(("prefill", "decode"))]
+    with pytest.raises(ValueError, match="no_such_router_setting"):  # stops once both servers are up
+        launch_disagg(*cfgs, router={"host": "127.0.0.1", "port": 0, "no_such_router_setting": 1},
+                      model_factory=FACTORY)
+    assert batches == [["prefill"], ["decode"]]
+    batches.clear()
+    with pytest.raises(ValueError, match="no_such_router_setting"):  # servers of their own devices: together
+        launch_disagg(*[{**BASE, "role": r} for r in ("prefill", "decode")],
+                      router={"host": "127.0.0.1", "port": 0, "no_such_router_setting": 1}, model_factory=FACTORY)
+    assert batches == [["prefill", "decode"]]

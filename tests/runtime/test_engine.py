@@ -4,7 +4,7 @@ and the real embedded model served under KV pressure (page 64, fp8) with identic
 import pytest
 import torch
 
-from pdlab.runtime.config import SchedulerConfig, build_config
+from pdlab.runtime.config import ConfigError, SchedulerConfig, build_config
 from pdlab.runtime.core import Batch, Req, SamplingParams
 from pdlab.runtime.engine.engine import Engine
 from pdlab.runtime.engine.loop import LLM
@@ -526,3 +526,43 @@ def test_weight_estimate_counts_one_ranks_experts_under_expert_parallelism():
     one, eight = weight_bytes(cfg, torch.bfloat16, True), weight_bytes(cfg, torch.bfloat16, True, ep_size=8)
     experts = 3 * 256 * 3 * 2048 * 7168 * (0.5 + 1 / 16)  # 3 MoE layers of 256 NVFP4 experts
     assert one - eight == pytest.approx(experts * 7 / 8, rel=1e-9)
+
+
+@pytest.mark.parametrize("servers, fraction", [(2, 0.85), (3, 0.5), (4, 0.9)])
+def test_servers_sharing_a_device_get_equal_kv_pools(servers, fraction):
+    """Servers of one model started one after another on one device, each sizing its pool from the free memory it
+    sees: every pool is the same share of `fraction` of what is left after all the weights (simulated start-up)."""
+    from pdlab.runtime.engine.engine import kv_budget
+
+    free0, weights = 100 << 30, 7 << 30
+    free, pools = free0, []
+    for i in range(servers):
+        free -= weights  # this server loads its model, then sizes its pool
+        pools.append(kv_budget(free, fraction, servers, i, weights))
+        free -= pools[-1]
+    want = fraction * (free0 - servers * weights) / servers
+    assert pools == pytest.approx([want] * servers, rel=1e-12)
+    assert free == pytest.approx((1 - fraction) * (free0 - servers * weights))  # the headroom one server keeps
+    assert kv_budget(free0, fraction) == free0 * fraction  # alone: the fraction of what it sees
+    assert kv_budget(weights, fraction, 2, 0, 2 * weights) == 0  # the weights to come do not fit: no pool, not < 0
+
+
+def test_the_first_of_two_servers_on_a_device_sizes_its_pool_for_both(monkeypatch):
+    """An engine told it is the first of two servers of one device leaves the second its weights and an equal
+    pool (was: both took --mem-fraction-static of what they saw; started together, both saw the same memory)."""
+    import torch
+
+    from pdlab.runtime.memory import budget
+    from pdlab.runtime.model.tiny import load_tiny
+
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 256 << 20)
+    m, tok, cfg = load_tiny("cpu", torch.float32)
+    w = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    engines = [Engine(build_config(SchedulerConfig, device="cpu", page_size=16, device_servers=n), m, tok, cfg,
+                      max_running_requests=4) for n in (1, 2)]
+    assert engines[1]._weight_bytes() == w > 1 << 20
+    page_bytes = type(engines[0].pool).bytes_per_token(engines[0].num_layers, "fp32") * 16
+    assert [e.pool.num_pages for e in engines] == [int(0.85 * (256 << 20) // page_bytes),
+                                                   int(0.85 * ((256 << 20) - w) / 2 // page_bytes)]
+    with pytest.raises(ConfigError, match="device_server_index 2 is not a place among device_servers 2"):
+        build_config(SchedulerConfig, device_servers=2, device_server_index=2)
