@@ -491,6 +491,9 @@ def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping
         top = int(seqlens.max())
         op.require(name, top <= capacity, "seqlens", f"reaches {top} tokens, beyond the pages given", seqlens,
                    f"seqlens <= pages*page_size = {capacity}", hint)
+        op.require(name, max_seqlen is None or top <= int(max_seqlen), "seqlens",
+                   f"reaches {top} tokens, beyond max_seqlen={max_seqlen}", seqlens, f"seqlens <= {max_seqlen}",
+                   "max_seqlen is a bound of seqlens: pass the longest sequence's length (or leave it None).")
         if "Sq" in dims:  # decode: S_q new tokens per sequence (a prefill checks against its qo_indptr, where a
             # sequence may add no token: the empty sequences of a prefill graph)
             low, need = int(seqlens.min()), dims["Sq"]

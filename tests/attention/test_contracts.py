@@ -59,6 +59,10 @@ def test_seqlen_beyond_pages(prob):
     assert "widen block_table" in str(e.value)
     with pytest.raises(ShapeError, match="beyond the pages given"):
         _call(prob, max_seqlen=cap + 1)  # device tensors: the caller's host bound is checked instead
+    top = int(prob.seqlens.max())
+    with pytest.raises(ShapeError, match=f"reaches {top} tokens, beyond max_seqlen={top - 1}"):
+        _call(prob, max_seqlen=top - 1)  # host seqlens: a bound they break is named, not trusted
+    _call(prob, max_seqlen=top)
     with pytest.raises(ShapeError, match="fewer than its 1 new"):
         _call(prob, seqlens=torch.tensor([0, 4], dtype=torch.int32))
 
