@@ -251,12 +251,19 @@ class MoELayer:
 
         mode: "normal" | "low_latency" (default: the layer's mode); must be one of `modes`."""
         mode = mode or self.mode
+        if mode not in MODES:
+            raise ValueError(f"MoELayer: unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode not in self.modes:
             raise ValueError(f"MoELayer was built to serve {self.modes}, not {mode!r}: pass modes='both' "
                              "(or the mode) at construction so the pairing is checked then")
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
             raise ShapeError("moe_layer", None, "x", "has the wrong shape", f"[T, H={self.cfg.hidden_size}]",
                              describe_tensor(x), "the MoE layer takes flattened tokens [num_tokens, hidden_size]")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ShapeError("moe_layer", None, "x", "has the wrong dtype", f"[T, H={self.cfg.hidden_size}] "
+                             "bf16|fp16|fp32", describe_tensor(x),
+                             "the MoE layer takes the hidden states in the model's activation dtype; the layer "
+                             "quantizes them itself for an fp8 / nvfp4 payload")
         with self._stage("route"):
             ids, w = self.route(x)
         with self._stage("quantize"):

@@ -128,6 +128,11 @@ def test_wrong_layout_at_call_time_is_a_shape_error(moe):
         layer.combine(layer.experts(contiguous, mode="normal"), handle)
     with pytest.raises(ShapeError, match="hidden_size"):
         layer(torch.randn(5, 2 * CFG.hidden_size))
+    # token ids where hidden states belong: named at the layer's input (was: the expert runner's 'hidden' argument)
+    with pytest.raises(ShapeError, match=r"moe_layer argument 'x' has the wrong dtype.*int64"):
+        layer(torch.ones(5, CFG.hidden_size, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unknown mode 'prefill'; choose one of normal, low_latency"):
+        layer(x, mode="prefill")
 
 
 def test_local_expert_slice(moe):
