@@ -15,14 +15,24 @@ H, E, K = 256, 12, 4
 META = {"device": "cpu", "device_key": "cpu", "arch": "cpu"}
 
 
-def _write(root, backend: str, entries: list[tuple[dict, dict]]) -> None:
-    """Store `entries` ((bucket overrides, config) pairs) for moe_dispatch[backend] on the CPU under `root`."""
+# the process group of a multi-rank test: gloo on CPU here, NCCL on two GPUs (the ranks read cuda:rank's store)
+RANK_BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu)]
+
+
+def _write(root, backend: str, entries: list[tuple[dict, dict]], device="cpu") -> None:
+    """Store `entries` ((bucket overrides, config) pairs) for moe_dispatch[backend] of `device` under `root`."""
     results = {}
     for over, cfg in entries:
         bucket = {"tokens_per_rank": 16, "ranks": 1, "mode": "normal", "payload": "bf16", "hidden": H, "experts": E,
                   "top_k": K, **over}
         results.update(store.merge_bucket(bucket, {backend: store.backend_result(cfg, 1.0, 2.0)}))
-    store.write_results(root, "cpu", "moe_dispatch", {**META, "versions": tuned.running_versions(["torch"])}, results)
+    name, key, arch = tuned.device_identity(device)
+    meta = {**META, "device": name, "device_key": key, "arch": arch, "versions": tuned.running_versions(["torch"])}
+    store.write_results(root, key, "moe_dispatch", meta, results)
+
+
+def _store_device(rank_backend: str):
+    return torch.device("cuda", 0) if rank_backend == "nccl" else "cpu"
 
 
 @pytest.fixture
@@ -85,14 +95,16 @@ def test_the_lookup_asks_for_the_keys_tune_dispatch_stores(config_dir):
                       "experts": E, "top_k": K}
 
 
-def test_nccl_ranks_with_different_token_counts_agree_on_the_tuned_chunk_count(config_dir):
+@pytest.mark.parametrize("rank_backend", RANK_BACKENDS)
+def test_nccl_ranks_with_different_token_counts_agree_on_the_tuned_chunk_count(config_dir, rank_backend):
     # 8 tokens on rank 0 and 400 on rank 1: keyed by each rank's own count the ranks would pick 1 and 4 chunks and
     # their collectives would not match; both key by the largest count (400 → the 512 entry: 4 chunks)
     _write(config_dir, "nccl", [({"tokens_per_rank": 16, "ranks": 2}, {"num_chunks": 1}),
-                                ({"tokens_per_rank": 512, "ranks": 2}, {"num_chunks": 4, "chunk_rows": 2048})])
+                                ({"tokens_per_rank": 512, "ranks": 2}, {"num_chunks": 4, "chunk_rows": 2048})],
+           device=_store_device(rank_backend))
     cases = [dict(seed=4, mode="normal", payload=p, tokens_per_rank=8, hidden=H, num_experts=E, top_k=K,
                   rank_tokens=[8, 400]) for p in ("bf16", "nvfp4")]
-    results = run_ranks(dispatch_cases, 2, kwargs={"cases": cases}, backend="gloo", timeout_s=120,
+    results = run_ranks(dispatch_cases, 2, kwargs={"cases": cases}, backend=rank_backend, timeout_s=120,
                         env={tuned.CONFIG_DIR_ENV: str(config_dir)})
     x, ids, w = global_tokens(4, 1, 408, H, E, K)
     ref = x * w.sum(1, keepdim=True)
@@ -105,12 +117,13 @@ def test_nccl_ranks_with_different_token_counts_agree_on_the_tuned_chunk_count(c
         assert results[r][1]["config_source"] == "default" and results[r][1]["config"]["num_chunks"] == 1
 
 
-def test_an_explicit_chunk_count_above_a_ranks_token_count_still_matches_the_other_rank():
+@pytest.mark.parametrize("rank_backend", RANK_BACKENDS)
+def test_an_explicit_chunk_count_above_a_ranks_token_count_still_matches_the_other_rank(rank_backend):
     # rank 0 has 2 tokens, rank 1 has 10, num_chunks=4: chunk counts bounded by each rank's own count (2 vs 4)
     # mismatched the exchanges; both now run 4 chunks (rank 0's empty ones included)
     cases = [dict(seed=3, mode="normal", payload="bf16", tokens_per_rank=5, hidden=H, num_experts=E, top_k=K,
                   rank_tokens=[2, 10], config={"num_chunks": 4})]
-    results = run_ranks(dispatch_cases, 2, kwargs={"cases": cases}, backend="gloo", timeout_s=120)
+    results = run_ranks(dispatch_cases, 2, kwargs={"cases": cases}, backend=rank_backend, timeout_s=120)
     x, ids, w = global_tokens(3, 1, 12, H, E, K)
     ref = x * w.sum(1, keepdim=True)
     out = torch.cat([results[r][0]["out"] for r in range(2)]).float()
