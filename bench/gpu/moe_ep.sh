@@ -23,7 +23,8 @@ DISPATCHER=${DISPATCHER:-nccl}
 head -1 "$OUT/device.txt"
 
 PDLAB_EP=$EP timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q -s -p no:cacheprovider -m "gpu or multigpu" \
-    tests/moe/test_ep.py tests/moe/test_dispatch_reduce.py tests/moe/test_dispatch.py tests/moe/test_dispatch_tuned.py 2>&1 | tail -60 > "$OUT/tests_ep.txt"
+    tests/moe/test_ep.py tests/moe/test_dispatch_reduce.py tests/moe/test_dispatch.py tests/moe/test_dispatch_tuned.py \
+    2>&1 | tail -60 > "$OUT/tests_ep.txt"
 cat "$OUT/tests_ep.txt"
 
 bench() {  # bench <name> <timeout> <args...>

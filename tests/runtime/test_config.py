@@ -115,7 +115,8 @@ def test_serve_cli_rejects_bad_settings_before_loading(capsys):
     (["--disable-cuda-graph", "--cuda-graph-bs", "1", "2"], ("--cuda-graph-bs", "--disable-cuda-graph")),
     (["--disable-cuda-graph", "--cuda-graph-max-prefill-tokens", "128"],
      ("--cuda-graph-max-prefill-tokens 128", "--disable-cuda-graph")),
-    (["--max-total-tokens", "8192", "--mem-fraction-static", "0.5"], ("--mem-fraction-static 0.5", "--max-total-tokens")),
+    (["--max-total-tokens", "8192", "--mem-fraction-static", "0.5"],
+     ("--mem-fraction-static 0.5", "--max-total-tokens")),
     (["--retract-mode", "recompute", "--kv-backup-chunk-pages", "64"],
      ("--kv-backup-chunk-pages 64", "--retract-mode recompute")),
 ])
