@@ -30,6 +30,9 @@ _CPU_DEFAULTS = {"batch": "2", "seqlen": "64,200", "heads": "16", "kv_dtype": "b
 
 
 KV_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+# per --kv-dtype: the dtype of q (and of the cache, except fp8's uint8 bytes) and the bytes per cache element
+_Q_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+_KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0}
 
 
 def _page_size(text: str) -> int:
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from pdlab.bench.roofline import roofline
     from pdlab.kernels import registry
     from pdlab.kernels.arch import device_facts
+    from pdlab.kernels.contracts import dtype_name
 
     import pandas as pd
     from pathlib import Path
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     with report.progress(total, f"bench attention {args.op}") as advance:
         for B, L, H, kv_dtype, page, sq in shapes:
             lens = [max(1, rng.randint(L // 2, L + L // 2)) for _ in range(B)] if args.varlen else [L] * B
-            dtype = torch.float16 if kv_dtype == "fp16" else torch.bfloat16
+            dtype, elem = _Q_DTYPE[kv_dtype], _KV_BYTES[kv_dtype]
             if args.op == "decode":
                 lens = [max(n, sq) for n in lens]
                 p = decode_problem(lens, H, sq, page, dtype, kv_dtype="fp8" if kv_dtype == "fp8" else "same",
@@ -174,7 +178,6 @@ def run(args: argparse.Namespace) -> int:
                 call = lambda backend, config: mla_decode(  # noqa: E731
                     p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                     backend=backend, config=config)
-                elem = 1.0 if kv_dtype == "fp8" else 2.0
                 flops, nbytes = decode_cost(B, sq, H, sum(lens), elem)
                 q_len = sq
             else:
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 call = lambda backend, config: mla_prefill(  # noqa: E731
                     p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale, kv_scale=p.kv_scale,
                     max_q_len=p.max_q_len, backend=backend, config=config)
-                flops, nbytes = prefill_cost(lens, new, H, 1.0 if kv_dtype == "fp8" else 2.0)
+                flops, nbytes = prefill_cost(lens, new, H, elem)
                 q_len = None
             ref = None
             if not args.no_reference:
@@ -200,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
                       "q_len": sq if args.op == "decode" else p.max_q_len}
             for name in usable:
                 b = registry.get_backend(op.name, name)
-                why = supports(b, page_size=page, kv_dtype=kv_dtype, q_dtype="bf16" if dtype == torch.bfloat16
-                               else "fp16", q_len=q_len, arch=registry.detect_arch(device))
+                why = supports(b, page_size=page, kv_dtype=kv_dtype, q_dtype=dtype_name(dtype), q_len=q_len,
+                               arch=registry.detect_arch(device))
                 for cfg in (configs if b.config_space else [None]):
                     row = dict(base, backend=name)
                     if why:

@@ -1,0 +1,37 @@
+"""`bench attention`, `bench moe` and `bench quantize` run at small shapes on CPU as a new user would: rows are
+what they say they are, lists of names and a model config are checked before measuring, and the CSV has the same
+columns whatever ran."""
+
+import pandas as pd
+import pytest
+import torch
+
+from pdlab.bench.cli import main
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize("kv_dtype, cache_dtype, op", [("fp32", torch.float32, "decode"),
+                                                       ("fp16", torch.float16, "decode"),
+                                                       ("fp32", torch.float32, "prefill")])
+def test_bench_attention_runs_the_cache_dtype_its_rows_name(tmp_path, monkeypatch, kv_dtype, cache_dtype, op):
+    # --kv-dtype fp32 ran a bf16 cache (and counted 2 bytes per element) in rows labelled fp32
+    import pdlab.attention as attention
+
+    seen = []
+    name = f"mla_{op}"
+    real = getattr(attention, name)
+
+    def spy(q, kv_cache, *args, **kwargs):
+        seen.append((q.dtype, kv_cache.dtype))
+        return real(q, kv_cache, *args, **kwargs)
+
+    monkeypatch.setattr(attention, name, spy)
+    assert main(["attention", "--op", op, "--backend", "torch", "--batch", "1", "--seqlen", "16",
+                 "--kv-dtype", kv_dtype, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert seen and set(seen) == {(cache_dtype, cache_dtype)}
+    row = pd.read_csv(tmp_path / f"{name}.csv").iloc[0]
+    assert row["kv_dtype"] == kv_dtype and row["status"] == "ok"
