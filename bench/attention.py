@@ -104,7 +104,12 @@ def _config_word(text: str) -> str:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    return [int(x) for x in _words(text)]
+
+
+def _words(text: str) -> list[str]:
+    """The items of a comma list as its argparse check read them: stripped, blanks dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.backend is None:  # each op its own backends: prefill has no flashmla / trtllm_mla
         names = [b.name for b in registry.backends(op.name)]
     else:
-        names = [b.strip() for b in args.backend.split(",") if b.strip()]
+        names = _words(args.backend)
     problem = registry.unknown_names(op.name, names)
     if problem:
         print(f"bench attention: {problem}")
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[unavailable] {op.name}[{name}]: {reason}")
 
     shapes = list(itertools.product(_ints(get("batch")), _ints(get("seqlen")), _ints(get("heads")),
-                                    get("kv_dtype").split(","), _ints(get("page_size")),
+                                    _words(get("kv_dtype")), _ints(get("page_size")),
                                     _ints(get("s_q")) if args.op == "decode" else [args.new_tokens]))
     rows = []
     rng = random.Random(args.seed)

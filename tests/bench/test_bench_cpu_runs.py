@@ -35,3 +35,14 @@ def test_bench_attention_runs_the_cache_dtype_its_rows_name(tmp_path, monkeypatc
     assert seen and set(seen) == {(cache_dtype, cache_dtype)}
     row = pd.read_csv(tmp_path / f"{name}.csv").iloc[0]
     assert row["kv_dtype"] == kv_dtype and row["status"] == "ok"
+
+
+@pytest.mark.parametrize("kv_dtypes", ["bf16,,", "bf16, fp16", ",bf16"])
+def test_bench_attention_kv_dtype_list_is_read_as_its_check_reads_it(tmp_path, capsys, kv_dtypes):
+    # the list passed its check (which skips blanks and spaces) and was then split again without them: rows of
+    # "unsupported: kv cache dtype  not in (...)" for an empty dtype, and " fp16" with a space
+    assert main(["attention", "--backend", "torch", "--batch", "1", "--seqlen", "16", "--kv-dtype", kv_dtypes,
+                 "--repeats", "1", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / "mla_decode.csv")
+    assert df["status"].eq("ok").all(), df["status"].tolist()
+    assert df["kv_dtype"].tolist() == [t.strip() for t in kv_dtypes.split(",") if t.strip()]
