@@ -44,7 +44,7 @@ def _page_size(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--backend", default=None,
+    p.add_argument("--backend", default=None, type=comma_list(str, "backend names, e.g. triton,torch"),
                    help="comma list of backends (default: every backend of the op, e.g. for decode triton, flashmla, "
                         "trtllm_mla, flashinfer, torch; unavailable ones are listed with the reason)")
     p.add_argument("--batch", type=comma_list(positive_int, "batch sizes >= 1, e.g. 1,32,128"),

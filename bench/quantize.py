@@ -13,7 +13,7 @@ import argparse
 import pandas as pd
 import torch
 
-from pdlab._subcommands import int_arg
+from pdlab._subcommands import comma_list, int_arg
 from pdlab.bench._args import out_dir_problem
 
 GPU_M = [1, 128, 1024, 4096, 16384]
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", type=int_arg(1), nargs="+",
                    help="rows (default: 1 128 1024 4096 16384 on GPU, 1 16 128 on CPU)")
     p.add_argument("--k", type=_hidden, nargs="+", help="hidden sizes (default: 7168 2048 on GPU, 2048 on CPU)")
-    p.add_argument("--backends", default="torch,triton", help="comma-separated backends (default: torch,triton)")
+    p.add_argument("--backends", default="torch,triton", type=comma_list(str, "backend names, e.g. torch,triton"),
+                   help="comma-separated backends (default: torch,triton)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--grouped", type=str, default=None,
                    help="also run a masked grouped shape E,M_max (default on GPU: 32,256; 'none' to skip)")

@@ -46,3 +46,15 @@ def test_bench_attention_kv_dtype_list_is_read_as_its_check_reads_it(tmp_path, c
     df = pd.read_csv(tmp_path / "mla_decode.csv")
     assert df["status"].eq("ok").all(), df["status"].tolist()
     assert df["kv_dtype"].tolist() == [t.strip() for t in kv_dtypes.split(",") if t.strip()]
+
+
+@pytest.mark.parametrize("argv, flag", [(["attention", "--backend", ","], "--backend"),
+                                        (["attention", "--backend", " "], "--backend"),
+                                        (["quantize", "--backends", ",,", "--grouped", "none"], "--backends")])
+def test_an_empty_backend_list_is_a_usage_error(tmp_path, capsys, argv, flag):
+    # bench attention --backend , exited 1 saying "reasons above" with no reason above; bench quantize
+    # --backends , ended in a KeyError: 'status' traceback
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and f"argument {flag}: empty list" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
