@@ -108,8 +108,8 @@ def _ints(text: str) -> list[int]:
 
 
 def _words(text: str) -> list[str]:
-    """The items of a comma list as its argparse check read them: stripped, blanks dropped."""
-    return [x.strip() for x in text.split(",") if x.strip()]
+    """The items of a comma list as its argparse check read them: stripped, blanks and repeats dropped."""
+    return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))  # a value twice runs once
 
 
 def run(args: argparse.Namespace) -> int:

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench moe: --ll-tokens sets the low-latency rows; this run is --mode normal (drop --ll-tokens, or use "
               "--mode low_latency or both)")
         return 2
-    runners = [r.strip() for r in args.runner.split(",") if r.strip()]
+    runners = list(dict.fromkeys(r.strip() for r in args.runner.split(",") if r.strip()))  # a name twice runs once
     for op, names in (("moe_experts", [r for r in runners if r != "auto"]), ("moe_dispatch", [dispatcher])):
         problem = registry.unknown_names(op, names)
         if problem:
@@ -135,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
     # the low-latency rows take the token counts up to 256
     ll_tokens = _ints(args.ll_tokens) or [t for t in tokens if t <= 256] or tokens[:1]
     modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
-    payloads = [p.strip() for p in args.dispatch.split(",") if p.strip()]
-    if not cuda and runners == ["auto"]:
-        runners = ["torch"]
+    payloads = list(dict.fromkeys(p.strip() for p in args.dispatch.split(",") if p.strip()))
+    if not cuda:  # auto is the reference runner on CPU
+        runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
     plan = dict(cfg=asdict(cfg), tokens=tokens, ll_tokens=ll_tokens, modes=modes, payloads=payloads, runners=runners,
                 dispatcher=dispatcher, n_max=n_max, repeats=args.repeats or (20 if cuda else 5), warmup=args.warmup,
@@ -235,6 +235,10 @@ def bench_rank(rank: int, world: int, *, plan: dict[str, Any]) -> list[dict[str,
                 advance(f"skip {mode} {T} {payload}")
                 continue
             row["runner"] = layer.runners[mode]
+            if any((r["mode"], r["tokens"], r["payload"], r["runner"]) == (mode, T, payload, row["runner"])
+                   for r in rows):  # auto picked a runner also named: measured once (every rank picks the same)
+                advance(f"{mode} {T} {payload} {row['runner']} again")
+                continue
             try:
                 rows.append(_measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs))
             except Exception as exc:  # noqa: BLE001  (a kernel failing on one configuration; recorded)
@@ -481,7 +485,7 @@ def _check_config_file(model: str, presets) -> None:
 
 
 def _ints(text: str | None) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()] if text else []
+    return list(dict.fromkeys(int(t) for t in text.split(",") if t.strip())) if text else []  # once each
 
 
 def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:

@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
             facts = arch.with_peaks(facts, arch.measure_peaks())
     peak_bw = facts.peaks.hbm_bytes_per_s if facts.peaks else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    ms = args.m or (GPU_M if cuda else CPU_M)
-    ks = args.k or (GPU_K if cuda else CPU_K)
+    ms = list(dict.fromkeys(args.m or (GPU_M if cuda else CPU_M)))
+    ks = list(dict.fromkeys(args.k or (GPU_K if cuda else CPU_K)))
     grouped = args.grouped if args.grouped is not None else ("32,256" if cuda else "4,16")
     cases = [(m, k, None) for k in ks for m in ms]
     if grouped and grouped != "none":
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench quantize: --grouped {grouped}: E and M_max must be >= 1 (e.g. 32,256), or none to skip")
             return 2
         cases.append((m_max, ks[0], e))
-    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    names = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))  # a name twice runs once
     problem = registry.unknown_names("nvfp4_quantize", names)
     if problem:
         print(f"bench quantize: {problem}")

@@ -58,3 +58,30 @@ def test_an_empty_backend_list_is_a_usage_error(tmp_path, capsys, argv, flag):
         main([*argv, "--out", str(tmp_path)])
     assert exc.value.code == 2 and f"argument {flag}: empty list" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, csv, key", [
+    (["attention", "--backend", "torch,torch", "--batch", "1", "--seqlen", "16"], "mla_decode.csv", "backend"),
+    (["quantize", "--backends", "torch,torch", "--m", "1", "--k", "32", "--grouped", "none", "--no-plot"],
+     "quantize.csv", "backend"),
+    (["moe", "--runner", "torch,torch", "--mode", "normal", "--tokens", "1", "--no-plot"], "moe_ep1.csv", "runner"),
+    (["moe", "--dispatch", "bf16,bf16", "--mode", "normal", "--tokens", "1", "--no-plot"], "moe_ep1.csv", "payload"),
+    (["moe", "--tokens", "1,1", "--mode", "normal", "--no-plot"], "moe_ep1.csv", "tokens"),
+    (["attention", "--batch", "1,1", "--backend", "torch", "--seqlen", "16"], "mla_decode.csv", "batch"),
+    (["quantize", "--m", "1", "1", "--backends", "torch", "--k", "32", "--grouped", "none", "--no-plot"],
+     "quantize.csv", "M"),
+])
+def test_a_name_given_twice_runs_once(tmp_path, argv, csv, key):
+    # each repeated name measured its rows again: the CSV held the same configuration twice
+    assert main([*argv, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / csv)
+    assert len(df) == 1 and df[key].astype(str).tolist() == [argv[2].split(",")[0]]
+
+
+def test_bench_moe_auto_and_the_runner_it_picks_on_cpu_run_once(tmp_path):
+    # on CPU auto is the torch runner: --runner auto,torch measured the torch rows twice
+    if torch.cuda.is_available():
+        pytest.skip("auto picks the best GPU runner there")
+    assert main(["moe", "--runner", "auto,torch", "--mode", "normal", "--tokens", "1", "--repeats", "1",
+                 "--no-plot", "--out", str(tmp_path)]) == 0
+    assert pd.read_csv(tmp_path / "moe_ep1.csv")["runner"].tolist() == ["torch"]
