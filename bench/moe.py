@@ -460,10 +460,16 @@ _MOE_FIELDS = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_in
 
 
 def _check_config_file(model: str, presets) -> None:
-    """ValueError naming the problem when `model` is a config file (or its folder) that is JSON but not an object
-    whose MoE sizes are numbers (a JSON array, a null field): `MoEConfig.from_hf` would raise a bare TypeError."""
-    if model in presets or not os.path.exists(model):
-        return  # a preset, or resolve_model's own error
+    """ValueError naming the problem when `model` is a path that does not exist, or a config file (or its folder)
+    that is JSON but not an object whose MoE sizes are numbers (a JSON array, a null field): `MoEConfig.from_hf`
+    would raise a bare TypeError."""
+    if model in presets:
+        return
+    if not os.path.exists(model):
+        if os.sep in model or model.endswith(".json"):  # a path, not a misspelt preset name
+            raise ValueError(f"no such file or folder; give an HF config.json (or its model folder), or one of "
+                             f"{', '.join(presets)}")
+        return  # resolve_model's own error names the presets
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
         return

@@ -85,3 +85,14 @@ def test_bench_moe_auto_and_the_runner_it_picks_on_cpu_run_once(tmp_path):
     assert main(["moe", "--runner", "auto,torch", "--mode", "normal", "--tokens", "1", "--repeats", "1",
                  "--no-plot", "--out", str(tmp_path)]) == 0
     assert pd.read_csv(tmp_path / "moe_ep1.csv")["runner"].tolist() == ["torch"]
+
+
+@pytest.mark.parametrize("model", ["{tmp}/missing/config.json", "{tmp}/config.json", "./nope.json"])
+def test_bench_moe_model_path_that_does_not_exist_says_so(tmp_path, capsys, model):
+    # said "unknown model '.../config.json': use one of deepseek-r1, deepseek-v3 or a path to ...", as if the path
+    # had been taken for a misspelt model name
+    model = model.format(tmp=tmp_path)
+    assert main(["moe", "--model", model, "--tokens", "1", "--out", str(tmp_path / "out"), "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith(f"bench moe: --model {model!r}") and "no such file" in line and "unknown model" not in line
+    assert not (tmp_path / "out").exists()

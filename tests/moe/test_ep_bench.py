@@ -55,7 +55,7 @@ def test_bench_moe_takes_an_hf_config_file(tmp_path):
 @pytest.mark.parametrize("content, says", [
     (json.dumps({"model_type": "llama", "hidden_size": 64}), "not a DeepseekV3-style MoE config"),
     ("not json {", "not a JSON config file"),
-    (None, "unknown model"),
+    (None, "no such file or folder"),  # a path that does not exist is named as missing
 ])
 def test_bench_moe_bad_model_is_one_line_and_exit_2(tmp_path, capsys, content, says):
     path = tmp_path / "cfg" / "config.json"
