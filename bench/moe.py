@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_config_file(args.model, PRESETS)
         cfg = resolve_model(args.model)
+        _check_nvfp4_sizes(cfg)
     except (OSError, ValueError) as exc:  # a missing file, not JSON, not a DeepseekV3 MoE config
         kind = "not a JSON config file: " if isinstance(exc, json.JSONDecodeError) else ""
         print(f"bench moe: --model {args.model!r}: {kind}{exc}")
@@ -488,6 +489,19 @@ def _check_config_file(model: str, presets) -> None:
     bad += [k for k in optional if data.get(k) is not None and not number(data[k])]
     if bad:
         raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
+
+
+def _check_nvfp4_sizes(cfg) -> None:
+    """ValueError naming the sizes of `cfg` (a MoEConfig) that NVFP4 expert weights cannot hold: both GEMMs
+    quantize along the hidden and the intermediate size in blocks of 16."""
+    from pdlab.kernels.nvfp4 import BLOCK
+
+    bad = [f"{name}={value}" for name, value in (("hidden_size", cfg.hidden_size),
+                                                 ("moe_intermediate_size", cfg.intermediate_size)) if value % BLOCK]
+    if bad:
+        verb = "is" if len(bad) == 1 else "are"
+        raise ValueError(f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: the benchmark's NVFP4 expert "
+                         f"weights are quantized in blocks of {BLOCK} along both sizes")
 
 
 def _ints(text: str | None) -> list[int]:

@@ -96,3 +96,18 @@ def test_bench_moe_model_path_that_does_not_exist_says_so(tmp_path, capsys, mode
     line = _last_line(capsys.readouterr().out)
     assert line.startswith(f"bench moe: --model {model!r}") and "no such file" in line and "unknown model" not in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("hidden, inter, field", [(100, 64, "hidden_size=100"), (256, 72, "moe_intermediate_size=72")])
+def test_bench_moe_model_sizes_nvfp4_cannot_hold_are_a_usage_error(tmp_path, capsys, hidden, inter, field):
+    # a config whose hidden size is not a multiple of NVFP4's 16-element blocks ended in a ShapeError traceback
+    # from building the benchmark's NVFP4 expert weights
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": hidden, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": inter}))
+    assert main(["moe", "--model", str(cfg), "--tokens", "1", "--out", str(tmp_path / "out"), "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith(f"bench moe: --model {str(cfg)!r}") and field in line and "multiple of 16" in line
+    assert not (tmp_path / "out").exists()
