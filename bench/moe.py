@@ -413,6 +413,10 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     import pandas as pd
     from pathlib import Path
 
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"bench moe --scaling: --out {problem}; give a folder to write the plot into")
+        return 2
     need = ["ep", "mode", "tokens", "payload", "dispatch_ms", "combine_ms", "dispatch_GBps", "combine_GBps"]
     frames = []
     for p in paths:

@@ -111,3 +111,15 @@ def test_bench_moe_model_sizes_nvfp4_cannot_hold_are_a_usage_error(tmp_path, cap
     line = _last_line(capsys.readouterr().out)
     assert line.startswith(f"bench moe: --model {str(cfg)!r}") and field in line and "multiple of 16" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_scaling_with_an_out_that_is_a_file_exits_2(tmp_path, capsys):
+    # the plot was drawn, then saving it ended in a FileExistsError traceback
+    assert main(["moe", "--mode", "normal", "--tokens", "1", "--repeats", "1", "--no-plot",
+                 "--out", str(tmp_path)]) == 0
+    target = tmp_path / "plots"
+    target.write_text("x\n")
+    assert main(["moe", "--scaling", str(tmp_path / "moe_ep1.csv"), "--out", str(target)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith(f"bench moe --scaling: --out {target}") and "not a folder" in line
+    assert target.read_text() == "x\n"
