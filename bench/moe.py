@@ -34,6 +34,11 @@ from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
 from pdlab.bench._args import file_stem, out_dir_problem, seconds
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
+# the CSV's columns, whatever ran (a skipped row leaves its measurements empty; so does --no-reference its cos_err)
+COLUMNS = ("mode", "tokens", "payload", "runner", "ep", "dispatcher", "status", "dispatch_config",
+           "dispatch_config_detail", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_combine_graph_ms",
+           "experts_graph_ms", "timing", "dispatch_MB", "combine_MB", "dispatch_GBps", "combine_GBps", "comm_GBps",
+           "pairs", "tflops", "experts_GBps", "pct_roofline", "cos_err")
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
                routed_scaling_factor=2.5)
 
@@ -156,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         rows = _merge_ranks(per_rank)
     profiles = [(r, r.pop("profile_text")) for r in rows if "profile_text" in r]
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows).drop(columns="rank", errors="ignore")  # EP > 1 rows are merged over the ranks
+    df = df.reindex(columns=[*COLUMNS, *[c for c in df.columns if c not in COLUMNS]])
     facts = arch.device_facts()
     name = args.name or f"moe_ep{args.ep}"
     if profiles:
@@ -174,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     cols = ["mode", "tokens", "payload", "runner", *[f"{s}_ms" for s in STAGES], "total_ms",
             "dispatch_combine_graph_ms", "experts_graph_ms", "dispatch_MB", "combine_MB", "comm_GBps", "tflops",
             "pct_roofline", "cos_err", "dispatch_config"]
-    report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}", [c for c in cols if c in ok])
+    report.print_table(ok, f"bench moe — {facts.name}, EP{args.ep}, dispatcher {dispatcher}",
+                       [c for c in cols if c in ok and (ok[c].notna().any() or c in cols[:4])])  # no empty column
     skipped = df[df["status"] != "ok"] if "status" in df else df.iloc[:0]
     for _, r in skipped.iterrows():
         print(f"  skipped {r['mode']} t{r['tokens']} {r['payload']} {r['runner']}: {r['status']}")

@@ -123,3 +123,28 @@ def test_bench_moe_scaling_with_an_out_that_is_a_file_exits_2(tmp_path, capsys):
     line = _last_line(capsys.readouterr().out)
     assert line.startswith(f"bench moe --scaling: --out {target}") and "not a folder" in line
     assert target.read_text() == "x\n"
+
+
+def test_bench_moe_csv_has_the_same_columns_whatever_ran(tmp_path):
+    # the columns followed the rows: --no-reference dropped cos_err (the help says "error column empty"), a run
+    # where every row was skipped wrote 8 columns (so --scaling called its CSV "not a result CSV of bench moe"),
+    # and EP1 had a rank column that EP2 had not
+    common = ["--mode", "normal", "--tokens", "1", "--repeats", "1", "--warmup", "0", "--no-plot"]
+    runs = {"ok": [], "no_reference": ["--no-reference"], "skipped": ["--dispatcher", "deepep"],
+            "ep2": ["--ep", "2"]}
+    columns = {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        code = main(["moe", *common, *extra, "--out", str(out)])
+        df = pd.read_csv(next(out.glob("moe_ep?.csv")))
+        assert code == (1 if name == "skipped" and _unavailable("moe_dispatch", "deepep") else 0)
+        columns[name] = list(df.columns)
+    assert all(cols == columns["ok"] for cols in columns.values()), columns
+    assert "cos_err" in columns["ok"] and "dispatch_GBps" in columns["ok"] and "rank" not in columns["ok"]
+
+
+def _unavailable(op: str, backend: str) -> bool:
+    import pdlab.moe.dispatch  # noqa: F401  (registers the dispatchers)
+    from pdlab.kernels import registry
+
+    return registry.unavailable_reason(op, backend) is not None
