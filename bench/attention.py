@@ -33,6 +33,10 @@ KV_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 # per --kv-dtype: the dtype of q (and of the cache, except fp8's uint8 bytes) and the bytes per cache element
 _Q_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 _KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0}
+# the CSV's columns, whatever ran (a failed or unsupported row leaves its measurements empty)
+COLUMNS = ("op", "batch", "seqlen", "heads", "kv_dtype", "page", "s_q", "shape", "backend", "status", "config_source",
+           "kernel", "config", "median_ms", "p10_ms", "p90_ms", "timing", "tflops", "gbps", "pct_roofline", "bound",
+           "err_out", "err_lse")
 
 
 def _page_size(text: str) -> int:
@@ -240,12 +244,12 @@ def run(args: argparse.Namespace) -> int:
                                          config=json.dumps(cfg) if cfg else ""))
                     advance(f"{base['shape']} {name}")
             del p, ref
-            pd.DataFrame(rows).to_csv(f"{args.out or report.default_out_dir('attention')}/"
+            pd.DataFrame(rows, columns=COLUMNS).to_csv(f"{args.out or report.default_out_dir('attention')}/"
                                       f"{args.name or 'mla_' + args.op}.partial.csv", index=False)
             if cuda:
                 torch.cuda.empty_cache()
 
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows, columns=COLUMNS)
     out_dir = args.out or report.default_out_dir("attention")
     stem = args.name or f"mla_{args.op}"
     partial = Path(out_dir) / f"{stem}.partial.csv"
@@ -273,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                          hline=peaks.hbm_bytes_per_s / 1e9 if peaks else None, hline_label="HBM peak")
     bad = df[df["status"] != "ok"] if "status" in df else df.iloc[0:0]
     for _, r in bad.iterrows():
-        print(f"[{r['status']}] {r['shape']} {r['backend']} {r.get('config', '')}")
+        print(f"[{r['status']}] {r['shape']} {r['backend']} {r['config'] if pd.notna(r['config']) else ''}".rstrip())
     print(f"wrote {csv}")
     if not len(ok):
         print("bench attention: no row ran (every row failed or was unsupported, reasons above)")

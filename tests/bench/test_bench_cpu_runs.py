@@ -148,3 +148,22 @@ def _unavailable(op: str, backend: str) -> bool:
     from pdlab.kernels import registry
 
     return registry.unavailable_reason(op, backend) is not None
+
+
+def test_bench_attention_csv_has_the_same_columns_when_rows_fail(tmp_path, monkeypatch, capsys):
+    # a run whose rows all failed wrote only the shape, backend, status and config columns
+    from pdlab.bench import attention
+
+    argv = ["attention", "--backend", "torch", "--batch", "1", "--seqlen", "16", "--repeats", "1"]
+    assert main([*argv, "--out", str(tmp_path / "ok")]) == 0
+
+    def broken(*args):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(attention, "_kernel", broken)
+    assert main([*argv, "--out", str(tmp_path / "failed")]) == 1
+    ok, failed = (pd.read_csv(tmp_path / run / "mla_decode.csv") for run in ("ok", "failed"))
+    assert list(failed.columns) == list(ok.columns)
+    assert failed["status"].str.contains("kernel failed").all() and failed["median_ms"].isna().all()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[error"))
+    assert line.endswith("torch") and "nan" not in line
