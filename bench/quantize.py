@@ -20,6 +20,9 @@ GPU_M = [1, 128, 1024, 4096, 16384]
 GPU_K = [7168, 2048]
 CPU_M = [1, 16, 128]
 CPU_K = [2048]
+# the CSV's columns, whatever ran (a skipped or failed row leaves its measurements empty)
+COLUMNS = ("shape", "M", "K", "E", "backend", "dtype", "config", "status", "time_us", "p10_us", "p90_us", "gbps",
+           "pct_bw", "bit_exact", "timing", "bytes", "reason")
 # A few launch configs tried by --sweep at M=4096, K=7168 (the tuner searches the full space).
 SWEEP = [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w}
          for bm, bk, w in [(2, 1024, 2), (4, 512, 2), (4, 1024, 4), (8, 256, 2), (8, 512, 4), (8, 512, 8),
@@ -142,12 +145,12 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             advance(f"{name} {label}: {timing.median_ms * 1e3:.1f} us")
 
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows, columns=COLUMNS)
     meta = report.provenance(facts, {"peak_bw_bytes_per_s": peak_bw, "dtype": args.dtype,
                                      "bytes": "read x (live rows) + write packed K/2 + scales K/16 per row"})
     path = report.save(df, out_dir, "quantize", meta)
     cols = [c for c in ["shape", "backend", "config", "status", "time_us", "gbps", "pct_bw", "bit_exact", "timing"]
-            if c in df.columns]
+            if df[c].notna().any() or c in ("shape", "backend", "config", "status")]  # no empty column
     bw_note = f"{peak_bw / 1e12:.2f} TB/s ({facts.peaks.source})" if peak_bw else "no bandwidth figure"
     kind = "CPU timings (perf_counter)" if not cuda else "CUDA-event timings, L2 flushed"
     report.print_table(df, f"NVFP4 quantize on {facts.name}, {kind}; pct_bw = % of {bw_note}", cols)

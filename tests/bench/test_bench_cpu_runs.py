@@ -167,3 +167,18 @@ def test_bench_attention_csv_has_the_same_columns_when_rows_fail(tmp_path, monke
     assert failed["status"].str.contains("kernel failed").all() and failed["median_ms"].isna().all()
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[error"))
     assert line.endswith("torch") and "nan" not in line
+
+
+def test_bench_quantize_csv_has_the_same_columns_whatever_ran(tmp_path, monkeypatch):
+    # a run where every backend was skipped wrote 9 columns, one where torch ran 17
+    from pdlab.bench import quantize
+
+    common = ["quantize", "--m", "1", "--k", "32", "--grouped", "none", "--backends", "torch", "--repeats", "1",
+              "--no-plot"]
+    assert main([*common, "--out", str(tmp_path / "ok")]) == 0
+    monkeypatch.setattr(quantize, "_reason", lambda registry, name: "not on this machine")
+    assert main([*common, "--out", str(tmp_path / "skipped")]) == 1
+    ok, skipped = (pd.read_csv(tmp_path / run / "quantize.csv") for run in ("ok", "skipped"))
+    assert list(skipped.columns) == list(ok.columns) and "time_us" in ok.columns and "reason" in ok.columns
+    assert skipped["status"].eq("skipped").all() and skipped["time_us"].isna().all()
+
