@@ -131,11 +131,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
               "that divides it")
         return 2
-    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
-    problem = out_dir_problem(out_dir)
-    if problem:
-        print(f"bench moe: --out {problem}; give a folder to write the results into")
-        return 2
     tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
     # low-latency buffers hold few tokens per rank (DeepEP allows <= 1024, recommends < 256): by default
     # the low-latency rows take the token counts up to 256
@@ -145,6 +140,15 @@ def run(args: argparse.Namespace) -> int:
     if not cuda:  # auto is the reference runner on CPU
         runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
+    if "low_latency" in modes and n_max < max(ll_tokens):  # every such row would fail on the buffer
+        print(f"bench moe: --num-max-dispatch-tokens {n_max} is below the {max(ll_tokens)} tokens per rank of the "
+              f"low-latency rows (--ll-tokens, else --tokens up to 256); give at least {max(ll_tokens)}")
+        return 2
+    out_dir = args.out or report.default_out_dir("moe_ep" if args.ep > 1 else "moe")
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"bench moe: --out {problem}; give a folder to write the results into")
+        return 2
     plan = dict(cfg=asdict(cfg), tokens=tokens, ll_tokens=ll_tokens, modes=modes, payloads=payloads, runners=runners,
                 dispatcher=dispatcher, n_max=n_max, repeats=args.repeats or (20 if cuda else 5), warmup=args.warmup,
                 reference=not args.no_reference, seed=args.seed, ep=args.ep, profile=args.profile)

@@ -182,3 +182,11 @@ def test_bench_quantize_csv_has_the_same_columns_whatever_ran(tmp_path, monkeypa
     assert list(skipped.columns) == list(ok.columns) and "time_us" in ok.columns and "reason" in ok.columns
     assert skipped["status"].eq("skipped").all() and skipped["time_us"].isna().all()
 
+
+def test_bench_moe_buffer_smaller_than_the_low_latency_tokens_is_a_usage_error(tmp_path, capsys):
+    # every low-latency row was measured as "skipped: ... buffer holds num_max_dispatch_tokens_per_rank=1" (exit 1)
+    assert main(["moe", "--mode", "low_latency", "--tokens", "4", "--num-max-dispatch-tokens", "1",
+                 "--out", str(tmp_path / "out"), "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe: --num-max-dispatch-tokens 1") and "4 tokens" in line
+    assert not (tmp_path / "out").exists()
