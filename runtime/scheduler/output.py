@@ -100,19 +100,21 @@ def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len
     st: OutputState = req.meta.setdefault("out", OutputState())
     eos = codec.eos_token_ids if codec is not None else []
     finish = None
-    hide = False
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
-        finish, hide = FinishReason.STOP, True
-    if codec is not None and not hide:
-        ids = req.output_ids
+    hide = token in p.stop_token_ids or (not p.ignore_eos and token in eos)  # its text is never emitted
+    if hide:
+        finish = FinishReason.STOP
+    elif len(req.output_ids) >= p.max_tokens or req.seq_len >= max_context_len:
+        finish = FinishReason.LENGTH  # unless a stop string ends it first
+    if codec is not None:
+        ids, end = req.output_ids, len(req.output_ids) - hide
         prefix = codec.decode(ids[st.prefix_offset:st.read_offset], p.skip_special_tokens)
-        full = codec.decode(ids[st.prefix_offset:], p.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        full = codec.decode(ids[st.prefix_offset:end], p.skip_special_tokens)
+        # a trailing U+FFFD may be a character whose other bytes come with the next tokens: wait for them, unless
+        # the request ends here (then it is U+FFFD, as decoding the output gives it)
+        if len(full) > len(prefix) and (finish is not None or not full.endswith("\ufffd")):
             st.text += full[len(prefix):]
             st.prefix_offset = st.read_offset
-            st.read_offset = len(ids)
-    elif codec is not None:
-        st.read_offset = len(req.output_ids)
+            st.read_offset = end
     if p.stop and st.text:
         longest = max(len(s) for s in p.stop)
         start = max(0, st.sent - longest + 1)
@@ -120,8 +122,6 @@ def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len
         if hits:
             st.text = st.text[:min(hits)]
             finish = FinishReason.STOP
-    if finish is None and (len(req.output_ids) >= p.max_tokens or req.seq_len >= max_context_len):
-        finish = FinishReason.LENGTH
     if finish is None and p.stop:
         safe = max(st.sent, len(st.text) - (max(len(s) for s in p.stop) - 1))  # hold back a possible stop prefix
     else:
