@@ -171,6 +171,16 @@ def _not_an_object(body: Any) -> str:
     return f"the request body must be a JSON object, got {_json_kind(body)}"
 
 
+def _unreadable_body(cause: BaseException | None) -> str | None:
+    """The 400 message for a body the JSON reader raised `cause` on (other than malformed JSON), None if unknown."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at position "
+                f"{cause.start}; send the JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the JSON body nests arrays and objects too deeply to read; send a flatter body"
+    return None
+
+
 def _error_type(status: int) -> str:
     """The OpenAI-style error type of an HTTP status: the request's fault, or the server's side."""
     return {500: "server_error", 502: "bad_gateway", 503: "service_unavailable"}.get(
@@ -243,7 +253,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         msg = str(exc.detail)
-        if exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
+        if exc.status_code == 400 and _unreadable_body(exc.__cause__):  # FastAPI's "error parsing the body"
+            msg = _unreadable_body(exc.__cause__)
+        elif exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
             msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
                    "/generate and GET /v1/models, /metrics, GET or HEAD /health")
         elif exc.status_code == 405:
