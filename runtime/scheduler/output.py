@@ -20,6 +20,7 @@ class TextCodec:
                 ids.append(v)
         self.eos_token_ids = ids
         self._bytes_of: Callable[[int], bytes | None] | None = None  # token_bytes' reader, built on first use
+        self._max_piece: int | None = -1  # the vocabulary's longest piece in characters (-1: not read yet)
 
     def encode(self, text: str) -> list[int]:
         enc = self.tok.encode(text)  # the tokenizer's own default (e.g. a BOS token) for prompts
@@ -46,6 +47,19 @@ class TextCodec:
                 raise  # the template rejected these messages: the caller's error
         text = "".join(f"{_speaker(m)}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
+
+    def max_text_chars(self, tokens: int) -> int | None:
+        """The most characters a text that tokenizes to at most `tokens` tokens can have (None when the tokenizer
+        shows no vocabulary): a longer text is over `tokens` without tokenizing it. A token covers at most its
+        vocabulary piece's length in characters (byte-level pieces: one per byte); the factor 4 leaves room for a
+        normalizer that composes characters (NFC makes one Hangul syllable of three jamo)."""
+        if self._max_piece == -1:
+            backend = getattr(self.tok, "_tok", None) or getattr(self.tok, "backend_tokenizer", None) or self.tok
+            try:
+                self._max_piece = max(map(len, backend.get_vocab()), default=0) or None
+            except Exception:  # no get_vocab, or one that fails: no bound
+                self._max_piece = None
+        return None if self._max_piece is None else tokens * self._max_piece * 4
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """A token's own bytes, for a byte-level BPE tokenizer (DeepSeek's: a single byte of a multi-byte character

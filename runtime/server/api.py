@@ -437,9 +437,19 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                            "stream_options")
         return bool(body.stream_options and body.stream_options.include_usage)
 
+    def _check_chars(chars: int, param: str) -> None:
+        """ApiError 400 for text of `chars` characters that no tokenization fits into the context: it is refused
+        before tokenizing (megabytes take seconds, holding the GIL, so every other request waits)."""
+        limit = codec.max_text_chars(ctx_len) if codec is not None else None
+        if limit is not None and chars > limit:
+            raise ApiError(400, f"{param} has {chars} characters: too long for the context of {ctx_len} tokens "
+                           f"(prompt + output) however it is tokenized ({ctx_len} tokens of this tokenizer hold at "
+                           f"most {limit} characters); shorten it", param)
+
     def _encode(text: str, param: str = "prompt") -> list[int]:
         if codec is None:
             raise ApiError(400, "this server has no tokenizer: send token ids instead of text", param)
+        _check_chars(len(text), param)
         return codec.encode(_unicode(text, param))
 
     # ---- /v1/completions ---------------------------------------------------------------------------
@@ -489,6 +499,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         include_usage = _check_stream_options(body)
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
+        _check_chars(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                         for m in body.messages), "messages")
         msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)
                                                      else "".join(p.text for p in m.content), f"messages[{i}].content"),
                  **({"name": _unicode(m.name, f"messages[{i}].name")} if m.name is not None else {})}
