@@ -290,7 +290,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return {"object": "list", "data": [card]}
 
     # ---- shared machinery ------------------------------------------------------------------------
-    def _start(ids: list[int], sp: SamplingParams, rid: str | None = None) -> tuple[Req, asyncio.Queue]:
+    def _start(ids: list[int], sp: SamplingParams, rid: str | None = None,
+               fields: Callable[[str], str] = lambda name: name) -> tuple[Req, asyncio.Queue]:
+        """Queue a request. fields: the request's own name of a `SamplingParams` / `Req` field ("prompt",
+        "max_tokens", ...) that a 400 names in `param`."""
         if app.state.draining:
             raise ApiError(503, "server is shutting down: it takes no new requests; retry on another server",
                            type_="service_unavailable")
@@ -308,7 +311,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             aloop = asyncio.get_running_loop()
             loop.submit(req, lambda out: aloop.call_soon_threadsafe(q.put_nowait, out))
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
+            param = getattr(exc, "param", None)
+            raise ApiError(400, str(exc), param=fields(param) if param else None) from None
         inflight[req.rid] = req
         return req, q
 
@@ -512,7 +516,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         nlp = (body.top_logprobs or 0) if body.logprobs else None
-        req, q = _start(ids, _params(body, body.max_completion_tokens or body.max_tokens, nlp))
+        names = {"prompt": "messages", "logprobs": "top_logprobs",
+                 "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
+        req, q = _start(ids, _params(body, body.max_completion_tokens or body.max_tokens, nlp),
+                        fields=lambda name: names.get(name, name))
         cid, created = f"chatcmpl-{req.rid}", int(time.time())
 
         def lp_obj(outs: list[StepOutput]):
@@ -567,7 +574,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                 rid = request_id(request.headers)
             except ValueError as exc:
                 raise ApiError(400, str(exc), "X-Request-Id") from None
-        req, q = _start(ids, sp, rid)
+        names = {"prompt": "text" if body.text is not None else "input_ids", "logprobs": "top_logprobs_num",
+                 "max_tokens": "sampling_params.max_new_tokens"}
+        req, q = _start(ids, sp, rid, fields=lambda name: names.get(name, f"sampling_params.{name}"))
 
         def meta(final: StepOutput | None, n: int) -> dict:
             m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
