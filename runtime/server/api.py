@@ -142,10 +142,27 @@ def _unicode(text: str, param: str) -> str:
 _TYPE_ERRORS = {"int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
                 "model_attributes_type"}
 
+# pydantic's error kinds for a value of the right type out of its range
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
 # request fields of several types: pydantic reports one error per type tried, which says little
 _UNION_FIELDS = {"prompt": "expects a string, a list of token ids or a list of one string",
                  "stop": "expects a string or a list of strings",
                  "content": 'expects a string or a list of {"type": "text", "text": ...} parts'}
+
+
+# OpenAI request fields this server does not implement: refused by name rather than as unknown (misspelt) fields
+_UNSUPPORTED_FIELDS = {"best_of": "one choice per request", "logit_bias": "no logit bias",
+                       "suffix": "no insertion", "response_format": "no structured output",
+                       "tools": "no tool calling", "tool_choice": "no tool calling",
+                       "parallel_tool_calls": "no tool calling", "functions": "no function calling",
+                       "function_call": "no function calling", "audio": "text only", "modalities": "text only",
+                       "prediction": "no predicted outputs"}
+# fields accepted with one value only: a value out of that "range" is an unsupported feature
+_ONE_VALUE_FIELDS = {"n": "n={value} is not supported: one choice per request; send n=1 or leave it out, and send "
+                          "several requests for several choices",
+                     "presence_penalty": "presence_penalty is not supported: send 0 or leave it out",
+                     "frequency_penalty": "frequency_penalty is not supported: send 0 or leave it out"}
 
 
 def _union_field(loc: list[str]) -> int | None:
@@ -236,8 +253,12 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             loc = loc[:u + 1]
             errs = [first] + [e for e in errs if [str(x) for x in e.get("loc", ()) if x != "body"][:u + 1] != loc]
             msg = f"{'.'.join(loc)}: {_UNION_FIELDS[loc[-1]]}"
+        elif kind == "extra_forbidden" and len(loc) == 1 and loc[0] in _UNSUPPORTED_FIELDS:
+            msg = f"{loc[0]} is not supported by this server ({_UNSUPPORTED_FIELDS[loc[0]]}); remove it"
         elif kind == "extra_forbidden":
             msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
+        elif len(loc) == 1 and loc[0] in _ONE_VALUE_FIELDS and kind in _RANGE_ERRORS:
+            msg = _ONE_VALUE_FIELDS[loc[0]].format(value=first.get("input"))
         elif loc:
             msg = f"{'.'.join(loc)}: {msg}"
             if kind in _TYPE_ERRORS and "input" in first:  # strict types: say what came instead
