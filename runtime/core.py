@@ -40,9 +40,12 @@ class RequestError(ValueError):
         self.param = param
 
 
+MIN_TEMPERATURE = 1e-5  # a smaller temperature > 0 samples greedily, as 0 does
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings. temperature 0 = greedy; top_k -1 = off; top_p 1 = off;
+    """Per-request sampling settings. temperature 0 (or below MIN_TEMPERATURE) = greedy; top_k -1 = off; top_p 1 = off;
     min_p 0 = off; seed None = a random one drawn at arrival (sampling stays reproducible per seed,
     whatever the batch); logprobs None = none, n >= 0 = the chosen token's logprob plus the top n."""
 
@@ -57,6 +60,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # logits / T overflow fp32 for a tiny T (+-inf, whose argmax is the first positive logit, not the largest);
+        # sampling at it is greedy in all but ties, so it is greedy (vLLM draws the same line)
+        if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
 
     def validate(self) -> None:
         """Raise RequestError (a ValueError) naming the bad field and the allowed range."""

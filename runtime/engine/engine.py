@@ -256,7 +256,9 @@ class Engine:
         if all(r.params.temperature == 0.0 and r.params.logprobs is None for r in p.sreqs):
             p.out = greedy(logits)  # fast path: no per-row settings
         else:
-            p.out = sample(logits, SamplingTensors.from_reqs(p.sreqs, self.vocab_size, logits.device))
+            # the output index each row samples, from cached_len: with overlap, output_ids lags by the token in flight
+            steps = [reqs[i].cached_len + batch.extend_lens[i] - reqs[i].prompt_len for i in p.sampled]
+            p.out = sample(logits, SamplingTensors.from_reqs(p.sreqs, self.vocab_size, logits.device, steps))
         if self.profile:
             p.ev1.record()
         if self.device.type == "cuda" and p.out.chosen_logprobs is None:

@@ -34,12 +34,16 @@ class SamplingTensors:
     max_logprobs: int  # -1 = no logprobs requested in this batch
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingTensors":
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
+                  steps: list[int] | None = None) -> "SamplingTensors":
+        """steps: the output index each row samples (default: len(output_ids); a decode step launched before the
+        previous step's token reached the host samples one further)."""
         ps = [r.params for r in reqs]
         pin = device.type == "cuda"
+        steps = [len(r.output_ids) for r in reqs] if steps is None else steps
         f = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in ps], dtype=torch.float32, pin_memory=pin)
-        i = torch.tensor([[min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size, r.seed & ((1 << 63) - 1), len(r.output_ids)]
-                          for p, r in zip(ps, reqs)], dtype=torch.int64, pin_memory=pin)
+        i = torch.tensor([[min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size, r.seed & ((1 << 63) - 1), s]
+                          for p, r, s in zip(ps, reqs, steps)], dtype=torch.int64, pin_memory=pin)
         f, i = f.to(device, non_blocking=True), i.to(device, non_blocking=True)
         return cls(temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], top_k=i[:, 0], seed=i[:, 1], step=i[:, 2],
                    all_greedy=all(p.greedy for p in ps),

@@ -20,6 +20,7 @@ class TextCodec:
                 ids.append(v)
         self.eos_token_ids = ids
         self._bytes_of: Callable[[int], bytes | None] | None = None  # token_bytes' reader, built on first use
+        self._max_piece: int | None = -1  # the vocabulary's longest piece in characters (-1: not read yet)
 
     def encode(self, text: str) -> list[int]:
         enc = self.tok.encode(text)  # the tokenizer's own default (e.g. a BOS token) for prompts
@@ -46,6 +47,19 @@ class TextCodec:
                 raise  # the template rejected these messages: the caller's error
         text = "".join(f"{_speaker(m)}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
+
+    def max_text_chars(self, tokens: int) -> int | None:
+        """The most characters a text that tokenizes to at most `tokens` tokens can have (None when the tokenizer
+        shows no vocabulary): a longer text is over `tokens` without tokenizing it. A token covers at most its
+        vocabulary piece's length in characters (byte-level pieces: one per byte); the factor 4 leaves room for a
+        normalizer that composes characters (NFC makes one Hangul syllable of three jamo)."""
+        if self._max_piece == -1:
+            backend = getattr(self.tok, "_tok", None) or getattr(self.tok, "backend_tokenizer", None) or self.tok
+            try:
+                self._max_piece = max(map(len, backend.get_vocab()), default=0) or None
+            except Exception:  # no get_vocab, or one that fails: no bound
+                self._max_piece = None
+        return None if self._max_piece is None else tokens * self._max_piece * 4
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """A token's own bytes, for a byte-level BPE tokenizer (DeepSeek's: a single byte of a multi-byte character
@@ -100,19 +114,21 @@ def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len
     st: OutputState = req.meta.setdefault("out", OutputState())
     eos = codec.eos_token_ids if codec is not None else []
     finish = None
-    hide = False
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
-        finish, hide = FinishReason.STOP, True
-    if codec is not None and not hide:
-        ids = req.output_ids
+    hide = token in p.stop_token_ids or (not p.ignore_eos and token in eos)  # its text is never emitted
+    if hide:
+        finish = FinishReason.STOP
+    elif len(req.output_ids) >= p.max_tokens or req.seq_len >= max_context_len:
+        finish = FinishReason.LENGTH  # unless a stop string ends it first
+    if codec is not None:
+        ids, end = req.output_ids, len(req.output_ids) - hide
         prefix = codec.decode(ids[st.prefix_offset:st.read_offset], p.skip_special_tokens)
-        full = codec.decode(ids[st.prefix_offset:], p.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        full = codec.decode(ids[st.prefix_offset:end], p.skip_special_tokens)
+        # a trailing U+FFFD may be a character whose other bytes come with the next tokens: wait for them, unless
+        # the request ends here (then it is U+FFFD, as decoding the output gives it)
+        if len(full) > len(prefix) and (finish is not None or not full.endswith("\ufffd")):
             st.text += full[len(prefix):]
             st.prefix_offset = st.read_offset
-            st.read_offset = len(ids)
-    elif codec is not None:
-        st.read_offset = len(req.output_ids)
+            st.read_offset = end
     if p.stop and st.text:
         longest = max(len(s) for s in p.stop)
         start = max(0, st.sent - longest + 1)
@@ -120,8 +136,6 @@ def process_token(req: Req, token: int, codec: TextCodec | None, max_context_len
         if hits:
             st.text = st.text[:min(hits)]
             finish = FinishReason.STOP
-    if finish is None and (len(req.output_ids) >= p.max_tokens or req.seq_len >= max_context_len):
-        finish = FinishReason.LENGTH
     if finish is None and p.stop:
         safe = max(st.sent, len(st.text) - (max(len(s) for s in p.stop) - 1))  # hold back a possible stop prefix
     else:

@@ -142,10 +142,27 @@ def _unicode(text: str, param: str) -> str:
 _TYPE_ERRORS = {"int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
                 "model_attributes_type"}
 
+# pydantic's error kinds for a value of the right type out of its range
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
 # request fields of several types: pydantic reports one error per type tried, which says little
 _UNION_FIELDS = {"prompt": "expects a string, a list of token ids or a list of one string",
                  "stop": "expects a string or a list of strings",
                  "content": 'expects a string or a list of {"type": "text", "text": ...} parts'}
+
+
+# OpenAI request fields this server does not implement: refused by name rather than as unknown (misspelt) fields
+_UNSUPPORTED_FIELDS = {"best_of": "one choice per request", "logit_bias": "no logit bias",
+                       "suffix": "no insertion", "response_format": "no structured output",
+                       "tools": "no tool calling", "tool_choice": "no tool calling",
+                       "parallel_tool_calls": "no tool calling", "functions": "no function calling",
+                       "function_call": "no function calling", "audio": "text only", "modalities": "text only",
+                       "prediction": "no predicted outputs"}
+# fields accepted with one value only: a value out of that "range" is an unsupported feature
+_ONE_VALUE_FIELDS = {"n": "n={value} is not supported: one choice per request; send n=1 or leave it out, and send "
+                          "several requests for several choices",
+                     "presence_penalty": "presence_penalty is not supported: send 0 or leave it out",
+                     "frequency_penalty": "frequency_penalty is not supported: send 0 or leave it out"}
 
 
 def _union_field(loc: list[str]) -> int | None:
@@ -169,6 +186,16 @@ def _not_an_object(body: Any) -> str:
     if isinstance(body, (bytes, bytearray)):  # a body FastAPI did not parse (no JSON content type)
         return "the request body was not read as JSON: send a JSON object with 'Content-Type: application/json'"
     return f"the request body must be a JSON object, got {_json_kind(body)}"
+
+
+def _unreadable_body(cause: BaseException | None) -> str | None:
+    """The 400 message for a body the JSON reader raised `cause` on (other than malformed JSON), None if unknown."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at position "
+                f"{cause.start}; send the JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the JSON body nests arrays and objects too deeply to read; send a flatter body"
+    return None
 
 
 def _error_type(status: int) -> str:
@@ -226,8 +253,12 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             loc = loc[:u + 1]
             errs = [first] + [e for e in errs if [str(x) for x in e.get("loc", ()) if x != "body"][:u + 1] != loc]
             msg = f"{'.'.join(loc)}: {_UNION_FIELDS[loc[-1]]}"
+        elif kind == "extra_forbidden" and len(loc) == 1 and loc[0] in _UNSUPPORTED_FIELDS:
+            msg = f"{loc[0]} is not supported by this server ({_UNSUPPORTED_FIELDS[loc[0]]}); remove it"
         elif kind == "extra_forbidden":
             msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
+        elif len(loc) == 1 and loc[0] in _ONE_VALUE_FIELDS and kind in _RANGE_ERRORS:
+            msg = _ONE_VALUE_FIELDS[loc[0]].format(value=first.get("input"))
         elif loc:
             msg = f"{'.'.join(loc)}: {msg}"
             if kind in _TYPE_ERRORS and "input" in first:  # strict types: say what came instead
@@ -243,7 +274,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         msg = str(exc.detail)
-        if exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
+        if exc.status_code == 400 and _unreadable_body(exc.__cause__):  # FastAPI's "error parsing the body"
+            msg = _unreadable_body(exc.__cause__)
+        elif exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
             msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
                    "/generate and GET /v1/models, /metrics, GET or HEAD /health")
         elif exc.status_code == 405:
@@ -278,7 +311,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return {"object": "list", "data": [card]}
 
     # ---- shared machinery ------------------------------------------------------------------------
-    def _start(ids: list[int], sp: SamplingParams, rid: str | None = None) -> tuple[Req, asyncio.Queue]:
+    def _start(ids: list[int], sp: SamplingParams, rid: str | None = None,
+               fields: Callable[[str], str] = lambda name: name) -> tuple[Req, asyncio.Queue]:
+        """Queue a request. fields: the request's own name of a `SamplingParams` / `Req` field ("prompt",
+        "max_tokens", ...) that a 400 names in `param`."""
         if app.state.draining:
             raise ApiError(503, "server is shutting down: it takes no new requests; retry on another server",
                            type_="service_unavailable")
@@ -296,7 +332,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             aloop = asyncio.get_running_loop()
             loop.submit(req, lambda out: aloop.call_soon_threadsafe(q.put_nowait, out))
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
+            param = getattr(exc, "param", None)
+            raise ApiError(400, str(exc), param=fields(param) if param else None) from None
         inflight[req.rid] = req
         return req, q
 
@@ -425,9 +462,19 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                            "stream_options")
         return bool(body.stream_options and body.stream_options.include_usage)
 
+    def _check_chars(chars: int, param: str) -> None:
+        """ApiError 400 for text of `chars` characters that no tokenization fits into the context: it is refused
+        before tokenizing (megabytes take seconds, holding the GIL, so every other request waits)."""
+        limit = codec.max_text_chars(ctx_len) if codec is not None else None
+        if limit is not None and chars > limit:
+            raise ApiError(400, f"{param} has {chars} characters: too long for the context of {ctx_len} tokens "
+                           f"(prompt + output) however it is tokenized ({ctx_len} tokens of this tokenizer hold at "
+                           f"most {limit} characters); shorten it", param)
+
     def _encode(text: str, param: str = "prompt") -> list[int]:
         if codec is None:
             raise ApiError(400, "this server has no tokenizer: send token ids instead of text", param)
+        _check_chars(len(text), param)
         return codec.encode(_unicode(text, param))
 
     # ---- /v1/completions ---------------------------------------------------------------------------
@@ -477,6 +524,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         include_usage = _check_stream_options(body)
         if codec is None:
             raise ApiError(400, "this server has no tokenizer, so chat is unavailable; use /v1/completions with ids")
+        _check_chars(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                         for m in body.messages), "messages")
         msgs = [{"role": m.role, "content": _unicode(m.content if isinstance(m.content, str)
                                                      else "".join(p.text for p in m.content), f"messages[{i}].content"),
                  **({"name": _unicode(m.name, f"messages[{i}].name")} if m.name is not None else {})}
@@ -488,7 +537,10 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         nlp = (body.top_logprobs or 0) if body.logprobs else None
-        req, q = _start(ids, _params(body, body.max_completion_tokens or body.max_tokens, nlp))
+        names = {"prompt": "messages", "logprobs": "top_logprobs",
+                 "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
+        req, q = _start(ids, _params(body, body.max_completion_tokens or body.max_tokens, nlp),
+                        fields=lambda name: names.get(name, name))
         cid, created = f"chatcmpl-{req.rid}", int(time.time())
 
         def lp_obj(outs: list[StepOutput]):
@@ -543,7 +595,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
                 rid = request_id(request.headers)
             except ValueError as exc:
                 raise ApiError(400, str(exc), "X-Request-Id") from None
-        req, q = _start(ids, sp, rid)
+        names = {"prompt": "text" if body.text is not None else "input_ids", "logprobs": "top_logprobs_num",
+                 "max_tokens": "sampling_params.max_new_tokens"}
+        req, q = _start(ids, sp, rid, fields=lambda name: names.get(name, f"sampling_params.{name}"))
 
         def meta(final: StepOutput | None, n: int) -> dict:
             m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,

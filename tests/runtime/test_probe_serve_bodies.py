@@ -42,3 +42,17 @@ def test_json_without_a_json_content_type_says_which_header_to_send(client):
     r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
                     headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("raw,needle", [
+    (b'{"prompt": "\xff\xfe"}', "the request body is not valid UTF-8: byte 0xff at position 12"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "the JSON body nests arrays and objects too deeply"),
+])
+def test_a_body_json_cannot_read_says_why(client, path, raw, needle):
+    """Bytes that are no UTF-8 and nesting past the JSON reader's depth were 'There was an error parsing the body'."""
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    assert err["type"] == "invalid_request_error" and err["code"] == 400

@@ -33,6 +33,16 @@ def test_greedy_is_argmax(seed):
     assert torch.equal(out.next_ids, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 1e-45])
+def test_a_temperature_too_small_to_sample_at_is_greedy(temperature):
+    """logits / T past fp32's range are +-inf, whose argmax is the first positive logit, not the largest: a
+    temperature that small (below 1e-5) samples greedily, as temperature 0 does."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0], [4.0, 1.0, 4.5, -2.0]])
+    reqs = _reqs(2, temperature=temperature)
+    assert reqs[0].params.greedy
+    assert sample(logits, _st(reqs, 4)).next_ids.tolist() == [1, 2]
+
+
 def test_temperature_matches_softmax_frequencies():
     V, N, T = 5, 40000, 0.7
     base = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0])

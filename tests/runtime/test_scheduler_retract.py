@@ -161,3 +161,17 @@ def test_corrupted_restore_changes_greedy_outputs(monkeypatch):
 def _fp8_scale(kv_dtype: str) -> dict:
     """The KV scale setting of a cache of `kv_dtype` (only an fp8 cache takes one)."""
     return {"kv_scale": 0.05} if kv_dtype == "fp8" else {}
+
+
+def test_seeded_sampling_is_the_same_with_the_overlap_schedule():
+    """A seeded request at temperature > 0 draws the same tokens whether its decode steps were chained (overlap: the
+    step is launched before the previous token reaches the host) or not: the noise is that of each output position."""
+    m, tok, cfg = load_toy(max_position_embeddings=CTX)
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(model=m, tokenizer=tok, model_config=cfg, device="cpu", max_context_len=CTX, max_total_tokens=4096,
+                  page_size=16, overlap_schedule=overlap)
+        outs[overlap] = [o["token_ids"] for o in llm.generate(PROMPTS[:3], params)]
+        assert (llm.scheduler.num_chained > 20) == overlap
+    assert outs[True] == outs[False]

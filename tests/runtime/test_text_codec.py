@@ -47,3 +47,26 @@ def test_the_transcript_names_each_speaker_as_a_template_would():
             {"role": "assistant", "content": "hello"}]
     text = "user (ann): hi\nuser (bob): yo\nassistant: hello\nassistant:"
     assert TextCodec(HFLike(None)).chat_prompt(msgs) == [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("finish", ["length", "stop_token", "eos"])
+def test_the_bytes_of_a_character_cut_off_by_the_finish_are_not_dropped(finish):
+    """A request that ends (max_tokens, a stop token id, EOS) after a token holding the first byte of a multi-byte
+    character: its text is that of its tokens (the byte reads U+FFFD, as decode gives it), not one character short."""
+    from pdlab.runtime.core import FinishReason, Req, SamplingParams
+    from pdlab.runtime.engine.loop import make_codec
+    from pdlab.runtime.model.tiny import TINY_CONFIG, tiny_tokenizer
+    from pdlab.runtime.scheduler.output import process_token
+    codec = make_codec(tiny_tokenizer(), TINY_CONFIG)
+    first_byte = next(t for t in range(512) if codec.token_bytes(t) == "é".encode()[:1])
+    a = codec.encode("a")[-1]
+    stop = codec.encode("z")[-1]
+    ids = [a, first_byte] + ([stop] if finish == "stop_token" else [codec.eos_token_ids[0]] if finish == "eos" else [])
+    req = Req([a], SamplingParams(max_tokens=len(ids), stop_token_ids=[stop]))
+    text, reason = "", None
+    for t in ids:
+        req.output_ids.append(t)
+        new, reason = process_token(req, t, codec, 4096)
+        text += new
+    assert reason == (FinishReason.LENGTH if finish == "length" else FinishReason.STOP)
+    assert text == codec.decode([a, first_byte]) == "a\ufffd"
