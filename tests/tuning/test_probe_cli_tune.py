@@ -74,6 +74,21 @@ def test_a_model_file_with_a_null_size_names_the_field(tmp_path, capsys):
     assert str(cfg) in line and "num_experts_per_tok" in line
 
 
+@pytest.mark.parametrize("sub", ["attention", "moe", "dispatch"])
+def test_a_model_routing_more_experts_than_it_has_names_both_fields(tmp_path, capsys, sub):
+    # top-8 of 4 experts was planned; tuning then failed every bucket's inputs ("selected index k out of range")
+    # and exited 0 with nothing stored
+    import json
+
+    fields = dict(hidden_size=512, num_attention_heads=8, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                  moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=8)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fields))
+    assert main([sub, "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(cfg) in line and "num_experts_per_tok=8" in line and "n_routed_experts=4" in line
+
+
 def test_a_store_folder_that_cannot_be_written_exits_2_before_tuning(tmp_path, capsys, monkeypatch):
     # a PDLAB_CONFIG_DIR under a file: the search ran, then writing its first bucket ended in a NotADirectoryError
     # traceback, the measurements lost
