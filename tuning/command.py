@@ -287,9 +287,15 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
                          "speedup": (s.default_time_ms / s.time_ms) if s.default_time_ms and s.time_ms else None,
                          "trials": s.trials, "failed": s.failed, "config": str(s.config), "note": s.reason})
         g = rep.geomean_speedup()
-        print(f"{rep.op}: {len(rep.winners())} buckets stored in {rep.store_file or '(nothing stored)'}; "
-              f"geometric-mean speedup over default {g:.3f}x; tuning took {rep.seconds:.1f} s"
-              if g else f"{rep.op}: nothing stored; tuning took {rep.seconds:.1f} s")
+        if rep.winners():
+            print(f"{rep.op}: {len(rep.winners())} buckets stored in {rep.store_file or '(no store)'}; "
+                  + (f"geometric-mean speedup over default {g:.3f}x" if g else "no default time to compare with")
+                  + f"; tuning took {rep.seconds:.1f} s")
+        else:  # every study failed or every bucket's inputs did: a failed run, whatever the buckets' reasons
+            why = next((s.reason for s in rep.studies if s.reason), None) or next(
+                (r for _, _, r in rep.skipped if r != "does not accept this bucket"), "no study finished")
+            print(f"{prog}: {rep.op}: nothing stored ({why}); tuning took {rep.seconds:.1f} s", file=sys.stderr)
+            status = 1
         for note in rep.notes:
             print(f"  WARNING: {note}")
         for bucket, backend, reason in rep.skipped:
