@@ -160,8 +160,8 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
                   f"{model.num_experts_per_tok}, hidden {model.hidden_size}, intermediate {model.moe_intermediate_size}"
                   f", {model.num_heads} heads) instead of {args.model}'s; pass a config.json to tune at its shapes")
         only = parse_only(args.only)
-        budget = parse_duration(args.budget)
-        bucket_budget = parse_duration(args.bucket_budget)
+        budget = _duration("--budget", args.budget)
+        bucket_budget = _duration("--bucket-budget", args.bucket_budget)
         plans = []
         for op in chosen:
             target = get_target(op)
@@ -181,6 +181,15 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     if lockstep is not None and lockstep.rank > 0:
         return _follow(args, plans, model, arch, lockstep)
     return _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep)
+
+
+def _duration(flag: str, text: str | None) -> float | None:
+    """`parse_duration` of a flag's value; its ValueError names the flag."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: write e.g. 90s, 10m, 1h or a number of seconds (none or 0: no limit)") \
+            from None
 
 
 def _unknown_backends(text: str | None, targets) -> str | None:

@@ -277,3 +277,11 @@ def test_buckets_no_usable_backend_takes_exit_1_saying_why(tmp_path, capsys, mon
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("tune moe: moe_experts: none of the backends that run on this cpu device (torch_grouped)")
     assert "--dry-run --arch cpu" in line and not (tmp_path / "st" / "cpu" / "moe_experts.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--budget", "--bucket-budget"])
+def test_a_bad_duration_names_its_flag(capsys, flag):
+    # both flags said "duration '10x': ...", so a run given both did not say which one to fix
+    assert main(["attention", "--arch", "sm90", "--dry-run", flag, "10x"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tune attention: {flag} '10x': ") and "90s, 10m, 1h" in line
