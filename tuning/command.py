@@ -102,6 +102,21 @@ def device_problem(text: str | None) -> str | None:
     return None
 
 
+def _device_kind_problem(text: str | None) -> str | None:
+    """Why `text` is no device tune measures on (not a torch device, or neither CUDA nor CPU), else None."""
+    import torch
+
+    if text is None:
+        return None
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind in ("cuda", "cpu"):
+        return None
+    return f"--device {text!r}: tune measures on cuda, cuda:N or cpu"
+
+
 def _folder_problem(path: Path, what: str) -> str | None:
     """Why `path` cannot take the files tune writes (made here if missing), else None."""
     from pdlab.bench._args import out_dir_problem
@@ -132,8 +147,8 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     """Body of `tune attention|moe|dispatch`: gate, then dry-run or search + store + report.
     lockstep: in a multi-rank run (see tuning/dispatch.py), rank 0 searches, the others follow."""
     problem = arch_problem(prog, args.arch)
-    if not problem and device_problem(args.device):
-        problem = f"{prog}: {device_problem(args.device)}"
+    if not problem and (_device_kind_problem(args.device) or device_problem(args.device)):
+        problem = f"{prog}: {_device_kind_problem(args.device) or device_problem(args.device)}"
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -45,6 +45,17 @@ def test_a_cuda_device_on_a_machine_without_one_exits_2(argv, capsys):
     assert "--device cuda:" in line and "no CUDA device" in line
 
 
+@pytest.mark.parametrize("device", ["garbage", "meta", "mps"])
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_device_tune_cannot_run_on_exits_2_naming_the_choices(capsys, device, dry):
+    # `--device garbage` ended in torch's RuntimeError traceback; `--device meta` planned, then every bucket's inputs
+    # failed ("META device type not an accelerator")
+    assert main(["moe", "--arch", "cpu", "--device", device, "--budget", "3s", "--no-progress"]
+                + (["--dry-run"] if dry else [])) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tune moe: --device {device!r}: ") and "cuda:N" in line and "cpu" in line
+
+
 def test_show_of_an_op_nobody_registered_exits_2_naming_the_ops(capsys):
     # `tune show --op bogus` said "no tuned-config files for cpu and op bogus" and exited 0
     assert main(["show", "--op", "mla_decod"]) == 2
