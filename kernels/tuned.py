@@ -284,9 +284,12 @@ def read_store(path: str | os.PathLike) -> dict:
 
 
 def _store_problem(data: dict) -> str | None:
-    """What in a parsed store's structure the readers could not walk (a hand-edited or foreign file), else None."""
+    """What in a parsed store the readers could not walk or compute with (a hand-edited or foreign file), else
+    None: its parts must be objects, a winner a backend name, times and speedups finite numbers >= 0 (or null)."""
     if not isinstance(data["metadata"], dict):
         return f"'metadata' is a JSON {type(data['metadata']).__name__}, not an object"
+    if not isinstance(data["metadata"].get("versions", {}), dict):
+        return "'metadata.versions' is not an object"
     if not isinstance(data["entries"], dict):
         return f"'entries' is a JSON {type(data['entries']).__name__}, not an object"
     for label, entry in data["entries"].items():
@@ -295,9 +298,18 @@ def _store_problem(data: dict) -> str | None:
         for key in ("bucket", "backends"):
             if not isinstance(entry.get(key, {}), dict):
                 return f"entry {label!r} has a '{key}' that is not an object"
+        if not isinstance(entry.get("backend") or "", str):
+            return f"entry {label!r} has a winning 'backend' {entry['backend']!r} that is not a backend name"
         bad = [name for name, r in entry.get("backends", {}).items() if not isinstance(r, dict)]
         if bad:
             return f"entry {label!r} has backend {bad[0]!r} whose result is not an object"
+        for where, r in [("", entry)] + [(f" backend {name!r}", r) for name, r in entry.get("backends", {}).items()]:
+            if not isinstance(r.get("config") or {}, dict):
+                return f"entry {label!r}{where} has a 'config' that is not an object"
+            for key in ("time_ms", "default_time_ms", "speedup"):
+                v = r.get(key)
+                if v is not None and not (_numeric(v) and math.isfinite(v) and v >= 0):
+                    return f"entry {label!r}{where} has {key} {v!r}, not a number >= 0"
     return None
 
 

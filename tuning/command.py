@@ -102,6 +102,21 @@ def device_problem(text: str | None) -> str | None:
     return None
 
 
+def _device_kind_problem(text: str | None) -> str | None:
+    """Why `text` is no device tune measures on (not a torch device, or neither CUDA nor CPU), else None."""
+    import torch
+
+    if text is None:
+        return None
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind in ("cuda", "cpu"):
+        return None
+    return f"--device {text!r}: tune measures on cuda, cuda:N or cpu"
+
+
 def _folder_problem(path: Path, what: str) -> str | None:
     """Why `path` cannot take the files tune writes (made here if missing), else None."""
     from pdlab.bench._args import out_dir_problem
@@ -132,8 +147,8 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     """Body of `tune attention|moe|dispatch`: gate, then dry-run or search + store + report.
     lockstep: in a multi-rank run (see tuning/dispatch.py), rank 0 searches, the others follow."""
     problem = arch_problem(prog, args.arch)
-    if not problem and device_problem(args.device):
-        problem = f"{prog}: {device_problem(args.device)}"
+    if not problem and (_device_kind_problem(args.device) or device_problem(args.device)):
+        problem = f"{prog}: {_device_kind_problem(args.device) or device_problem(args.device)}"
     if problem:
         print(problem, file=sys.stderr)
         return 2
@@ -160,8 +175,8 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
                   f"{model.num_experts_per_tok}, hidden {model.hidden_size}, intermediate {model.moe_intermediate_size}"
                   f", {model.num_heads} heads) instead of {args.model}'s; pass a config.json to tune at its shapes")
         only = parse_only(args.only)
-        budget = parse_duration(args.budget)
-        bucket_budget = parse_duration(args.bucket_budget)
+        budget = _duration("--budget", args.budget)
+        bucket_budget = _duration("--bucket-budget", args.bucket_budget)
         plans = []
         for op in chosen:
             target = get_target(op)
@@ -181,6 +196,15 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     if lockstep is not None and lockstep.rank > 0:
         return _follow(args, plans, model, arch, lockstep)
     return _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep)
+
+
+def _duration(flag: str, text: str | None) -> float | None:
+    """`parse_duration` of a flag's value; its ValueError names the flag."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: write e.g. 90s, 10m, 1h or a number of seconds (none or 0: no limit)") \
+            from None
 
 
 def _unknown_backends(text: str | None, targets) -> str | None:
@@ -287,9 +311,15 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
                          "speedup": (s.default_time_ms / s.time_ms) if s.default_time_ms and s.time_ms else None,
                          "trials": s.trials, "failed": s.failed, "config": str(s.config), "note": s.reason})
         g = rep.geomean_speedup()
-        print(f"{rep.op}: {len(rep.winners())} buckets stored in {rep.store_file or '(nothing stored)'}; "
-              f"geometric-mean speedup over default {g:.3f}x; tuning took {rep.seconds:.1f} s"
-              if g else f"{rep.op}: nothing stored; tuning took {rep.seconds:.1f} s")
+        if rep.winners():
+            print(f"{rep.op}: {len(rep.winners())} buckets stored in {rep.store_file or '(no store)'}; "
+                  + (f"geometric-mean speedup over default {g:.3f}x" if g else "no default time to compare with")
+                  + f"; tuning took {rep.seconds:.1f} s")
+        else:  # every study failed or every bucket's inputs did: a failed run, whatever the buckets' reasons
+            why = next((s.reason for s in rep.studies if s.reason), None) or next(
+                (r for _, _, r in rep.skipped if r != "does not accept this bucket"), "no study finished")
+            print(f"{prog}: {rep.op}: nothing stored ({why}); tuning took {rep.seconds:.1f} s", file=sys.stderr)
+            status = 1
         for note in rep.notes:
             print(f"  WARNING: {note}")
         for bucket, backend, reason in rep.skipped:

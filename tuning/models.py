@@ -80,6 +80,10 @@ def load_model_shape(name_or_path: str | None) -> ModelShape:
     if bad:
         raise ValueError(f"--model {path}: {', '.join(f'{k}={cfg[k]!r}' for k in bad)}: each must be an integer "
                          ">= 1")
+    if cfg["num_experts_per_tok"] > cfg["n_routed_experts"]:
+        raise ValueError(f"--model {path}: num_experts_per_tok={cfg['num_experts_per_tok']} routes each token to more "
+                         f"experts than n_routed_experts={cfg['n_routed_experts']}; pass a config whose top-k is at "
+                         "most its expert count")
     name = cfg.get("_name_or_path") or (path.parent.name if path.name == "config.json" else path.stem)
     return ModelShape(name, cfg["hidden_size"],
                       cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"],

@@ -299,7 +299,7 @@ def run_study(target: TuneTarget, backend: Backend, bucket: Mapping, inputs: Any
     from pdlab.kernels.arch import detect_arch
 
     space = {k: list(v) for k, v in target.search_space(backend, bucket, detect_arch(device)).items()}
-    name = study_name(device_key, target.op, backend.name, bucket)
+    name = _study_for_space(settings.storage, study_name(device_key, target.op, backend.name, bucket), space)
     sampler = _sampler(space, settings)
     study = optuna.create_study(study_name=name, storage=_storage(settings.storage), direction="minimize",
                                 sampler=sampler, load_if_exists=True)
@@ -648,6 +648,27 @@ def _storage(spec):
 
         _STORAGES[spec] = optuna.storages.RDBStorage(spec)
     return _STORAGES[spec]
+
+
+def _study_for_space(storage, name: str, space: Mapping[str, list]) -> str:
+    """`name`, or `name|space=<digest>` where the study of that name searched other values of a knob (a newer pdlab,
+    another narrowing): optuna cannot resume a study whose choices changed, and the first run's study stays as it
+    is, for a run at its space to resume."""
+    import hashlib
+
+    from optuna.distributions import CategoricalDistribution
+
+    st = _storage(storage)
+    try:
+        study_id = st.get_study_id_from_name(name)
+    except KeyError:
+        return name
+    want = {k: CategoricalDistribution(_choices(v)) for k, v in space.items()}
+    trials = st.get_all_trials(study_id, deepcopy=False)
+    if all(want.get(k, d) == d for t in trials for k, d in t.distributions.items()):
+        return name
+    digest = hashlib.sha256(repr(sorted((k, [repr(x) for x in v]) for k, v in space.items())).encode()).hexdigest()
+    return f"{name}|space={digest[:8]}"
 
 
 def _grid_class():

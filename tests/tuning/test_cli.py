@@ -214,3 +214,21 @@ def test_backends_that_nobody_registered_are_an_error_naming_the_registered_ones
     assert main(["attention", "--op", "all", "--backends", "trtllm_mla", "--dry-run", "--arch", "sm100"]) == 0
     assert main(["moe", "--backends", "tritn", "--dry-run", "--arch", "sm90"]) == 2
     assert "no such backend of moe_experts; registered: cutedsl, torch, torch_grouped, triton" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("part", ["build", "call"])
+def test_a_run_that_stores_nothing_exits_1_saying_why(toy, isolated, capsys, monkeypatch, part):
+    # every bucket's inputs failed (a model routing more experts than it has), or every trial failed: the run printed
+    # "nothing stored" and exited 0, as a run that stored its winners does
+    from pdlab.tuning.target import get_target
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("selected index k out of range")
+
+    monkeypatch.setattr(get_target("toy_matmul"), part, broken)
+    args = _args("--arch", "cpu", "--backends", "blocked", "--only", "m=16", "--repeats", "3", "--trials", "4",
+                 "--storage", str(isolated / "t.db"), "--out", str(isolated / "out"), "--no-progress")
+    assert command.run_tune("tune toy", args, ["toy_matmul"]) == 1
+    err = capsys.readouterr().err
+    assert "tune toy: toy_matmul: nothing stored" in err and "selected index k out of range" in err
+    assert not (isolated / "configs" / "cpu" / "toy_matmul.json").exists()

@@ -1,5 +1,6 @@
-"""A store file of the right outline whose parts are not objects (hand-edited, from another tool): the ops skip it
-with a warning, `tune show` names it, the tuner sets it aside. It crashed every mla_decode call and `tune show`."""
+"""A store file of the right outline whose parts are not objects, or whose times are not finite numbers >= 0
+(hand-edited, from another tool): the ops skip it with a warning, `tune show` names it, the tuner sets it aside.
+It crashed every mla_decode call and `tune show`."""
 
 import json
 import logging
@@ -16,6 +17,21 @@ BROKEN = {
     "entry": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"}, "entries": {"x": 5}},
     "backends": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"},
                  "entries": {"x": {"bucket": {"batch": 2}, "backends": {"torch": 5}}}},
+    # values the readers compute with: each crashed `tune show` (or every op's lookup: 'versions')
+    "versions": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu", "versions": ["torch"]}, "entries": {}},
+    "config": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"},
+               "entries": {"x": {"bucket": {"batch": 2}, "backend": "torch", "backends": {"torch": {"config": [1]}}}}},
+    "time": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"},
+             "entries": {"x": {"bucket": {"batch": 2}, "backend": "torch",
+                               "backends": {"torch": {"config": {}, "time_ms": "fast"}}}}},
+    "speedup": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"},
+                "entries": {"x": {"bucket": {"batch": 2}, "backend": "torch", "speedup": -1.0,
+                                  "backends": {"torch": {"config": {}, "time_ms": 1.0, "speedup": -1.0}}}}},
+    "infinite": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"},
+                 "entries": {"x": {"bucket": {"batch": 2}, "backend": "torch", "time_ms": float("inf"),
+                                   "backends": {"torch": {"config": {}, "time_ms": float("inf")}}}}},
+    "winner": {"format": 1, "op": "mla_decode", "metadata": {"device": "cpu"},
+               "entries": {"x": {"bucket": {"batch": 2}, "backend": 5, "backends": {"torch": {"config": {}}}}}},
 }
 
 

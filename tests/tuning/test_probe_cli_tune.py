@@ -45,6 +45,17 @@ def test_a_cuda_device_on_a_machine_without_one_exits_2(argv, capsys):
     assert "--device cuda:" in line and "no CUDA device" in line
 
 
+@pytest.mark.parametrize("device", ["garbage", "meta", "mps"])
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_device_tune_cannot_run_on_exits_2_naming_the_choices(capsys, device, dry):
+    # `--device garbage` ended in torch's RuntimeError traceback; `--device meta` planned, then every bucket's inputs
+    # failed ("META device type not an accelerator")
+    assert main(["moe", "--arch", "cpu", "--device", device, "--budget", "3s", "--no-progress"]
+                + (["--dry-run"] if dry else [])) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tune moe: --device {device!r}: ") and "cuda:N" in line and "cpu" in line
+
+
 def test_show_of_an_op_nobody_registered_exits_2_naming_the_ops(capsys):
     # `tune show --op bogus` said "no tuned-config files for cpu and op bogus" and exited 0
     assert main(["show", "--op", "mla_decod"]) == 2
@@ -72,6 +83,21 @@ def test_a_model_file_with_a_null_size_names_the_field(tmp_path, capsys):
     assert main(["moe", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert str(cfg) in line and "num_experts_per_tok" in line
+
+
+@pytest.mark.parametrize("sub", ["attention", "moe", "dispatch"])
+def test_a_model_routing_more_experts_than_it_has_names_both_fields(tmp_path, capsys, sub):
+    # top-8 of 4 experts was planned; tuning then failed every bucket's inputs ("selected index k out of range")
+    # and exited 0 with nothing stored
+    import json
+
+    fields = dict(hidden_size=512, num_attention_heads=8, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                  moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=8)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fields))
+    assert main([sub, "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(cfg) in line and "num_experts_per_tok=8" in line and "n_routed_experts=4" in line
 
 
 def test_a_store_folder_that_cannot_be_written_exits_2_before_tuning(tmp_path, capsys, monkeypatch):
@@ -262,3 +288,11 @@ def test_buckets_no_usable_backend_takes_exit_1_saying_why(tmp_path, capsys, mon
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("tune moe: moe_experts: none of the backends that run on this cpu device (torch_grouped)")
     assert "--dry-run --arch cpu" in line and not (tmp_path / "st" / "cpu" / "moe_experts.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--budget", "--bucket-budget"])
+def test_a_bad_duration_names_its_flag(capsys, flag):
+    # both flags said "duration '10x': ...", so a run given both did not say which one to fix
+    assert main(["attention", "--arch", "sm90", "--dry-run", flag, "10x"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tune attention: {flag} '10x': ") and "90s, 10m, 1h" in line

@@ -21,6 +21,7 @@ from pdlab.tuning.target import TuneTarget, register_target
 
 OP = "toy_matmul"
 BLOCKED_SPACE = {"BLOCK_K": [0, 4, 16, 64], "skip_last": [False, True]}  # 8 configs: grid
+BLOCKED_DEFAULT = {"BLOCK_K": 4, "skip_last": False}
 WIDE_SPACE = {"rows": [1, 2, 4, 8, 16, 32, 64], "cols": [1, 2, 4, 8, 16, 32], "flip": [False, True]}  # 84: TPE
 
 
@@ -30,7 +31,7 @@ def register() -> TuneTarget:
         return a.double().matmul(b.double()).float()
 
     @register_backend(OP, "blocked", archs=("cpu", "cuda"), priority=10, config_space=BLOCKED_SPACE,
-                      default_config={"BLOCK_K": 4, "skip_last": False})
+                      default_config=BLOCKED_DEFAULT)
     def toy_blocked(a, b, *, config):
         bk = config["BLOCK_K"]
         if bk <= 0:
