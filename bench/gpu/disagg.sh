@@ -25,26 +25,13 @@ SERVE=(--model-path "$MODEL" --max-running-requests 64 --max-context-len 4096 --
        --chunked-prefill-size 2048 --max-prefill-tokens 8192 --page-size 64
        --cuda-graph-bs 1 2 4 8 16 24 32 40 48 64)
 . "$(dirname "$0")/provenance.sh"
+. "$(dirname "$0")/serve_lib.sh"
 record_provenance "$OUT"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 stamp() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/stages.txt"; }
 CLI=($PY -c 'import sys; from pdlab.runtime.cli import main; sys.exit(main(sys.argv[1:]))')
 BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.argv[1:]))' serving)
 
-wait_up() {  # url pid seconds
-  for _ in $(seq 1 "$3"); do
-    curl -sf "$1/health" > /dev/null 2>&1 && return 0
-    kill -0 "$2" 2>/dev/null || return 1
-    sleep 1
-  done
-  return 1
-}
-
-stop() {  # pid
-  kill -TERM "$1" 2>/dev/null
-  for _ in $(seq 1 20); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL "$1" 2>/dev/null
-}
 
 serve_and_measure() {  # name url pid
   local name=$1 url=$2 pid=$3

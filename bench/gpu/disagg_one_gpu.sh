@@ -17,32 +17,21 @@ PORT=${PORT:-30777}
 SERVE=(--model-path "$MODEL" --max-running-requests 32 --max-context-len 4096 --chunked-prefill-size 2048
        --max-prefill-tokens 8192 --page-size 64 --cuda-graph-bs 1 2 4 8 16 32)
 . "$(dirname "$0")/provenance.sh"
+. "$(dirname "$0")/serve_lib.sh"
 record_provenance "$OUT"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/stages.txt"; }
 CLI=($PY -c 'import sys; from pdlab.runtime.cli import main; sys.exit(main(sys.argv[1:]))')
 BENCH=($PY -c 'import sys; from pdlab.bench.cli import main; sys.exit(main(sys.argv[1:]))' serving)
 
-wait_up() {  # url pid seconds
-  for _ in $(seq 1 "$3"); do
-    curl -sf "$1/health" > /dev/null 2>&1 && return 0
-    kill -0 "$2" 2>/dev/null || return 1
-    sleep 1
-  done
-  return 1
-}
-
-stop() {  # pid
-  kill -TERM "$1" 2>/dev/null
-  for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL "$1" 2>/dev/null
-}
 
 serve() {  # name, extra serve args...
   local name=$1; shift
   stamp "$name: starting"
   "${CLI[@]}" serve "${SERVE[@]}" "$@" --port "$PORT" > "$OUT/serve_$name.txt" 2>&1 &
   local pid=$! url="http://127.0.0.1:$PORT"
-  if ! wait_up "$url" "$pid" 420; then stamp "$name did not come up"; tail -30 "$OUT/serve_$name.txt"; stop $pid; return 1; fi
+  if ! wait_up "$url" "$pid" 420; then
+    stamp "$name did not come up"; tail -30 "$OUT/serve_$name.txt"; stop $pid; return 1
+  fi
   stamp "$name up"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits > "$OUT/mem_$name.txt"
   grep -E "pages = " "$OUT/serve_$name.txt" > "$OUT/pools_$name.txt"

@@ -5,19 +5,10 @@ be a JSON object (it was a bare "Field required" / "Input should be a valid dict
 import os
 import sys
 
-import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_api import _server  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def client():
-    srv = _server()
-    with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
-        yield c
-    srv.stop()
+from test_server_api import client, server  # noqa: E402,F401  (fixtures: a toy server per module)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])

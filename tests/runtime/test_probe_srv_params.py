@@ -5,19 +5,10 @@
 import os
 import sys
 
-import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_api import CTX, _server  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def client():
-    srv = _server()
-    with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as c:
-        yield c
-    srv.stop()
+from test_server_api import CTX, client, server  # noqa: E402,F401  (fixtures: a toy server per module)
 
 
 CHAT = [{"role": "user", "content": "hi"}]
