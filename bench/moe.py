@@ -39,6 +39,8 @@ COLUMNS = ("mode", "tokens", "payload", "runner", "ep", "dispatcher", "status", 
            "dispatch_config_detail", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_combine_graph_ms",
            "experts_graph_ms", "timing", "dispatch_MB", "combine_MB", "dispatch_GBps", "combine_GBps", "comm_GBps",
            "pairs", "tflops", "experts_GBps", "pct_roofline", "cos_err")
+# the low-latency buffer's tokens per rank where no low-latency row sizes it (the MoE layer's own default)
+N_MAX_DEFAULT = 128
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
                routed_scaling_factor=2.5)
 
@@ -60,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "config.json (its scoring_func, topk_method, norm_topk_prob and routed_scaling_factor route "
                    "the tokens)")
     p.add_argument("--num-max-dispatch-tokens", type=int_arg(1), default=None,
-                   help="low-latency buffer tokens per rank (default: the largest low-latency token count)")
+                   help="low-latency buffer tokens per rank (default: the largest low-latency token count); "
+                        f"with --mode normal only {N_MAX_DEFAULT}, as no row uses it")
     p.add_argument("--repeats", type=int_arg(1), default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int_arg(0), default=3)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
@@ -104,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         print("bench moe: --ll-tokens sets the low-latency rows; this run is --mode normal (drop --ll-tokens, or use "
               "--mode low_latency or both)")
         return 2
+    if args.num_max_dispatch_tokens not in (None, N_MAX_DEFAULT) and args.mode == "normal":  # ignored likewise
+        print("bench moe: --num-max-dispatch-tokens sizes the low-latency buffer; this run is --mode normal (drop "
+              "--num-max-dispatch-tokens, or use --mode low_latency or both)")
+        return 2
     runners = list(dict.fromkeys(r.strip() for r in args.runner.split(",") if r.strip()))  # a name twice runs once
     for op, names in (("moe_experts", [r for r in runners if r != "auto"]), ("moe_dispatch", [dispatcher])):
         problem = registry.unknown_names(op, names)
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     payloads = list(dict.fromkeys(p.strip() for p in args.dispatch.split(",") if p.strip()))
     if not cuda:  # auto is the reference runner on CPU
         runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
-    n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
+    n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else N_MAX_DEFAULT)
     if "low_latency" in modes and n_max < max(ll_tokens):  # every such row would fail on the buffer
         print(f"bench moe: --num-max-dispatch-tokens {n_max} is below the {max(ll_tokens)} tokens per rank of the "
               f"low-latency rows (--ll-tokens, else --tokens up to 256); give at least {max(ll_tokens)}")

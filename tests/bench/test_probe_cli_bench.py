@@ -252,11 +252,20 @@ def test_bench_attention_leaves_only_its_results_behind(tmp_path, capsys):
     (["attention", "--op", "prefill", "--s-q", "2"], "--s-q applies to --op decode"),
     (["attention", "--new-tokens", "4"], "--new-tokens applies to --op prefill"),
     (["moe", "--mode", "normal", "--ll-tokens", "16"], "--ll-tokens sets the low-latency rows"),
+    (["moe", "--mode", "normal", "--num-max-dispatch-tokens", "64"],
+     "--num-max-dispatch-tokens sizes the low-latency buffer; this run is --mode normal"),
 ])
 def test_an_option_the_run_would_ignore_is_a_usage_error(argv, says, tmp_path, capsys):
     # these options were silently ignored: the run measured other shapes than the command line named
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert says in _last_line(capsys.readouterr().out)
+
+
+def test_bench_moe_normal_mode_takes_the_buffer_flag_at_its_default(tmp_path, capsys):
+    # a script that spells out the buffer's default (what a normal-mode run builds with) still runs
+    assert main(["moe", "--mode", "normal", "--num-max-dispatch-tokens", "128", "--tokens", "1", "--runner", "torch",
+                 "--repeats", "1", "--warmup", "0", "--no-reference", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert pd.read_csv(tmp_path / "moe_ep1.csv")["status"].tolist() == ["ok"]
 
 
 def test_bench_quantize_sweep_runs_at_the_cpu_shape_without_a_gpu(tmp_path, capsys, monkeypatch):
