@@ -531,8 +531,9 @@ def _ints(text: str | None) -> list[int]:
 
 
 def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
-    """One row per configuration: times = the slowest rank's, bytes = the largest rank's,
-    rates recomputed from those, error = the worst rank's."""
+    """One row per configuration: times = the slowest rank's, bytes = the largest rank's, dispatch / combine
+    rates recomputed from those, expert rates (tflops, experts_GBps, pct_roofline) = the lowest rank's,
+    error = the worst rank's."""
     merged = []
     for rows in zip(*per_rank):
         row = dict(rows[0])  # rank 0's profile_text, if any, stays
@@ -546,8 +547,8 @@ def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
             row["dispatch_GBps"] = row["dispatch_MB"] / 1e3 / (row["dispatch_ms"] / 1e3)
             row["combine_GBps"] = row["combine_MB"] / 1e3 / (row["combine_ms"] / 1e3)
             row["comm_GBps"] = (row["dispatch_MB"] + row["combine_MB"]) / 1e3 / comm
-            row["tflops"] = min(r["tflops"] for r in rows)
-            row["pct_roofline"] = min(r["pct_roofline"] for r in rows)
+            for k in ("tflops", "experts_GBps", "pct_roofline"):  # each rank's own work over its own time
+                row[k] = min(r[k] for r in rows)
         merged.append(row)
     return merged
 
