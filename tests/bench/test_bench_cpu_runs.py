@@ -206,3 +206,22 @@ def test_bench_moe_merged_ep_row_takes_each_expert_rate_from_the_ranks_alike():
     (row,) = _merge_ranks([[rank_row(0, 2.0, 20.0, 0.5)], [rank_row(1, 10.0, 40.0, 0.2)]])
     assert row["experts_ms"] == 10.0 and row["tflops"] == 0.2
     assert row["experts_GBps"] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_bench_attention_counts_q_and_out_bytes_at_the_dtype_the_row_ran(tmp_path, op):
+    # an fp32 row's GB/s counted q and the output at 2 bytes an element (bf16's) though they ran at 4
+    from pdlab.attention.workloads import decode_cost, prefill_cost
+
+    assert main(["attention", "--op", op, "--backend", "torch", "--batch", "2", "--seqlen", "32", "--heads", "16",
+                 "--kv-dtype", "fp32,bf16,fp8", "--page-size", "16", "--repeats", "1", "--no-reference",
+                 "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / f"mla_{op}.csv").set_index("kv_dtype")
+    for kv_dtype, kv_elem, q_elem in (("fp32", 4, 4), ("bf16", 2, 2), ("fp8", 1, 2)):  # fp8 rows run bf16 q
+        row = df.loc[kv_dtype]
+        assert row["status"] == "ok"
+        if op == "decode":
+            nbytes = decode_cost(2, 1, 16, 64, kv_elem, q_elem)[1]
+        else:
+            nbytes = prefill_cost([32, 32], [32, 32], 16, kv_elem, q_elem)[1]
+        assert row["gbps"] * 1e9 * row["median_ms"] / 1e3 == pytest.approx(nbytes, rel=1e-6), kv_dtype
