@@ -122,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_config_file(args.model, PRESETS)
         cfg = resolve_model(args.model)
-        _check_nvfp4_sizes(cfg)
+        problem = nvfp4_size_problem(cfg.hidden_size, cfg.intermediate_size)
+        if problem:
+            raise ValueError(problem)
     except (OSError, ValueError) as exc:  # a missing file, not JSON, not a DeepseekV3 MoE config
         kind = "not a JSON config file: " if isinstance(exc, json.JSONDecodeError) else ""
         print(f"bench moe: --model {args.model!r}: {kind}{exc}")
@@ -513,17 +515,18 @@ def _check_config_file(model: str, presets) -> None:
         raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
 
 
-def _check_nvfp4_sizes(cfg) -> None:
-    """ValueError naming the sizes of `cfg` (a MoEConfig) that NVFP4 expert weights cannot hold: both GEMMs
-    quantize along the hidden and the intermediate size in blocks of 16."""
+def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
+    """Which of a MoE model's sizes NVFP4 expert weights cannot hold, with the reason, else None: both GEMMs
+    quantize along the hidden and the (MoE) intermediate size in blocks of 16."""
     from pdlab.kernels.nvfp4 import BLOCK
 
-    bad = [f"{name}={value}" for name, value in (("hidden_size", cfg.hidden_size),
-                                                 ("moe_intermediate_size", cfg.intermediate_size)) if value % BLOCK]
-    if bad:
-        verb = "is" if len(bad) == 1 else "are"
-        raise ValueError(f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: the benchmark's NVFP4 expert "
-                         f"weights are quantized in blocks of {BLOCK} along both sizes")
+    bad = [f"{name}={value}" for name, value in (("hidden_size", hidden_size),
+                                                 ("moe_intermediate_size", intermediate_size)) if value % BLOCK]
+    if not bad:
+        return None
+    verb = "is" if len(bad) == 1 else "are"
+    return (f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: NVFP4 expert weights are quantized in blocks of "
+            f"{BLOCK} along both sizes")
 
 
 def _ints(text: str | None) -> list[int]:

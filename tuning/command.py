@@ -180,6 +180,9 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
         plans = []
         for op in chosen:
             target = get_target(op)
+            problem = target.model_problem(model)
+            if problem:
+                raise ValueError(f"--model {args.model!r}: {problem}")
             plans.append((target, filter_buckets(target.buckets(model), only)))
     except (ValueError, KeyError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
