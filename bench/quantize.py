@@ -66,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     facts = arch.device_facts()
+    if args.measure_peaks and not cuda:  # it would be ignored: say so rather than measure without it
+        print("bench quantize: --measure-peaks measures a CUDA GPU's copy bandwidth and bf16 rate; this machine has "
+              "none (drop --measure-peaks)")
+        return 2
     if args.measure_peaks:
-        if not cuda:
-            print("--measure-peaks needs a CUDA GPU; using no bandwidth figure on CPU")
-        else:
-            facts = arch.with_peaks(facts, arch.measure_peaks())
+        facts = arch.with_peaks(facts, arch.measure_peaks())
     peak_bw = facts.peaks.hbm_bytes_per_s if facts.peaks else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     ms = list(dict.fromkeys(args.m or (GPU_M if cuda else CPU_M)))

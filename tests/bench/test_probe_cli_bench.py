@@ -287,6 +287,18 @@ def test_bench_quantize_sweep_without_triton_in_the_backends_exits_2(tmp_path, c
     assert not (tmp_path / "quantize.csv").exists()
 
 
+def test_bench_quantize_measure_peaks_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
+    # it printed a note without the command's name and measured anyway, the flag ignored, under a title reading
+    # "pct_bw = % of no bandwidth figure"
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["quantize", "--measure-peaks", "--grouped", "none", "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench quantize: --measure-peaks") and "CUDA GPU" in line and "drop --measure-peaks" in line
+    assert not (tmp_path / "quantize.csv").exists()
+
+
 def test_bench_attention_cuda_graph_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
     # every row was timed eagerly, with nothing said, where --cuda-graph asked for graph replays
     import torch
