@@ -152,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
     path = report.save(df, out_dir, "quantize", meta)
     cols = [c for c in ["shape", "backend", "config", "status", "time_us", "gbps", "pct_bw", "bit_exact", "timing"]
             if df[c].notna().any() or c in ("shape", "backend", "config", "status")]  # no empty column
-    bw_note = f"{peak_bw / 1e12:.2f} TB/s ({facts.peaks.source})" if peak_bw else "no bandwidth figure"
+    bw_note = (f"pct_bw = % of {peak_bw / 1e12:.2f} TB/s ({facts.peaks.source})" if peak_bw
+               else "no bandwidth figure: no pct_bw")
     kind = "CPU timings (perf_counter)" if not cuda else "CUDA-event timings, L2 flushed"
-    report.print_table(df, f"NVFP4 quantize on {facts.name}, {kind}; pct_bw = % of {bw_note}", cols)
+    report.print_table(df, f"NVFP4 quantize on {facts.name}, {kind}; {bw_note}", cols)
     if "reason" in df:
         for (backend, status), reason in df.dropna(subset=["reason"]).groupby(["backend", "status"])["reason"]:
             print(f"{backend} {status}: {'; '.join(sorted(set(reason)))}")

@@ -268,6 +268,20 @@ def test_bench_moe_normal_mode_takes_the_buffer_flag_at_its_default(tmp_path, ca
     assert pd.read_csv(tmp_path / "moe_ep1.csv")["status"].tolist() == ["ok"]
 
 
+def test_bench_quantize_title_names_no_share_of_a_bandwidth_it_lacks(tmp_path, capsys, monkeypatch):
+    # the table's title read "pct_bw = % of no bandwidth figure" on a machine with no bandwidth figure
+    import dataclasses
+
+    from pdlab.kernels import arch
+
+    facts = arch.device_facts()
+    monkeypatch.setattr(arch, "device_facts", lambda *a, **k: dataclasses.replace(facts, peaks=None))
+    assert main(["quantize", "--m", "1", "--backends", "torch", "--grouped", "none", "--repeats", "1", "--no-plot",
+                 "--out", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "% of no bandwidth" not in out and "no bandwidth figure: no pct_bw" in out
+
+
 def test_bench_quantize_sweep_runs_at_the_cpu_shape_without_a_gpu(tmp_path, capsys, monkeypatch):
     # on CPU the sweep ran at R1's [4096, 7168]: under TRITON_INTERPRET=1 minutes per call, hours in all
     import torch
