@@ -443,7 +443,8 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
         try:
             frame = pd.read_csv(p)
         except (OSError, ValueError) as exc:  # missing, unreadable, not CSV (pandas' ParserError is a ValueError)
-            print(f"bench moe --scaling: cannot read {p}: {exc}; give result CSVs of bench moe (moe_ep<N>.csv)")
+            why = " ".join(str(exc).split())  # pandas' parser errors span lines
+            print(f"bench moe --scaling: cannot read {p}: {why}; give result CSVs of bench moe (moe_ep<N>.csv)")
             return 2
         missing = [c for c in need if c not in frame]
         if missing:

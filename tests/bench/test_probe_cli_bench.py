@@ -92,6 +92,17 @@ def test_bench_moe_scaling_with_a_missing_or_foreign_csv_exits_2(tmp_path, capsy
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_bench_moe_scaling_with_a_file_that_is_not_csv_says_so_in_one_line(tmp_path, capsys):
+    # given the run's JSON instead of its CSV, pandas' two-line parser error split the message, its fix on a line of
+    # its own
+    js = tmp_path / "moe_ep2.json"
+    js.write_text('{\n "plan": 1,\n "rows": [1, 2, 3]\n}\n')
+    assert main(["moe", "--scaling", str(js), "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1, out
+    assert out.startswith(f"bench moe --scaling: cannot read {js}") and "moe_ep<N>.csv" in out
+
+
 @pytest.mark.parametrize("config, says", [("defualt", "neither JSON nor 'default'/'tuned'"),
                                           ("[1]", "must be a JSON object")])
 def test_bench_attention_bad_config_is_a_usage_error(capsys, config, says):
