@@ -194,6 +194,25 @@ def test_bench_serving_bad_tokenizer_or_rate_is_one_line_naming_the_option(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds per request, got 0"),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds per request, got nan"),
+    (["--random-range-ratio", "2"], "--random-range-ratio must be in [0, 1], got 2"),
+])
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_bench_serving_bad_values_are_usage_errors_before_any_request(tmp_path, capsys, extra, says, model):
+    # --vocab-size 0 was read as "not given" and -5 said only numpy's "high <= 0"; --timeout 0 let every request
+    # time out; --random-range-ratio was checked only after the server had answered (a server that was down
+    # gave "cannot reach", exit 1)
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--out", str(tmp_path / "out"),
+                 *model, *extra]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("bench serving: ") and says in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_moe_takes_a_model_name_in_any_case_as_tune_does(tmp_path, capsys):
     # `tune moe --model DeepSeek-R1` plans R1's shapes; `bench moe --model DeepSeek-R1` said "unknown model"
     assert main(["moe", "--model", "DeepSeek-R1", "--tokens", "1", "--mode", "normal", "--repeats", "1",
