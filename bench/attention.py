@@ -163,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"bench attention: {problem}")
         return 2
+    explicit = [text for text, cfg in zip(args.config, configs) if isinstance(cfg, dict)]
+    if explicit and not any(registry.get_backend(op.name, n).config_space for n in names):  # it would be ignored
+        tunable = [b.name for b in registry.backends(op.name) if b.config_space]
+        print(f"bench attention: --config {explicit[0]!r} sets the knobs of tunable backends; --backend "
+              f"{args.backend} has none with knobs (add {', '.join(tunable) or 'one that has'}, or drop --config)")
+        return 2
     usable, missing = [], []
     for name in names:
         reason = registry.unavailable_reason(op.name, name)

@@ -114,6 +114,16 @@ def test_bench_attention_bad_config_is_a_usage_error(capsys, config, says):
     assert "argument --config" in err and says in err
 
 
+@pytest.mark.parametrize("backends", ["torch", "torch,flashmla"])
+def test_bench_attention_config_for_backends_without_knobs_is_a_usage_error(tmp_path, capsys, backends):
+    # the JSON config was dropped without a word: the rows ran each backend's only config, labelled "default"
+    assert main(["attention", "--backend", backends, "--config", '{"BLOCK_N": 32}', "--batch", "1", "--seqlen", "16",
+                 "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench attention: --config '{\"BLOCK_N\": 32}'") and f"--backend {backends}" in line
+    assert "triton" in line and not list(tmp_path.iterdir())
+
+
 def test_bench_attention_where_no_row_ran_exits_1_and_writes_no_empty_csv(tmp_path, capsys):
     # tried as a new user would on a CPU machine: `bench attention --backend triton` printed "[unavailable] ...",
     # wrote a 1-byte CSV that pandas cannot read (EmptyDataError) and exited 0
