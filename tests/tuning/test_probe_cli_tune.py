@@ -303,7 +303,8 @@ _MLA = dict(num_attention_heads=8, kv_lora_rank=128, qk_rope_head_dim=32, qk_nop
 
 
 @pytest.mark.parametrize("dry", [True, False])
-@pytest.mark.parametrize("hidden, inter, field", [(250, 128, "hidden_size=250"), (256, 120, "moe_intermediate_size=120")])
+@pytest.mark.parametrize("hidden, inter, field", [(250, 128, "hidden_size=250"),
+                                                  (256, 120, "moe_intermediate_size=120")])
 def test_tune_moe_model_sizes_nvfp4_cannot_hold_exit_2_naming_them(tmp_path, capsys, dry, hidden, inter, field):
     # planned as any other model; the search then failed every bucket's inputs on a ShapeError from quantizing the
     # NVFP4 expert weights, printed once per bucket, and exited 1 with nothing stored
