@@ -2,7 +2,8 @@
 torch reference.
 
 Per row: time (median, p10/p90), TFLOPS and GB/s by FlashMLA's formulas
-(FLOPs = 2·s_q·Σseqlen·h·(576+512), bytes = Σseqlen·576·kv_elem + b·s_q·h·(576+512)·2), % of the
+(FLOPs = 2·s_q·Σseqlen·h·(576+512), bytes = Σseqlen·576·kv_elem + b·s_q·h·(576+512)·q_elem, q_elem the
+bytes of the q and output dtype the row ran: 4 for fp32, else 2), % of the
 device roofline, the cosine error 1 - 2Σxy/Σ(x²+y²) of out and lse against the torch fp32
 reference, and which config the backend ran (tuned file, default or explicit). Unavailable
 backends are listed with the reason. CSV + JSON + plots go to --out (default
@@ -162,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"bench attention: {problem}")
         return 2
+    explicit = [text for text, cfg in zip(args.config, configs) if isinstance(cfg, dict)]
+    if explicit and not any(registry.get_backend(op.name, n).config_space for n in names):  # it would be ignored
+        tunable = [b.name for b in registry.backends(op.name) if b.config_space]
+        print(f"bench attention: --config {explicit[0]!r} sets the knobs of tunable backends; --backend "
+              f"{args.backend} has none with knobs (add {', '.join(tunable) or 'one that has'}, or drop --config)")
+        return 2
     usable, missing = [], []
     for name in names:
         reason = registry.unavailable_reason(op.name, name)
@@ -187,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
                 call = lambda backend, config: mla_decode(  # noqa: E731
                     p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, kv_scale=p.kv_scale,
                     backend=backend, config=config)
-                flops, nbytes = decode_cost(B, sq, H, sum(lens), elem)
+                flops, nbytes = decode_cost(B, sq, H, sum(lens), elem, dtype.itemsize)
                 q_len = sq
             else:
                 new = [n if sq <= 0 else min(sq, n) for n in lens]
@@ -196,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 call = lambda backend, config: mla_prefill(  # noqa: E731
                     p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale, kv_scale=p.kv_scale,
                     max_q_len=p.max_q_len, backend=backend, config=config)
-                flops, nbytes = prefill_cost(lens, new, H, elem)
+                flops, nbytes = prefill_cost(lens, new, H, elem, dtype.itemsize)
                 q_len = None
             ref = None
             if not args.no_reference:

@@ -39,6 +39,8 @@ COLUMNS = ("mode", "tokens", "payload", "runner", "ep", "dispatcher", "status", 
            "dispatch_config_detail", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_combine_graph_ms",
            "experts_graph_ms", "timing", "dispatch_MB", "combine_MB", "dispatch_GBps", "combine_GBps", "comm_GBps",
            "pairs", "tflops", "experts_GBps", "pct_roofline", "cos_err")
+# the low-latency buffer's tokens per rank where no low-latency row sizes it (the MoE layer's own default)
+N_MAX_DEFAULT = 128
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
                routed_scaling_factor=2.5)
 
@@ -60,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "config.json (its scoring_func, topk_method, norm_topk_prob and routed_scaling_factor route "
                    "the tokens)")
     p.add_argument("--num-max-dispatch-tokens", type=int_arg(1), default=None,
-                   help="low-latency buffer tokens per rank (default: the largest low-latency token count)")
+                   help="low-latency buffer tokens per rank (default: the largest low-latency token count); "
+                        f"with --mode normal only {N_MAX_DEFAULT}, as no row uses it")
     p.add_argument("--repeats", type=int_arg(1), default=None, help="timed calls per stage (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int_arg(0), default=3)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
@@ -104,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         print("bench moe: --ll-tokens sets the low-latency rows; this run is --mode normal (drop --ll-tokens, or use "
               "--mode low_latency or both)")
         return 2
+    if args.num_max_dispatch_tokens not in (None, N_MAX_DEFAULT) and args.mode == "normal":  # ignored likewise
+        print("bench moe: --num-max-dispatch-tokens sizes the low-latency buffer; this run is --mode normal (drop "
+              "--num-max-dispatch-tokens, or use --mode low_latency or both)")
+        return 2
     runners = list(dict.fromkeys(r.strip() for r in args.runner.split(",") if r.strip()))  # a name twice runs once
     for op, names in (("moe_experts", [r for r in runners if r != "auto"]), ("moe_dispatch", [dispatcher])):
         problem = registry.unknown_names(op, names)
@@ -115,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_config_file(args.model, PRESETS)
         cfg = resolve_model(args.model)
-        _check_nvfp4_sizes(cfg)
+        problem = nvfp4_size_problem(cfg.hidden_size, cfg.intermediate_size)
+        if problem:
+            raise ValueError(problem)
     except (OSError, ValueError) as exc:  # a missing file, not JSON, not a DeepseekV3 MoE config
         kind = "not a JSON config file: " if isinstance(exc, json.JSONDecodeError) else ""
         print(f"bench moe: --model {args.model!r}: {kind}{exc}")
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     payloads = list(dict.fromkeys(p.strip() for p in args.dispatch.split(",") if p.strip()))
     if not cuda:  # auto is the reference runner on CPU
         runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
-    n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else 128)
+    n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else N_MAX_DEFAULT)
     if "low_latency" in modes and n_max < max(ll_tokens):  # every such row would fail on the buffer
         print(f"bench moe: --num-max-dispatch-tokens {n_max} is below the {max(ll_tokens)} tokens per rank of the "
               f"low-latency rows (--ll-tokens, else --tokens up to 256); give at least {max(ll_tokens)}")
@@ -434,7 +443,8 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
         try:
             frame = pd.read_csv(p)
         except (OSError, ValueError) as exc:  # missing, unreadable, not CSV (pandas' ParserError is a ValueError)
-            print(f"bench moe --scaling: cannot read {p}: {exc}; give result CSVs of bench moe (moe_ep<N>.csv)")
+            why = " ".join(str(exc).split())  # pandas' parser errors span lines
+            print(f"bench moe --scaling: cannot read {p}: {why}; give result CSVs of bench moe (moe_ep<N>.csv)")
             return 2
         missing = [c for c in need if c not in frame]
         if missing:
@@ -506,17 +516,18 @@ def _check_config_file(model: str, presets) -> None:
         raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
 
 
-def _check_nvfp4_sizes(cfg) -> None:
-    """ValueError naming the sizes of `cfg` (a MoEConfig) that NVFP4 expert weights cannot hold: both GEMMs
-    quantize along the hidden and the intermediate size in blocks of 16."""
+def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
+    """Which of a MoE model's sizes NVFP4 expert weights cannot hold, with the reason, else None: both GEMMs
+    quantize along the hidden and the (MoE) intermediate size in blocks of 16."""
     from pdlab.kernels.nvfp4 import BLOCK
 
-    bad = [f"{name}={value}" for name, value in (("hidden_size", cfg.hidden_size),
-                                                 ("moe_intermediate_size", cfg.intermediate_size)) if value % BLOCK]
-    if bad:
-        verb = "is" if len(bad) == 1 else "are"
-        raise ValueError(f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: the benchmark's NVFP4 expert "
-                         f"weights are quantized in blocks of {BLOCK} along both sizes")
+    bad = [f"{name}={value}" for name, value in (("hidden_size", hidden_size),
+                                                 ("moe_intermediate_size", intermediate_size)) if value % BLOCK]
+    if not bad:
+        return None
+    verb = "is" if len(bad) == 1 else "are"
+    return (f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: NVFP4 expert weights are quantized in blocks of "
+            f"{BLOCK} along both sizes")
 
 
 def _ints(text: str | None) -> list[int]:
@@ -524,8 +535,9 @@ def _ints(text: str | None) -> list[int]:
 
 
 def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
-    """One row per configuration: times = the slowest rank's, bytes = the largest rank's,
-    rates recomputed from those, error = the worst rank's."""
+    """One row per configuration: times = the slowest rank's, bytes = the largest rank's, dispatch / combine
+    rates recomputed from those, expert rates (tflops, experts_GBps, pct_roofline) = the lowest rank's,
+    error = the worst rank's."""
     merged = []
     for rows in zip(*per_rank):
         row = dict(rows[0])  # rank 0's profile_text, if any, stays
@@ -539,8 +551,8 @@ def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
             row["dispatch_GBps"] = row["dispatch_MB"] / 1e3 / (row["dispatch_ms"] / 1e3)
             row["combine_GBps"] = row["combine_MB"] / 1e3 / (row["combine_ms"] / 1e3)
             row["comm_GBps"] = (row["dispatch_MB"] + row["combine_MB"]) / 1e3 / comm
-            row["tflops"] = min(r["tflops"] for r in rows)
-            row["pct_roofline"] = min(r["pct_roofline"] for r in rows)
+            for k in ("tflops", "experts_GBps", "pct_roofline"):  # each rank's own work over its own time
+                row[k] = min(r[k] for r in rows)
         merged.append(row)
     return merged
 

@@ -66,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     facts = arch.device_facts()
+    if args.measure_peaks and not cuda:  # it would be ignored: say so rather than measure without it
+        print("bench quantize: --measure-peaks measures a CUDA GPU's copy bandwidth and bf16 rate; this machine has "
+              "none (drop --measure-peaks)")
+        return 2
     if args.measure_peaks:
-        if not cuda:
-            print("--measure-peaks needs a CUDA GPU; using no bandwidth figure on CPU")
-        else:
-            facts = arch.with_peaks(facts, arch.measure_peaks())
+        facts = arch.with_peaks(facts, arch.measure_peaks())
     peak_bw = facts.peaks.hbm_bytes_per_s if facts.peaks else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     ms = list(dict.fromkeys(args.m or (GPU_M if cuda else CPU_M)))
@@ -151,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
     path = report.save(df, out_dir, "quantize", meta)
     cols = [c for c in ["shape", "backend", "config", "status", "time_us", "gbps", "pct_bw", "bit_exact", "timing"]
             if df[c].notna().any() or c in ("shape", "backend", "config", "status")]  # no empty column
-    bw_note = f"{peak_bw / 1e12:.2f} TB/s ({facts.peaks.source})" if peak_bw else "no bandwidth figure"
+    bw_note = (f"pct_bw = % of {peak_bw / 1e12:.2f} TB/s ({facts.peaks.source})" if peak_bw
+               else "no bandwidth figure: no pct_bw")
     kind = "CPU timings (perf_counter)" if not cuda else "CUDA-event timings, L2 flushed"
-    report.print_table(df, f"NVFP4 quantize on {facts.name}, {kind}; pct_bw = % of {bw_note}", cols)
+    report.print_table(df, f"NVFP4 quantize on {facts.name}, {kind}; {bw_note}", cols)
     if "reason" in df:
         for (backend, status), reason in df.dropna(subset=["reason"]).groupby(["backend", "status"])["reason"]:
             print(f"{backend} {status}: {'; '.join(sorted(set(reason)))}")

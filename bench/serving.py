@@ -88,7 +88,7 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 def random_requests(n: int, in_len: int, out_len: int, ratio: float, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     """n (prompt token ids, output length) pairs; lengths uniform in [len * ratio, len]."""
     if not (0.0 <= ratio <= 1.0):
-        raise ValueError(f"--random-range-ratio must be in [0, 1], got {ratio}")
+        raise ValueError(f"--random-range-ratio must be in [0, 1], got {ratio:g}")
     rng = np.random.default_rng(seed)
     ins = rng.integers(max(1, int(in_len * ratio)), in_len + 1, size=n)
     outs = rng.integers(max(1, int(out_len * ratio)), out_len + 1, size=n)
@@ -260,6 +260,12 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+        if args.vocab_size is not None and args.vocab_size < 1:  # 0 read as "not given"
+            raise ValueError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+        if not args.timeout > 0:  # zero, negative or nan: every request would time out
+            raise ValueError(f"--timeout must be > 0 seconds per request, got {args.timeout:g}")
+        if not 0.0 <= args.random_range_ratio <= 1.0:
+            raise ValueError(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio:g}")
         if not args.request_rate >= 0:  # negative or nan (0 and inf: all at once)
             raise ValueError(f"--request-rate must be >= 0 requests/s (inf: all at once), got {args.request_rate:g}")
         try:

@@ -180,6 +180,9 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
         plans = []
         for op in chosen:
             target = get_target(op)
+            problem = target.model_problem(model)
+            if problem:
+                raise ValueError(f"--model {args.model!r}: {problem}")
             plans.append((target, filter_buckets(target.buckets(model), only)))
     except (ValueError, KeyError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
@@ -330,6 +333,6 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
         report.print_table(df, f"tuning on {facts.name}", [c for c in df.columns if c not in ("config", "bucket")])
         report.save(df, out_dir, "tuning", meta)
         print(f"summary and plots in {out_dir}")
-    if rows and not os.environ.get(tuned.CONFIG_DIR_ENV) and not args.store:
+    if rows and store_root.resolve() not in {r.resolve() for r in tuned.config_roots()}:  # stored where none reads
         print(f"to use these configs: export {tuned.CONFIG_DIR_ENV}={store_root}")
     return status

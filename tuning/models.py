@@ -74,7 +74,7 @@ def load_model_shape(name_or_path: str | None) -> ModelShape:
             "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"]
     missing = [k for k in need if k not in cfg]
     if missing:
-        raise ValueError(f"{path}: missing {', '.join(missing)}; tuning needs a DeepSeek-V3-style config "
+        raise ValueError(f"--model {path}: missing {', '.join(missing)}; tuning needs a DeepSeek-V3-style config "
                          "(MLA + routed experts)")
     bad = [k for k in need if isinstance(cfg[k], bool) or not isinstance(cfg[k], int) or cfg[k] < 1]
     if bad:

@@ -18,6 +18,7 @@ import argparse
 import torch
 
 from pdlab.bench.harness import cosine_error
+from pdlab.bench.moe import nvfp4_size_problem
 from pdlab.moe.weights import quantize_in_chunks
 from pdlab.tuning.command import add_common_arguments, run_tune
 from pdlab.tuning.models import ModelShape
@@ -180,7 +181,7 @@ MOE_EXPERTS = register_target(TuneTarget(
     tolerance=_tolerance, accepts=_accepts, modules=("pdlab.moe.experts",), resolve=_resolve, space=_space,
     # as decode runs them (CUDA graphs): timed eagerly, a call on a few experts measures the host's ~0.3–0.6 ms of
     # launches instead of the kernels (one token on 8 of 256 experts: 269 µs eager against 91 µs in a graph)
-    cuda_graph=True,
+    cuda_graph=True, model_problem=lambda m: nvfp4_size_problem(m.hidden_size, m.moe_intermediate_size),
     bucket_doc="tokens_per_expert × active_experts (all, or one token on 8/32/128) × experts (EP1, EP4) × layout "
                "× payload at the model's hidden/intermediate"))
 

@@ -39,6 +39,8 @@ class TuneTarget:
     space(backend, bucket, arch) → the part of the backend's config space that changes its speed for this bucket on
     that arch ("sm90", ...; None, or a None answer: all of it); the knobs left out keep their defaults. `tune
     --dry-run` prints it for the target arch.
+    model_problem(model) → why this op cannot be tuned at the model's sizes (one line naming them), else None;
+    `tune` refuses such a model before planning.
     modules: imported before the registry is read (they register the backends)."""
 
     op: str
@@ -57,6 +59,7 @@ class TuneTarget:
     cuda_graph: bool = False
     space: Callable[[Backend, Mapping, str], dict | None] | None = None
     bucket_doc: str = ""
+    model_problem: Callable[[ModelShape], str | None] = lambda model: None
     import_errors: dict = field(default_factory=dict)
 
     def search_space(self, backend: Backend, bucket: Mapping, arch: str) -> dict:

@@ -190,3 +190,38 @@ def test_bench_moe_buffer_smaller_than_the_low_latency_tokens_is_a_usage_error(t
     line = _last_line(capsys.readouterr().out)
     assert line.startswith("bench moe: --num-max-dispatch-tokens 1") and "4 tokens" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_merged_ep_row_takes_each_expert_rate_from_the_ranks_alike():
+    # the merged row's tflops and pct_roofline were the worst rank's but experts_GBps stayed rank 0's, so the three
+    # expert figures of one row described different ranks (here rank 1 streamed 40 MB in 10 ms: 4 GB/s, not 10)
+    from pdlab.bench.moe import _merge_ranks
+
+    def rank_row(rank, experts_ms, experts_mb, tflops):
+        return dict(mode="normal", tokens=16, payload="nvfp4", runner="torch", rank=rank, status="ok",
+                    dispatch_ms=1.0, combine_ms=1.0, experts_ms=experts_ms, total_ms=5.0, dispatch_MB=1.0,
+                    combine_MB=1.0, pairs=8, cos_err=0.01, tflops=tflops,
+                    experts_GBps=experts_mb / 1e3 / (experts_ms / 1e3), pct_roofline=float("nan"))
+
+    (row,) = _merge_ranks([[rank_row(0, 2.0, 20.0, 0.5)], [rank_row(1, 10.0, 40.0, 0.2)]])
+    assert row["experts_ms"] == 10.0 and row["tflops"] == 0.2
+    assert row["experts_GBps"] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_bench_attention_counts_q_and_out_bytes_at_the_dtype_the_row_ran(tmp_path, op):
+    # an fp32 row's GB/s counted q and the output at 2 bytes an element (bf16's) though they ran at 4
+    from pdlab.attention.workloads import decode_cost, prefill_cost
+
+    assert main(["attention", "--op", op, "--backend", "torch", "--batch", "2", "--seqlen", "32", "--heads", "16",
+                 "--kv-dtype", "fp32,bf16,fp8", "--page-size", "16", "--repeats", "1", "--no-reference",
+                 "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / f"mla_{op}.csv").set_index("kv_dtype")
+    for kv_dtype, kv_elem, q_elem in (("fp32", 4, 4), ("bf16", 2, 2), ("fp8", 1, 2)):  # fp8 rows run bf16 q
+        row = df.loc[kv_dtype]
+        assert row["status"] == "ok"
+        if op == "decode":
+            nbytes = decode_cost(2, 1, 16, 64, kv_elem, q_elem)[1]
+        else:
+            nbytes = prefill_cost([32, 32], [32, 32], 16, kv_elem, q_elem)[1]
+        assert row["gbps"] * 1e9 * row["median_ms"] / 1e3 == pytest.approx(nbytes, rel=1e-6), kv_dtype

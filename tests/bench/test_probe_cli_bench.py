@@ -92,6 +92,17 @@ def test_bench_moe_scaling_with_a_missing_or_foreign_csv_exits_2(tmp_path, capsy
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_bench_moe_scaling_with_a_file_that_is_not_csv_says_so_in_one_line(tmp_path, capsys):
+    # given the run's JSON instead of its CSV, pandas' two-line parser error split the message, its fix on a line of
+    # its own
+    js = tmp_path / "moe_ep2.json"
+    js.write_text('{\n "plan": 1,\n "rows": [1, 2, 3]\n}\n')
+    assert main(["moe", "--scaling", str(js), "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1, out
+    assert out.startswith(f"bench moe --scaling: cannot read {js}") and "moe_ep<N>.csv" in out
+
+
 @pytest.mark.parametrize("config, says", [("defualt", "neither JSON nor 'default'/'tuned'"),
                                           ("[1]", "must be a JSON object")])
 def test_bench_attention_bad_config_is_a_usage_error(capsys, config, says):
@@ -101,6 +112,16 @@ def test_bench_attention_bad_config_is_a_usage_error(capsys, config, says):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --config" in err and says in err
+
+
+@pytest.mark.parametrize("backends", ["torch", "torch,flashmla"])
+def test_bench_attention_config_for_backends_without_knobs_is_a_usage_error(tmp_path, capsys, backends):
+    # the JSON config was dropped without a word: the rows ran each backend's only config, labelled "default"
+    assert main(["attention", "--backend", backends, "--config", '{"BLOCK_N": 32}', "--batch", "1", "--seqlen", "16",
+                 "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench attention: --config '{\"BLOCK_N\": 32}'") and f"--backend {backends}" in line
+    assert "triton" in line and not list(tmp_path.iterdir())
 
 
 def test_bench_attention_where_no_row_ran_exits_1_and_writes_no_empty_csv(tmp_path, capsys):
@@ -183,6 +204,25 @@ def test_bench_serving_bad_tokenizer_or_rate_is_one_line_naming_the_option(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["--vocab-size", "-5"], "--vocab-size must be >= 1, got -5"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds per request, got 0"),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds per request, got nan"),
+    (["--random-range-ratio", "2"], "--random-range-ratio must be in [0, 1], got 2"),
+])
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_bench_serving_bad_values_are_usage_errors_before_any_request(tmp_path, capsys, extra, says, model):
+    # --vocab-size 0 was read as "not given" and -5 said only numpy's "high <= 0"; --timeout 0 let every request
+    # time out; --random-range-ratio was checked only after the server had answered (a server that was down
+    # gave "cannot reach", exit 1)
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--out", str(tmp_path / "out"),
+                 *model, *extra]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("bench serving: ") and says in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_moe_takes_a_model_name_in_any_case_as_tune_does(tmp_path, capsys):
     # `tune moe --model DeepSeek-R1` plans R1's shapes; `bench moe --model DeepSeek-R1` said "unknown model"
     assert main(["moe", "--model", "DeepSeek-R1", "--tokens", "1", "--mode", "normal", "--repeats", "1",
@@ -252,11 +292,34 @@ def test_bench_attention_leaves_only_its_results_behind(tmp_path, capsys):
     (["attention", "--op", "prefill", "--s-q", "2"], "--s-q applies to --op decode"),
     (["attention", "--new-tokens", "4"], "--new-tokens applies to --op prefill"),
     (["moe", "--mode", "normal", "--ll-tokens", "16"], "--ll-tokens sets the low-latency rows"),
+    (["moe", "--mode", "normal", "--num-max-dispatch-tokens", "64"],
+     "--num-max-dispatch-tokens sizes the low-latency buffer; this run is --mode normal"),
 ])
 def test_an_option_the_run_would_ignore_is_a_usage_error(argv, says, tmp_path, capsys):
     # these options were silently ignored: the run measured other shapes than the command line named
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert says in _last_line(capsys.readouterr().out)
+
+
+def test_bench_moe_normal_mode_takes_the_buffer_flag_at_its_default(tmp_path, capsys):
+    # a script that spells out the buffer's default (what a normal-mode run builds with) still runs
+    assert main(["moe", "--mode", "normal", "--num-max-dispatch-tokens", "128", "--tokens", "1", "--runner", "torch",
+                 "--repeats", "1", "--warmup", "0", "--no-reference", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert pd.read_csv(tmp_path / "moe_ep1.csv")["status"].tolist() == ["ok"]
+
+
+def test_bench_quantize_title_names_no_share_of_a_bandwidth_it_lacks(tmp_path, capsys, monkeypatch):
+    # the table's title read "pct_bw = % of no bandwidth figure" on a machine with no bandwidth figure
+    import dataclasses
+
+    from pdlab.kernels import arch
+
+    facts = arch.device_facts()
+    monkeypatch.setattr(arch, "device_facts", lambda *a, **k: dataclasses.replace(facts, peaks=None))
+    assert main(["quantize", "--m", "1", "--backends", "torch", "--grouped", "none", "--repeats", "1", "--no-plot",
+                 "--out", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "% of no bandwidth" not in out and "no bandwidth figure: no pct_bw" in out
 
 
 def test_bench_quantize_sweep_runs_at_the_cpu_shape_without_a_gpu(tmp_path, capsys, monkeypatch):
@@ -275,6 +338,18 @@ def test_bench_quantize_sweep_without_triton_in_the_backends_exits_2(tmp_path, c
     assert main(["quantize", "--sweep", "--backends", "torch", "--grouped", "none", "--out", str(tmp_path)]) == 2
     line = _last_line(capsys.readouterr().out)
     assert "--sweep times the triton backend" in line and "--backends torch" in line
+    assert not (tmp_path / "quantize.csv").exists()
+
+
+def test_bench_quantize_measure_peaks_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
+    # it printed a note without the command's name and measured anyway, the flag ignored, under a title reading
+    # "pct_bw = % of no bandwidth figure"
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["quantize", "--measure-peaks", "--grouped", "none", "--out", str(tmp_path)]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench quantize: --measure-peaks") and "CUDA GPU" in line and "drop --measure-peaks" in line
     assert not (tmp_path / "quantize.csv").exists()
 
 

@@ -232,3 +232,16 @@ def test_a_run_that_stores_nothing_exits_1_saying_why(toy, isolated, capsys, mon
     err = capsys.readouterr().err
     assert "tune toy: toy_matmul: nothing stored" in err and "selected index k out of range" in err
     assert not (isolated / "configs" / "cpu" / "toy_matmul.json").exists()
+
+
+@pytest.mark.parametrize("store, told", [("elsewhere", True), ("configs", False)])
+def test_a_store_nothing_reads_is_followed_by_how_to_use_it(toy, isolated, capsys, store, told):
+    # with --store, the hint to export PDLAB_CONFIG_DIR was never printed, though only $PDLAB_CONFIG_DIR (here
+    # isolated/configs) and the shipped folder are read: configs stored elsewhere went unused without a word
+    args = _args("--arch", "cpu", "--backends", "blocked", "--only", "m=16", "--repeats", "3", "--budget", "60s",
+                 "--storage", str(isolated / "t.db"), "--store", str(isolated / store), "--out", str(isolated / "out"),
+                 "--no-progress")
+    assert command.run_tune("tune toy", args, ["toy_matmul"]) == 0
+    assert (isolated / store / "cpu" / "toy_matmul.json").exists()
+    out = capsys.readouterr().out
+    assert (f"to use these configs: export PDLAB_CONFIG_DIR={isolated / store}" in out) == told

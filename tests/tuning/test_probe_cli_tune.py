@@ -296,3 +296,45 @@ def test_a_bad_duration_names_its_flag(capsys, flag):
     assert main(["attention", "--arch", "sm90", "--dry-run", flag, "10x"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith(f"tune attention: {flag} '10x': ") and "90s, 10m, 1h" in line
+
+
+_MLA = dict(num_attention_heads=8, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, n_routed_experts=8,
+            num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("dry", [True, False])
+@pytest.mark.parametrize("hidden, inter, field", [(250, 128, "hidden_size=250"),
+                                                  (256, 120, "moe_intermediate_size=120")])
+def test_tune_moe_model_sizes_nvfp4_cannot_hold_exit_2_naming_them(tmp_path, capsys, dry, hidden, inter, field):
+    # planned as any other model; the search then failed every bucket's inputs on a ShapeError from quantizing the
+    # NVFP4 expert weights, printed once per bucket, and exited 1 with nothing stored
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(_MLA, hidden_size=hidden, moe_intermediate_size=inter)))
+    argv = ["moe", "--arch", "cpu", "--model", str(cfg), "--storage", str(tmp_path / "t.db"), "--store",
+            str(tmp_path / "store"), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv + (["--dry-run"] if dry else [])) == 2
+    out, err = capsys.readouterr()
+    line = _one_line(err)
+    assert line.startswith(f"tune moe: --model {str(cfg)!r}") and field in line and "multiple of 16" in line
+    assert out == "" and not (tmp_path / "store").exists()
+
+
+def test_tune_attention_takes_a_model_whose_moe_sizes_nvfp4_cannot_hold(tmp_path, capsys):
+    # attention tunes at the MLA sizes only: the MoE sizes of the config are no reason to refuse it
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(_MLA, hidden_size=250, moe_intermediate_size=120)))
+    assert main(["attention", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 0
+
+
+def test_a_model_file_missing_sizes_is_named_by_the_flag(tmp_path, capsys):
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 256}))
+    assert main(["moe", "--arch", "sm90", "--dry-run", "--model", str(cfg)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"tune moe: --model {cfg}: missing num_attention_heads")
