@@ -32,6 +32,7 @@ import torch
 
 from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
 from pdlab.bench._args import file_stem, out_dir_problem, seconds
+from pdlab.kernels.nvfp4 import nvfp4_size_problem
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 # the CSV's columns, whatever ran (a skipped row leaves its measurements empty; so does --no-reference its cos_err)
@@ -514,20 +515,6 @@ def _check_config_file(model: str, presets) -> None:
     bad += [k for k in optional if data.get(k) is not None and not number(data[k])]
     if bad:
         raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
-
-
-def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
-    """Which of a MoE model's sizes NVFP4 expert weights cannot hold, with the reason, else None: both GEMMs
-    quantize along the hidden and the (MoE) intermediate size in blocks of 16."""
-    from pdlab.kernels.nvfp4 import BLOCK
-
-    bad = [f"{name}={value}" for name, value in (("hidden_size", hidden_size),
-                                                 ("moe_intermediate_size", intermediate_size)) if value % BLOCK]
-    if not bad:
-        return None
-    verb = "is" if len(bad) == 1 else "are"
-    return (f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: NVFP4 expert weights are quantized in blocks of "
-            f"{BLOCK} along both sizes")
 
 
 def _ints(text: str | None) -> list[int]:

@@ -62,6 +62,18 @@ QUANTIZE_MASKED = Op(
 )
 
 
+def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
+    """Which of a MoE model's sizes NVFP4 expert weights cannot hold, with the reason, else None: both GEMMs
+    quantize along the hidden and the (MoE) intermediate size in blocks of 16."""
+    bad = [f"{name}={value}" for name, value in (("hidden_size", hidden_size),
+                                                 ("moe_intermediate_size", intermediate_size)) if value % BLOCK]
+    if not bad:
+        return None
+    verb = "is" if len(bad) == 1 else "are"
+    return (f"{' and '.join(bad)} {verb} not a multiple of {BLOCK}: NVFP4 expert weights are quantized in blocks of "
+            f"{BLOCK} along both sizes")
+
+
 def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     """448·6 / amax as fp32 (amax of 0 gives scale 1). amax: scalar or [E] fp32 → same shape fp32."""
     amax = torch.as_tensor(amax, dtype=torch.float32)

@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from pdlab.bench.harness import cosine_error
-from pdlab.bench.moe import nvfp4_size_problem
+from pdlab.kernels.nvfp4 import nvfp4_size_problem
 from pdlab.moe.weights import quantize_in_chunks
 from pdlab.tuning.command import add_common_arguments, run_tune
 from pdlab.tuning.models import ModelShape
