@@ -80,7 +80,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, kwargs: dict[
                         break
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(results))
-                    raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s")
+                    raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout_s:g} s")
                 continue
             if status == "error":
                 raise RankFailed(rank, blob)
