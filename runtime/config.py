@@ -165,6 +165,17 @@ class ServerConfig(SchedulerConfig):
                          "max_prefill_tokens, so that kernels compile at start-up instead of stalling the first "
                          "requests")
 
+    @model_validator(mode="after")
+    def _check_api_key(self):
+        key = self.api_key
+        if key is not None and not key.strip():  # `--api-key "$KEY"` with KEY unset: the server would be open
+            raise ValueError("--api-key is empty, so every request would be served without a key; give a key, or "
+                             "leave --api-key out to serve without one")
+        if key is not None and key != key.strip():  # clients' bearer tokens are read stripped: it never matched
+            raise ValueError("--api-key has whitespace around it, which no 'Authorization: Bearer' header can carry; "
+                             "remove it")
+        return self
+
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of config fields (snake_case or kebab-case keys)."""

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "shutdown_timeout", None) is not None:  # the servers' flag: the router drains as long
         rargs["shutdown_timeout"] = args.shutdown_timeout
     try:
+        _check_ignored_flags(args)
         if args.role == "router":
             if not args.decode:
                 raise ValueError("--role router needs --decode URL [URL ...] (and --prefill URL ... for "
@@ -86,6 +87,30 @@ def run(args: argparse.Namespace) -> int:
     return launch_disagg(pcfg.model_dump(), dcfg.model_dump(), router={**rargs, "host": base["host"],
                                                                          "port": base["port"]},
                          start_timeout=args.start_timeout)
+
+
+def _check_ignored_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flags given (away from their defaults) that the chosen mode would ignore: server settings
+    for --role router (it honours --host, --port and --shutdown-timeout), the router's server lists for a server role
+    or --disagg (which makes its own), the other router settings and --start-timeout for one server role."""
+    from pdlab.runtime.disagg.config import RoleConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    given = lambda name: getattr(args, name, None) not in (None, parser.get_default(name))  # noqa: E731
+    if args.role == "router":
+        kept = {"host", "port", "shutdown_timeout"}
+        names = [n for n in ("config", *RoleConfig.model_fields) if n not in kept | LAUNCHER_FIELDS and given(n)]
+        names += ["start_timeout"] if given("start_timeout") else []
+        why = "a router serves no model and holds no API key (it passes the client's on)"
+    else:
+        router_only = ("prefill", "decode") if args.disagg else (*ROUTER_FLAGS, "start_timeout")
+        names = [n for n in router_only if given(n)]
+        why = "--disagg starts its own servers" if args.disagg else f"--role {args.role} is one server, not the router"
+    if names:
+        flags = ", ".join("--" + n.replace("_", "-") for n in names)
+        mode = "--disagg" if args.disagg else f"--role {args.role}"
+        raise ValueError(f"{mode} would ignore {flags}: {why}; drop {'them' if len(names) > 1 else 'it'}")
 
 
 def launch_disagg(prefill_cfg: dict, decode_cfg: dict, *, router: dict, start_timeout: float = 900.0,

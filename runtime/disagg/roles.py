@@ -429,7 +429,8 @@ class DecodeRole(RoleHooks):
                     self.metrics.move(rec, State.FAILED, out.error or out.finish_reason.value)
                 else:
                     self.metrics.move(rec, State.DONE, out.finish_reason.value if out.finish_reason else "")
-            rec.sink(out)
+            if rec.sink is not None:  # None: answered early (`_answer_early`)
+                rec.sink(out)
         return sink
 
     def _try_allocate(self, sched, rec: Record) -> None:
@@ -513,13 +514,26 @@ class DecodeRole(RoleHooks):
         if refused_status is not None and rec.state in (State.BOOTSTRAPPING, State.WAITING):
             self._finish_failed(sched, rec, why, refused_status)  # nothing writes its pages: free them now
         elif rec.state in (State.WAITING, State.TRANSFERRING):
-            # free pages once the prefill stops writing
-            rec.abort_requested, rec.error, rec.abort_status = True, why, error_status
-            self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
+            # the client gets its answer now (a prefill server that died sends no final notice: it waited for the
+            # transfer timeout); the pages are freed once the prefill stops writing them, or at that timeout
+            if not rec.abort_requested:
+                rec.abort_requested, rec.error, rec.abort_status = True, why, error_status
+                self._pool.submit(_quiet, self.link.send_abort, rec.peer, tid)
+            self._answer_early(rec)
         elif rec.state is State.BOOTSTRAPPING:
             self._finish_failed(sched, rec, why, error_status or 502)
         else:
             sched.abort(tid, why, error_status=error_status or 400)
+
+    def _answer_early(self, rec: Record) -> None:
+        """Give the client of an aborted request, whose pages a prefill may still write, its error now; the scheduler
+        frees the pages later (`_finish_failed`) and emits nothing more for it."""
+        if rec.sink is None:
+            return
+        self.loop.drop_sink(rec.transfer_id)
+        sink, rec.sink = rec.sink, None
+        sink(StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, error=rec.error,
+                        error_status=rec.abort_status or 502))
 
     def _finish_failed(self, sched, rec: Record, why: str, status: int = 502) -> None:
         """Fail the request with `why`; status: its HTTP status (502 the prefill side failed, the default)."""
@@ -528,7 +542,7 @@ class DecodeRole(RoleHooks):
         self.metrics.move(rec, State.FAILED, why)
         if rec.req.rid in sched.by_rid:
             sched.kv_failed(rec.transfer_id, why, status)  # frees the pre-allocated pages, emits the error
-        else:  # never admitted: no pages; answer the client directly
+        elif rec.sink is not None:  # never admitted: no pages; answer the client directly
             self.loop.drop_sink(rec.transfer_id)
             rec.sink(StepOutput(rec.transfer_id, [], "", True, FinishReason.ERROR, error=why, error_status=status))
 

@@ -233,6 +233,10 @@ class Router:
                 finally:
                     await upstream.aclose()  # closed before the end: the server sees its client leave
                     release()
+                if upstream.status_code != 200 and prefill_task is not None:
+                    # the decode server refused the request or failed it: the prefill server, waiting for page ids
+                    # that never come, sees its client leave and drops the request (its pages, its compute)
+                    prefill_task.cancel()
                 return Response(content, status_code=upstream.status_code,
                                 media_type=upstream.headers.get("content-type", "application/json"))
         finally:

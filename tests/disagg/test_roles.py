@@ -190,6 +190,8 @@ def test_client_abort_frees_pages_on_both_sides(disagg):
     d.decode_role.abort(tid)
     _pump_until(d, lambda: "out" in results)
     assert results["out"].finished and results["out"].error == "client disconnected"
+    # answered at once; the decode pages go once the prefill side's final notice says it stopped writing them
+    _pump_until(d, lambda: d.decode_role.records[tid].state is State.FAILED)
     _assert_all_pages_free(d)
     assert d.prefill_role.records[tid].state is State.FAILED
     # and the servers keep serving
