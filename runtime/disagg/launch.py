@@ -185,6 +185,10 @@ def serve_role(ack, cfg: dict, *, model_factory: str | None = None, factory_kwar
     for line in server.describe():
         log.info("%s", line)
     port = server.start()
+    if cfg.device_servers > 1 and cfg.device.startswith("cuda"):  # the next server on this device sizes its share
+        import torch  # from the free memory: hand back what the warm-up left cached here
+
+        torch.cuda.empty_cache()
     url = f"http://{cfg.host}:{port}"
     log.info("%s server ready at %s (transfer %s, agent %s)", cfg.role, url, cfg.kv_transfer, agent)
     ack({"url": url, "role": cfg.role, "agent": agent})

@@ -170,9 +170,12 @@ class Engine:
         per_page = MLAKVPool.bytes_per_token(self.num_layers, cfg.resolved_kv_dtype) * cfg.page_size
         from pdlab.runtime.memory.budget import available_bytes
 
+        shared = cfg.device_servers > 1
+        if shared and self.device.type == "cuda":  # the load's transients, cached here, are the next server's
+            torch.cuda.empty_cache()
         free = available_bytes(self.device)
         budget = kv_budget(8 << 30 if free is None else free, cfg.mem_fraction_static, cfg.device_servers,
-                           cfg.device_server_index, self._weight_bytes() if cfg.device_servers > 1 else 0)
+                           cfg.device_server_index, load_bytes(self._weight_bytes(), self.device) if shared else 0)
         if self.device.type != "cuda":
             budget = min(budget, 4 << 30)  # CPU: at most 4 GiB
         return max(2, int(budget // per_page))
@@ -447,10 +450,19 @@ def preflight(cfg: EngineConfig) -> int:
     return ctx
 
 
+def load_bytes(weight_bytes: int, device: torch.device) -> int:
+    """Bytes a server of this model needs free to load it: its weights, or on a CUDA device the peak this process
+    reserved while loading them where higher (expert weights are built in bf16 chunks before they are quantized)."""
+    if device.type != "cuda":
+        return weight_bytes
+    return max(weight_bytes, int(torch.cuda.max_memory_reserved(device)))
+
+
 def kv_budget(free: int, fraction: float, servers: int = 1, index: int = 0, weight_bytes: int = 0) -> float:
     """Bytes of KV pool for a server that sees `free` bytes of its device free, its model loaded.
 
-    Alone (servers 1): `fraction` of `free`. Shared: `servers` servers of one model (`weight_bytes` each) are
+    Alone (servers 1): `fraction` of `free`. Shared: `servers` servers of one model (`weight_bytes` each: what
+    one needs free to load it, `load_bytes`) are
     started one after another on the device, and each takes an equal share P of `fraction` of the memory left
     once every server's weights are loaded. The server at `index` sees free = F0 - (index + 1)·W - index·P (F0:
     free before any server loaded), so with G = F0 - servers·W and P = fraction·G / servers:

@@ -547,6 +547,20 @@ def test_servers_sharing_a_device_get_equal_kv_pools(servers, fraction):
     assert kv_budget(weights, fraction, 2, 0, 2 * weights) == 0  # the weights to come do not fit: no pool, not < 0
 
 
+def test_a_later_server_is_left_its_load_peak_not_only_its_weights(monkeypatch):
+    """On a GPU the next server of the device needs its load's peak free (expert weights pass through bf16 chunks
+    before they are quantized), which this process measured loading the same model: an H100 whose first server left
+    the second only its weights saw the second run out of memory while loading."""
+    import torch
+
+    from pdlab.runtime.engine.engine import load_bytes
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 9 << 30)
+    assert load_bytes(7 << 30, torch.device("cuda:0")) == 9 << 30  # the peak, above the weights
+    assert load_bytes(10 << 30, torch.device("cuda:0")) == 10 << 30  # never below the weights
+    assert load_bytes(7 << 30, torch.device("cpu")) == 7 << 30  # the CPU: the weights (no peak is tracked)
+
+
 def test_the_first_of_two_servers_on_a_device_sizes_its_pool_for_both(monkeypatch):
     """An engine told it is the first of two servers of one device leaves the second its weights and an equal
     pool (was: both took --mem-fraction-static of what they saw; started together, both saw the same memory)."""
