@@ -8,7 +8,7 @@ from pdlab.runtime.core import Req
 from pdlab.runtime.disagg.roles import State
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_roles import GREEDY, _assert_all_pages_free, _free_pages, _pump_until, disagg  # noqa: E402,F401
+from test_roles import GREEDY, DeadPrefill, _assert_all_pages_free, _free_pages, _pump_until, disagg  # noqa: E402,F401
 
 
 def test_the_client_of_a_request_whose_prefill_server_died_gets_its_502_at_once(disagg):  # noqa: F811
@@ -17,16 +17,6 @@ def test_the_client_of_a_request_whose_prefill_server_died_gets_its_502_at_once(
     default) for the 502. Now the client gets it at once; the pages stay held until the prefill side's final notice
     or the timeout, since a prefill that is only unreachable may still write them."""
     d = disagg(transfer_timeout=3.0)
-
-    class DeadPrefill:  # took the request and the page ids, then died: never writes, never notifies
-        def submit(self, req, tid):
-            pass
-
-        def on_pages(self, tid, meta, pages):
-            pass
-
-        def abort(self, tid):
-            pass
 
     d.link.prefills["dead"] = DeadPrefill()
     results, tid = {}, "prefill-died"

@@ -127,18 +127,21 @@ def test_decode_retraction_page64_fp8(disagg):
     d.decode.scheduler.check_invariants()
 
 
+class DeadPrefill:
+    """A prefill link that took the request and the page ids, then died: never writes, never notifies."""
+
+    def submit(self, req, tid):
+        pass
+
+    def on_pages(self, tid, meta, pages):
+        pass
+
+    def abort(self, tid):
+        pass
+
+
 def test_dead_prefill_fails_request_frees_pages_others_flow(disagg):
     d = disagg(transfer_timeout=1.0)
-
-    class DeadPrefill:  # took the request and the page ids, then died: never writes, never notifies
-        def submit(self, req, tid):
-            pass
-
-        def on_pages(self, tid, meta, pages):
-            pass
-
-        def abort(self, tid):
-            pass
 
     d.link.prefills["dead"] = DeadPrefill()
     prompts = _prompts()[:4]
