@@ -90,6 +90,10 @@ class Scheduler:
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.engine.vocab_size:
             raise RequestError(f"prompt token ids must be in [0, {self.engine.vocab_size}); got "
                                f"{min(req.prompt_ids)}..{max(req.prompt_ids)}", "prompt")
+        bad = [t for t in req.params.stop_token_ids if not 0 <= t < self.engine.vocab_size]
+        if bad:  # it could never be sampled, so it would never stop the request
+            raise RequestError(f"stop_token_ids must be in [0, {self.engine.vocab_size}) (the vocabulary); got "
+                               f"{bad[0]}", "stop_token_ids")
         if req.prompt_len >= self.max_context_len:
             raise RequestError(f"the prompt has {req.prompt_len} tokens; this server's context is "
                                f"{self.max_context_len} tokens (prompt + output); shorten the prompt", "prompt")

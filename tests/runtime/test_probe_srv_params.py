@@ -51,3 +51,16 @@ def test_an_openai_feature_the_server_lacks_is_named_as_unsupported(client, path
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["param"] == next(iter(extra)), err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+@pytest.mark.parametrize("stop_id", [-1, 10**9])
+def test_a_stop_token_id_outside_the_vocabulary_is_a_400(client, path, stop_id):
+    """A stop token id the model can never sample was accepted and could never stop the request."""
+    body = ({"prompt": "x", "stop_token_ids": [2, stop_id]} if path == "/v1/completions"
+            else {"text": "x", "sampling_params": {"stop_token_ids": [2, stop_id]}})
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "stop_token_ids must be in [0, " in err["message"] and f"got {stop_id}" in err["message"], err
+    assert err["param"].endswith("stop_token_ids"), err
