@@ -63,6 +63,12 @@ def comma_list(item, what: str):
     return parse
 
 
+def list_items(text: str | None, item=str) -> list:
+    """The items of a comma-separated option as `comma_list` checks them: stripped, blanks dropped, each through
+    `item`, a value named twice kept once (in first order). None or empty text: []."""
+    return list(dict.fromkeys(item(t.strip()) for t in (text or "").split(",") if t.strip()))
+
+
 def at_least(minimum: int):
     """An item check accepting integers >= minimum (ValueError with the reason otherwise)."""
 

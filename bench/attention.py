@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
+from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
 from pdlab.bench._args import file_stem, out_dir_problem, seconds
 
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
@@ -108,15 +108,6 @@ def _config_word(text: str) -> str:
     return text
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in _words(text)]
-
-
-def _words(text: str) -> list[str]:
-    """The items of a comma list as its argparse check read them: stripped, blanks and repeats dropped."""
-    return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))  # a value twice runs once
-
-
 def run(args: argparse.Namespace) -> int:
     from pdlab.attention import mla_decode, mla_prefill
     from pdlab.attention.ops import MLA_DECODE, MLA_PREFILL, resolve_config, supports
@@ -158,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if args.backend is None:  # each op its own backends: prefill has no flashmla / trtllm_mla
         names = [b.name for b in registry.backends(op.name)]
     else:
-        names = _words(args.backend)
+        names = list_items(args.backend)
     problem = registry.unknown_names(op.name, names)
     if problem:
         print(f"bench attention: {problem}")
@@ -176,9 +167,10 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in missing:
         print(f"[unavailable] {op.name}[{name}]: {reason}")
 
-    shapes = list(itertools.product(_ints(get("batch")), _ints(get("seqlen")), _ints(get("heads")),
-                                    _words(get("kv_dtype")), _ints(get("page_size")),
-                                    _ints(get("s_q")) if args.op == "decode" else [args.new_tokens]))
+    shapes = list(itertools.product(list_items(get("batch"), int), list_items(get("seqlen"), int),
+                                    list_items(get("heads"), int), list_items(get("kv_dtype")),
+                                    list_items(get("page_size"), int),
+                                    list_items(get("s_q"), int) if args.op == "decode" else [args.new_tokens]))
     rows = []
     rng = random.Random(args.seed)
     total = len(shapes) * max(1, sum(len(configs) if registry.get_backend(op.name, n).config_space else 1

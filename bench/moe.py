@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pdlab._subcommands import comma_list, int_arg, one_of, positive_int
+from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
 from pdlab.bench._args import file_stem, out_dir_problem, seconds
 from pdlab.kernels.nvfp4 import nvfp4_size_problem
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench moe: --num-max-dispatch-tokens sizes the low-latency buffer; this run is --mode normal (drop "
               "--num-max-dispatch-tokens, or use --mode low_latency or both)")
         return 2
-    runners = list(dict.fromkeys(r.strip() for r in args.runner.split(",") if r.strip()))  # a name twice runs once
+    runners = list_items(args.runner)  # a name twice runs once
     for op, names in (("moe_experts", [r for r in runners if r != "auto"]), ("moe_dispatch", [dispatcher])):
         problem = registry.unknown_names(op, names)
         if problem:
@@ -141,12 +141,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
               "that divides it")
         return 2
-    tokens = _ints(args.tokens) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
+    tokens = list_items(args.tokens, int) or ([1, 16, 128, 4096] if cuda else [1, 16, 64])
     # low-latency buffers hold few tokens per rank (DeepEP allows <= 1024, recommends < 256): by default
     # the low-latency rows take the token counts up to 256
-    ll_tokens = _ints(args.ll_tokens) or [t for t in tokens if t <= 256] or tokens[:1]
+    ll_tokens = list_items(args.ll_tokens, int) or [t for t in tokens if t <= 256] or tokens[:1]
     modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
-    payloads = list(dict.fromkeys(p.strip() for p in args.dispatch.split(",") if p.strip()))
+    payloads = list_items(args.dispatch)
     if not cuda:  # auto is the reference runner on CPU
         runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else N_MAX_DEFAULT)
@@ -515,10 +515,6 @@ def _check_config_file(model: str, presets) -> None:
     bad += [k for k in optional if data.get(k) is not None and not number(data[k])]
     if bad:
         raise ValueError("fields that must be numbers are not: " + ", ".join(f"{k}={data[k]!r}" for k in bad))
-
-
-def _ints(text: str | None) -> list[int]:
-    return list(dict.fromkeys(int(t) for t in text.split(",") if t.strip())) if text else []  # once each
 
 
 def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:

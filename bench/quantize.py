@@ -13,7 +13,7 @@ import argparse
 import pandas as pd
 import torch
 
-from pdlab._subcommands import comma_list, int_arg
+from pdlab._subcommands import comma_list, int_arg, list_items
 from pdlab.bench._args import out_dir_problem
 
 GPU_M = [1, 128, 1024, 4096, 16384]
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench quantize: --grouped {grouped}: E and M_max must be >= 1 (e.g. 32,256), or none to skip")
             return 2
         cases.append((m_max, ks[0], e))
-    names = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))  # a name twice runs once
+    names = list_items(args.backends)  # a name twice runs once
     problem = registry.unknown_names("nvfp4_quantize", names)
     if problem:
         print(f"bench quantize: {problem}")
