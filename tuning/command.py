@@ -147,8 +147,9 @@ def run_tune(prog: str, args: argparse.Namespace, ops: Sequence[str], lockstep=N
     """Body of `tune attention|moe|dispatch`: gate, then dry-run or search + store + report.
     lockstep: in a multi-rank run (see tuning/dispatch.py), rank 0 searches, the others follow."""
     problem = arch_problem(prog, args.arch)
-    if not problem and (_device_kind_problem(args.device) or device_problem(args.device)):
-        problem = f"{prog}: {_device_kind_problem(args.device) or device_problem(args.device)}"
+    if not problem:  # tune measures: a device key or name (which `tune show` takes) is no device here
+        device_why = _device_kind_problem(args.device) or device_problem(args.device)
+        problem = f"{prog}: {device_why}" if device_why else None
     if problem:
         print(problem, file=sys.stderr)
         return 2
