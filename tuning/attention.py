@@ -173,6 +173,20 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
     return {k: v for k, v in full.items() if k not in ("kernel", "schedule", "seesaw")}
 
 
+def _prefill_space(backend, bucket, arch: str) -> dict | None:
+    """The triton prefill knobs that change its speed on this bucket: `fp8_compute` only over an fp8 pool (a 16-bit
+    cache never reads it), and `waves` only where num_splits can be 0 (automatic), the one case it sizes the splits.
+    The other backends: their whole space."""
+    if backend.name != "triton":
+        return None
+    space = dict(backend.config_space)
+    if bucket.get("kv_dtype", "bf16") != "fp8":
+        space.pop("fp8_compute", None)
+    if all(int(v) > 0 for v in space.get("num_splits", [0])):
+        space.pop("waves", None)
+    return space
+
+
 MLA_DECODE = register_target(TuneTarget(
     op="mla_decode", description="MLA decode over the paged latent cache",
     buckets=decode_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=False), call=_call_decode,
@@ -183,7 +197,7 @@ MLA_DECODE = register_target(TuneTarget(
 MLA_PREFILL = register_target(TuneTarget(
     op="mla_prefill", description="MLA extend/prefill over the paged latent cache",
     buckets=prefill_buckets, build=lambda b, m, d: AttentionInputs(b, m, d, prefill=True), call=_call_prefill,
-    error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",),
+    error=_error, tolerance=_tolerance, accepts=_accepts, modules=("pdlab.attention",), space=_prefill_space,
     bucket_doc="batch × q_len (new tokens per sequence) × seqlen (prefix + new) × heads, bf16 cache, page 64"))
 
 OPS = ("mla_decode", "mla_prefill")

@@ -56,3 +56,20 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
         assert MLA_DECODE.search_space(triton, other, "sm90") == {**space, "seesaw": [1, 0]}
     # from BALANCED_MIN_BATCH sequences the fp8 kernel's balanced schedule picks its splits: the kernel only
     assert MLA_DECODE.search_space(triton, b, "sm90") == {"kernel": space["kernel"]}
+
+
+def test_prefill_search_drops_knobs_the_bucket_never_reads():
+    # over a bf16 cache the triton prefill never reads fp8_compute, and with every num_splits value explicit it never
+    # reads waves: searching them only repeats configs (3888 → 1944 for the bf16 buckets)
+    from pdlab.kernels import registry
+    from pdlab.tuning.attention import MLA_PREFILL
+    from pdlab.tuning.target import space_size
+
+    triton = registry.get_backend("mla_prefill", "triton")
+    b = {"batch": 8, "q_len": 2048, "seqlen": 6144, "heads": 128, "kv_dtype": "bf16"}
+    space = MLA_PREFILL.search_space(triton, b, "sm90")
+    assert set(triton.config_space) - set(space) == {"fp8_compute", "waves"}
+    assert space_size(space) * 2 == space_size(triton.config_space)
+    assert "fp8_compute" in MLA_PREFILL.search_space(triton, {**b, "kv_dtype": "fp8"}, "sm90")
+    torch_backend = registry.get_backend("mla_prefill", "torch")
+    assert MLA_PREFILL.search_space(torch_backend, b, "sm90") == dict(torch_backend.config_space)
