@@ -8,8 +8,8 @@ sent as a token-id list, which /v1/completions accepts). Requests arrive as a Po
 Definitions (as `vllm bench serve` / `sglang.bench_serving`): TTFT = POST → first chunk carrying
 choices; ITL = gaps between consecutive chunks carrying choices; TPOT = (latency − TTFT)/(output_tokens − 1);
 E2E = POST → last chunk; goodput = requests meeting every SLO of --goodput (ms) per second.
-Writes <out>/serving.json (summary + per request), serving.csv (per request), serving_summary.csv and
-serving_latency.png (distributions).
+Writes <out>/<tag>.json (summary + per request), <tag>.csv (per request), <tag>_summary.csv and
+<tag>_latency.png (distributions), --tag serving by default, and prints each path it wrote.
 """
 
 from __future__ import annotations
@@ -317,17 +317,19 @@ def run(args: argparse.Namespace) -> int:
     rows = [{**{k: v for k, v in asdict(r).items() if k != "itl"}, "tpot": r.tpot,
              "max_itl": max(r.itl, default=None), "num_chunks": len(r.itl) + (1 if r.success else 0)} for r in results]
     import pandas as pd
-    pd.DataFrame(rows).to_csv(out / f"{args.tag}.csv", index=False)
-    pd.DataFrame([{**meta, **{k: v for k, v in summary.items() if k != "slos_ms"}}]).to_csv(
-        out / f"{args.tag}_summary.csv", index=False)
-    (out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary, "requests": rows}, indent=1))
-    plot_latency(results, out / f"{args.tag}_latency.png",
+    paths = [out / f"{args.tag}.json", out / f"{args.tag}.csv", out / f"{args.tag}_summary.csv"]
+    paths[0].write_text(json.dumps({"meta": meta, "summary": summary, "requests": rows}, indent=1))
+    pd.DataFrame(rows).to_csv(paths[1], index=False)
+    pd.DataFrame([{**meta, **{k: v for k, v in summary.items() if k != "slos_ms"}}]).to_csv(paths[2], index=False)
+    paths.append(out / f"{args.tag}_latency.png")
+    plot_latency(results, paths[-1],
                  f"{model} @ {args.base_url}: {args.num_prompts} req, in {args.random_input_len}, out {args.random_output_len}")
     _print(summary)
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"{len(errors)} request(s) failed; first error: {errors[0]}", file=sys.stderr)
-    print(f"wrote {out / args.tag}.json/.csv, {args.tag}_summary.csv, {args.tag}_latency.png")
+    for path in paths:
+        print(f"wrote {path}")
     return 0 if summary["completed"] > 0 else 1
 
 

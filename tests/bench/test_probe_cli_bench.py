@@ -377,3 +377,13 @@ def test_bench_attention_rows_name_the_lengths_they_ran(tmp_path, capsys, argv, 
     csv = tmp_path / ("mla_prefill.csv" if "prefill" in argv else "mla_decode.csv")
     row = pd.read_csv(csv).iloc[0]
     assert (row["seqlen"], row["s_q"], row["shape"]) == (seqlen, s_q, shape)
+
+
+def test_bench_serving_prints_the_paths_it_wrote(tmp_path, capsys):
+    # it printed "wrote <out>/serving.json/.csv, serving_summary.csv, serving_latency.png": one made-up path
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path), "--tag", "t"]) == 1  # nothing listens: every request failed
+    wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("wrote ")]
+    assert sorted(wrote) == sorted(str(tmp_path / name) for name in ("t.json", "t.csv", "t_summary.csv",
+                                                                      "t_latency.png"))
