@@ -29,7 +29,8 @@ SLO_KEYS = ("ttft", "tpot", "e2e", "itl")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (no /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", type=server_url,
+                   help="server root, http://host:port (no /v1)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
     p.add_argument("--dataset", default="random", choices=["random"])
@@ -53,6 +54,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdlab.bench._args import file_stem
 
     p.add_argument("--tag", default="serving", type=file_stem, help="file name stem of the outputs")
+
+
+def server_url(text: str) -> str:
+    """An argparse `type`: a server root URL, http(s)://host[:port] (the usage error names the expected form)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is not a number, an unclosed [IPv6 bracket
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a server URL; expected http://host:port, e.g. "
+                                         "http://127.0.0.1:30000")
+    if parts.path.rstrip("/").endswith("/v1"):  # the endpoints are appended to it: /v1/v1/completions
+        raise argparse.ArgumentTypeError(f"{text!r} is the API path, not the server root; drop the /v1 "
+                                         "(expected http://host:port)")
+    return text
 
 
 @dataclass

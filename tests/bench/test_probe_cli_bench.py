@@ -387,3 +387,28 @@ def test_bench_serving_prints_the_paths_it_wrote(tmp_path, capsys):
              if line.startswith("wrote ")]
     assert sorted(wrote) == sorted(str(tmp_path / name) for name in ("t.json", "t.csv", "t_summary.csv",
                                                                       "t_latency.png"))
+
+
+@pytest.mark.parametrize("url, says", [
+    ("notaurl", "'notaurl' is not a server URL"),
+    ("127.0.0.1:30000", "is not a server URL"),
+    ("ftp://host:21", "is not a server URL"),
+    ("http://", "is not a server URL"),
+    ("http://host:port", "is not a server URL"),
+    ("http://127.0.0.1:30000/v1", "drop the /v1"),
+])
+def test_bench_serving_malformed_base_url_is_a_usage_error(tmp_path, capsys, url, says):
+    # --base-url notaurl ended in "cannot reach notaurl/v1/models ... is the server up?" (exit 1), or with --model
+    # in every request failing with InvalidUrlClientError
+    with pytest.raises(SystemExit) as exc:
+        main(["serving", "--base-url", url, "--model", "m", "--num-prompts", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --base-url" in err and says in err and "http://host:port" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:30000", "https://example.com/", "http://[::1]:8000"])
+def test_bench_serving_takes_a_server_root_url(url):
+    from pdlab.bench.serving import server_url
+
+    assert server_url(url) == url
