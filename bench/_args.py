@@ -24,6 +24,12 @@ def file_stem(text: str) -> str:
     return text
 
 
+def add_no_plot(p: argparse.ArgumentParser) -> None:
+    """--no-plot, the same for every bench command that draws PNG plots."""
+    p.add_argument("--no-plot", action="store_true",
+                   help="write no PNG plots (the CSV and JSON results are written as always)")
+
+
 def out_dir_problem(path: str | os.PathLike) -> str | None:
     """Why the results folder `path` cannot take a command's files (it is made here when missing), else None."""
     from pathlib import Path

@@ -23,7 +23,7 @@ import random
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
-from pdlab.bench._args import file_stem, out_dir_problem, seconds
+from pdlab.bench._args import add_no_plot, file_stem, out_dir_problem, seconds
 
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
                  "page_size": "64", "s_q": "1"}
@@ -78,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
     p.add_argument("--name", default=None, type=file_stem, help="file stem (default mla_<op>)")
     p.add_argument("--seed", type=int, default=0)
+    add_no_plot(p)
 
 
 def parse_configs(texts: list[str]) -> list:
@@ -267,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
                         "pct_roofline", "err_out", "err_lse") if c in ok]
     if len(ok):
         report.print_table(ok, f"{op.name} on {facts.name}", cols)
+    if len(ok) and not args.no_plot:
         peaks = facts.peaks
         report.plot_bars(ok.assign(label=ok["backend"] + " " + ok["config_source"].str.slice(0, 12)), "shape",
                          "tflops", "label", f"{out_dir}/{stem}_tflops.png", f"{op.name}: achieved TFLOPS",

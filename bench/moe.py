@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
-from pdlab.bench._args import file_stem, out_dir_problem, seconds
+from pdlab.bench._args import add_no_plot, file_stem, out_dir_problem, seconds
 from pdlab.kernels.nvfp4 import nvfp4_size_problem
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
     p.add_argument("--name", default=None, type=file_stem, help="result file stem (default moe_ep<N>)")
-    p.add_argument("--no-plot", action="store_true")
+    add_no_plot(p)
     p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before spawned ranks are stopped")
     p.add_argument("--scaling", nargs="+", default=None, metavar="CSV",
                    help="instead of running: plot dispatch/combine time and GB/s against the EP size from result "
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     if args.scaling:
-        return plot_scaling(args.scaling, args.out or ".", args.name or "moe_ep_scaling")
+        return plot_scaling(args.scaling, args.out or ".", args.name or "moe_ep_scaling", plot=not args.no_plot)
 
     from pdlab.bench import report
     from pdlab.kernels import arch
@@ -425,8 +425,9 @@ DEEPEP_EP8 = {"normal": {"dispatch_GBps": 153.0, "combine_GBps": 158.0},
               "low_latency": {"dispatch_us": 37.0, "combine_us": 59.0}}
 
 
-def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
-    """Dispatch + combine against the EP size, one line per (mode, payload), from result CSVs."""
+def plot_scaling(paths: list[str], out_dir: str, name: str, plot: bool = True) -> int:
+    """Dispatch + combine against the EP size, one line per (mode, payload), from result CSVs: `<name>.png` (unless
+    not `plot`) and the rows it drew, `<name>.csv`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -460,6 +461,13 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
         print("bench moe --scaling: no successful rows in", ", ".join(paths))
         return 1
     df = df.assign(comm_ms=df.dispatch_ms + df.combine_ms)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    df[need].sort_values(["mode", "payload", "ep"]).to_csv(out / f"{name}.csv", index=False)
+    summary = f"({len(df)} rows, EP sizes {sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}"
+    if not plot:
+        print(f"wrote {out / (name + '.csv')} {summary}")
+        return 0
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for (mode, payload, tokens), grp in df.groupby(["mode", "payload", "tokens"]):
         grp = grp.groupby("ep", as_index=False)[["comm_ms", "dispatch_GBps", "combine_GBps"]].min()
@@ -473,13 +481,9 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / f"{name}.png", dpi=120)
-    cols = ["ep", "mode", "tokens", "payload", "dispatch_ms", "combine_ms", "dispatch_GBps", "combine_GBps"]
-    df[cols].sort_values(["mode", "payload", "ep"]).to_csv(out / f"{name}.csv", index=False)
-    print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} ({len(df)} rows, EP sizes "
-          f"{sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}")
+    plt.close(fig)
+    print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} {summary}")
     return 0
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, list_items
-from pdlab.bench._args import out_dir_problem
+from pdlab.bench._args import add_no_plot, out_dir_problem
 
 GPU_M = [1, 128, 1024, 4096, 16384]
 GPU_K = [7168, 2048]
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-peaks", action="store_true",
                    help="measure this GPU's copy bandwidth and bf16 rate first (cached for later runs)")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<device>/quantize)")
-    p.add_argument("--no-plot", action="store_true")
+    add_no_plot(p)
     p.add_argument("--seed", type=int, default=0)
 
 

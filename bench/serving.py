@@ -51,9 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="output folder (default bench/results/<device>/serving)")
-    from pdlab.bench._args import file_stem
+    from pdlab.bench._args import add_no_plot, file_stem
 
     p.add_argument("--tag", default="serving", type=file_stem, help="file name stem of the outputs")
+    add_no_plot(p)
 
 
 def server_url(text: str) -> str:
@@ -340,9 +341,10 @@ def run(args: argparse.Namespace) -> int:
     paths[0].write_text(json.dumps({"meta": meta, "summary": summary, "requests": rows}, indent=1))
     pd.DataFrame(rows).to_csv(paths[1], index=False)
     pd.DataFrame([{**meta, **{k: v for k, v in summary.items() if k != "slos_ms"}}]).to_csv(paths[2], index=False)
-    paths.append(out / f"{args.tag}_latency.png")
-    plot_latency(results, paths[-1],
-                 f"{model} @ {args.base_url}: {args.num_prompts} req, in {args.random_input_len}, out {args.random_output_len}")
+    if not args.no_plot:
+        paths.append(out / f"{args.tag}_latency.png")
+        plot_latency(results, paths[-1], f"{model} @ {args.base_url}: {args.num_prompts} req, in "
+                     f"{args.random_input_len}, out {args.random_output_len}")
     _print(summary)
     errors = [r.error for r in results if not r.success]
     if errors:

@@ -412,3 +412,38 @@ def test_bench_serving_takes_a_server_root_url(url):
     from pdlab.bench.serving import server_url
 
     assert server_url(url) == url
+
+
+@pytest.mark.parametrize("command", ["attention", "moe", "quantize", "serving"])
+def test_every_bench_command_that_plots_takes_no_plot_with_one_meaning(capsys, command):
+    # bench attention and bench serving had no --no-plot while bench moe and bench quantize did (without a help text)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-plot write no PNG plots (the CSV and JSON results are written as always)" in text
+
+
+def test_bench_attention_no_plot_writes_the_csv_and_no_png(tmp_path, capsys):
+    argv = ["attention", "--backend", "torch", "--batch", "1", "--seqlen", "16", "--heads", "16", "--repeats", "1"]
+    assert main([*argv, "--out", str(tmp_path / "plots")]) == 0
+    assert list((tmp_path / "plots").glob("*.png"))  # plots by default
+    assert main([*argv, "--out", str(tmp_path / "none"), "--no-plot"]) == 0
+    names = sorted(p.name for p in (tmp_path / "none").iterdir())
+    assert names == ["mla_decode.csv", "mla_decode.json"]
+
+
+def test_bench_serving_no_plot_writes_the_results_and_no_png(tmp_path, capsys):
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 1  # nothing listens: every request failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serving.csv", "serving.json", "serving_summary.csv"]
+    assert "png" not in capsys.readouterr().out
+
+
+def test_bench_moe_scaling_no_plot_writes_the_csv_only(tmp_path, capsys):
+    rows = pd.DataFrame({"ep": [2, 4], "mode": "normal", "tokens": 16, "payload": "bf16", "status": "ok",
+                         "dispatch_ms": [1.0, 2.0], "combine_ms": [1.0, 2.0], "dispatch_GBps": [5.0, 6.0],
+                         "combine_GBps": [5.0, 6.0]})
+    rows.to_csv(tmp_path / "in.csv", index=False)
+    assert main(["moe", "--scaling", str(tmp_path / "in.csv"), "--out", str(tmp_path / "out"), "--no-plot"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["moe_ep_scaling.csv"]
+    assert "png" not in capsys.readouterr().out
