@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from pdlab.bench import report
     from pdlab.kernels import arch
     from pdlab.moe.config import PRESETS, MoEConfig, resolve_model
+    from pdlab.moe.dispatch.base import payload_size_problem
     from pdlab.moe.dispatch.spawn import run_ranks
 
     cuda = torch.cuda.is_available()
@@ -137,6 +138,13 @@ def run(args: argparse.Namespace) -> int:
                 f"I={cfg.intermediate_size}) with the reference backends (torch runner, gloo ranks); "
                 "times are CPU times, not GPU figures")
         print(note)
+    payloads = list_items(args.dispatch)
+    for payload in payloads:  # every row of that payload would fail at run time
+        problem = payload_size_problem(payload, cfg.hidden_size)
+        if problem:
+            print(f"bench moe: --dispatch {payload} cannot carry the model's tokens: {problem}; drop {payload} "
+                  "from --dispatch, or use a model whose hidden size fits")
+            return 2
     if cfg.num_experts % args.ep:
         print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
               "that divides it")
@@ -146,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
     # the low-latency rows take the token counts up to 256
     ll_tokens = list_items(args.ll_tokens, int) or [t for t in tokens if t <= 256] or tokens[:1]
     modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
-    payloads = list_items(args.dispatch)
     if not cuda:  # auto is the reference runner on CPU
         runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else N_MAX_DEFAULT)

@@ -225,3 +225,19 @@ def test_bench_attention_counts_q_and_out_bytes_at_the_dtype_the_row_ran(tmp_pat
         else:
             nbytes = prefill_cost([32, 32], [32, 32], 16, kv_elem, q_elem)[1]
         assert row["gbps"] * 1e9 * row["median_ms"] / 1e3 == pytest.approx(nbytes, rel=1e-6), kv_dtype
+
+
+@pytest.mark.parametrize("dispatch", ["fp8", "bf16,fp8"])
+def test_bench_moe_fp8_dispatch_of_a_hidden_size_fp8_cannot_hold_is_a_usage_error(tmp_path, capsys, dispatch):
+    # hidden 144 (a multiple of NVFP4's 16, not of fp8's 128-element scale blocks): every fp8 row was skipped at run
+    # time and the run exited 0 with the bf16 rows alone
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 144, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1}))
+    assert main(["moe", "--model", str(cfg), "--dispatch", dispatch, "--tokens", "1", "--out", str(tmp_path / "out"),
+                 "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe: --dispatch fp8") and "hidden_size=144" in line and "multiple of 128" in line
+    assert not (tmp_path / "out").exists()
