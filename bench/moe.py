@@ -39,7 +39,7 @@ STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 COLUMNS = ("mode", "tokens", "payload", "runner", "ep", "dispatcher", "status", "dispatch_config",
            "dispatch_config_detail", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_combine_graph_ms",
            "experts_graph_ms", "timing", "dispatch_MB", "combine_MB", "dispatch_GBps", "combine_GBps", "comm_GBps",
-           "pairs", "tflops", "experts_GBps", "pct_roofline", "cos_err")
+           "pairs", "tflops", "experts_GBps", "pct_roofline", "compute_peak", "cos_err")
 # the low-latency buffer's tokens per rank where no low-latency row sizes it (the MoE layer's own default)
 N_MAX_DEFAULT = 128
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
@@ -242,7 +242,7 @@ def bench_rank(rank: int, world: int, *, plan: dict[str, Any]) -> list[dict[str,
 
     cfg = MoEConfig(**plan["cfg"])
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    facts = device_facts(dev) if dev.type == "cuda" else None
+    facts = device_facts(dev)  # the CPU's have no peaks: no roofline
     distributed = dist.is_initialized()
     weights, gate, bias = synthetic_moe(cfg, plan["seed"], dev)
     bias = bias if cfg.topk_method == "noaux_tc" else None  # DeepSeek-V2's softmax routings take no bias
@@ -325,8 +325,9 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
     flops = pairs * cfg.flops_per_token_expert
     wbytes = active * 3 * cfg.hidden_size * cfg.intermediate_size * _weight_bytes_per_param(row["runner"])
     abytes = pairs * cfg.hidden_size * 2 * 2
-    rl = roofline(flops, wbytes + abytes, times["experts"].seconds, facts, "bf16")
-    row.update(tflops=rl["tflops"], experts_GBps=rl["gbps"], pct_roofline=rl["pct_roofline"])
+    rl = roofline(flops, wbytes + abytes, times["experts"].seconds, facts, _compute_dtype(row["runner"]))
+    row.update(tflops=rl["tflops"], experts_GBps=rl["gbps"], pct_roofline=rl["pct_roofline"],
+               compute_peak=rl["compute_peak"])
     if plan.get("profile"):
         row["profile_text"] = _profile(lambda: layer.combine(y, layer.dispatch(tokens, ids, w)[1]), dev)
     if plan["reference"]:
@@ -420,6 +421,19 @@ def _weight_bytes_per_param(runner: str) -> float:
     except KeyError:
         return 2.0
     return 0.5625 if forms == ("nvfp4",) else 2.0
+
+
+def _compute_dtype(runner: str) -> str:
+    """The units a runner's expert GEMMs run on (the roofline's compute peak): the reference computes in fp32,
+    cutedsl multiplies NVFP4 operands on fp4 tensor cores, the others (triton W4A16, torch_grouped) in bf16."""
+    from pdlab.kernels import registry
+
+    try:
+        if registry.get_backend("moe_experts", runner).reference:
+            return "fp32"
+    except KeyError:
+        pass
+    return "fp4" if runner == "cutedsl" else "bf16"
 
 
 # ---------------------------------------------------------------------------------------------
