@@ -94,14 +94,23 @@ class RequestResult:
 
 
 def parse_goodput(items: list[str]) -> dict[str, float]:
-    slos = {}
+    """--goodput items KEY:MS → {key: ms}; ValueError naming the item for an unknown key, a value that is not a
+    number > 0, or a key given twice."""
+    slos: dict[str, float] = {}
     for it in items:
         key, _, val = it.partition(":")
         if key not in SLO_KEYS or not val:
             raise ValueError(f"--goodput item {it!r}: expected KEY:MS with KEY in {', '.join(SLO_KEYS)}")
-        slos[key] = float(val)
-        if slos[key] <= 0:
+        try:
+            ms = float(val)
+        except ValueError:
+            raise ValueError(f"--goodput item {it!r}: {val!r} is not a number of ms; expected KEY:MS, e.g. "
+                             "ttft:5000") from None
+        if not ms > 0:  # zero, negative or nan: no request could meet it
             raise ValueError(f"--goodput {key} must be > 0 ms, got {val}")
+        if key in slos:
+            raise ValueError(f"--goodput names {key} twice ({slos[key]:g} and {ms:g}); give each SLO once")
+        slos[key] = ms
     return slos
 
 

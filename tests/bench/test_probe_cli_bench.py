@@ -447,3 +447,18 @@ def test_bench_moe_scaling_no_plot_writes_the_csv_only(tmp_path, capsys):
     assert main(["moe", "--scaling", str(tmp_path / "in.csv"), "--out", str(tmp_path / "out"), "--no-plot"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["moe_ep_scaling.csv"]
     assert "png" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("goodput, says", [
+    (["ttft:abc"], "--goodput item 'ttft:abc': 'abc' is not a number of ms"),
+    (["ttft:nan"], "--goodput ttft must be > 0 ms, got nan"),
+    (["ttft:5000", "ttft:50"], "--goodput names ttft twice (5000 and 50)"),
+])
+def test_bench_serving_bad_goodput_is_a_usage_error_naming_the_option(tmp_path, capsys, goodput, says):
+    # ttft:abc said only "could not convert string to float: 'abc'"; ttft:nan was taken (no request could meet it),
+    # and a key given twice kept the last value without a word
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path / "out"), "--goodput", *goodput]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("bench serving: ") and says in line
+    assert not (tmp_path / "out").exists()
