@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int_arg(0), default=3)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
+    p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe, or moe_ep for "
+                   "--ep > 1 and --scaling)")
     p.add_argument("--name", default=None, type=file_stem, help="result file stem (default moe_ep<N>)")
     add_no_plot(p)
     p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before spawned ranks are stopped")
@@ -83,10 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    if args.scaling:
-        return plot_scaling(args.scaling, args.out or ".", args.name or "moe_ep_scaling", plot=not args.no_plot)
-
     from pdlab.bench import report
+
+    if args.scaling:  # the EP sizes compared: the EP runs' folder
+        return plot_scaling(args.scaling, args.out or report.default_out_dir("moe_ep"), args.name or "moe_ep_scaling",
+                            plot=not args.no_plot)
+
     from pdlab.kernels import arch
     from pdlab.moe.config import PRESETS, MoEConfig, resolve_model
     from pdlab.moe.dispatch.base import payload_size_problem

@@ -462,3 +462,18 @@ def test_bench_serving_bad_goodput_is_a_usage_error_naming_the_option(tmp_path, 
     line = _last_line(capsys.readouterr().err)
     assert line.startswith("bench serving: ") and says in line
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_scaling_writes_into_the_results_folder_its_help_names(tmp_path, capsys, monkeypatch):
+    # --help says --out defaults to bench/results/<device>/moe or moe_ep; --scaling wrote into the current folder
+    from pdlab.kernels.arch import device_facts
+
+    rows = pd.DataFrame({"ep": [2, 4], "mode": "normal", "tokens": 16, "payload": "bf16", "status": "ok",
+                         "dispatch_ms": [1.0, 2.0], "combine_ms": [1.0, 2.0], "dispatch_GBps": [5.0, 6.0],
+                         "combine_GBps": [5.0, 6.0]})
+    rows.to_csv(tmp_path / "in.csv", index=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PDLAB_RESULTS_DIR", str(tmp_path / "results"))
+    assert main(["moe", "--scaling", "in.csv", "--no-plot"]) == 0
+    assert (tmp_path / "results" / device_facts().key / "moe_ep" / "moe_ep_scaling.csv").exists()
+    assert not (tmp_path / "moe_ep_scaling.csv").exists()
