@@ -477,3 +477,49 @@ def test_bench_moe_scaling_writes_into_the_results_folder_its_help_names(tmp_pat
     assert main(["moe", "--scaling", "in.csv", "--no-plot"]) == 0
     assert (tmp_path / "results" / device_facts().key / "moe_ep" / "moe_ep_scaling.csv").exists()
     assert not (tmp_path / "moe_ep_scaling.csv").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--hidden", "100"], "argument --hidden: '100' is not a multiple of 16"),
+    (["--inter", "0"], "argument --inter: '0' is below 16"),
+    (["--experts", "0"], "argument --experts: '0' is below 1"),
+    (["--shapes", "decod"], "argument --shapes: 'decod' is not one of decode, prefill"),
+    (["--decode-tokens", "1,x"], "argument --decode-tokens: 'x' is not an integer"),
+    (["--layouts", "dense"], "argument --layouts: 'dense' is not one of masked, contiguous"),
+    (["--payloads", "fp4"], "argument --payloads: 'fp4' is not one of bf16, fp8, nvfp4"),
+    (["--config", "{bad"], "argument --config: '{bad' is not a JSON object"),
+])
+def test_bench_moe_experts_bad_values_are_usage_errors(tmp_path, capsys, argv, says):
+    # --hidden 100 and --experts 0 ended in torch tracebacks; --shapes decod was ignored and the default (R1-sized)
+    # shapes ran for minutes on a CPU
+    from pdlab.bench import moe_experts
+
+    with pytest.raises(SystemExit) as exc:
+        moe_experts.main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_experts_unknown_runner_or_bad_out_exits_2_in_one_line(tmp_path, capsys):
+    # --runners nope ended in a KeyError traceback
+    from pdlab.bench import moe_experts
+
+    small = ["--experts", "2", "--hidden", "32", "--inter", "32", "--shapes", "decode", "--decode-tokens", "1"]
+    assert moe_experts.main([*small, "--runners", "torch,nope", "--out", str(tmp_path / "out")]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("pdlab.bench.moe_experts: moe_experts has no backend named 'nope'") and "torch" in line
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert moe_experts.main([*small, "--runners", "torch", "--out", str(target)]) == 2
+    assert _last_line(capsys.readouterr().out).startswith(f"pdlab.bench.moe_experts: --out {target}")
+
+
+def test_bench_moe_experts_prints_the_files_it_wrote(tmp_path, capsys):
+    from pdlab.bench import moe_experts
+
+    assert moe_experts.main(["--experts", "2", "--hidden", "32", "--inter", "32", "--shapes", "decode",
+                             "--decode-tokens", "1", "--runners", "torch", "--layouts", "contiguous",
+                             "--payloads", "bf16", "--out", str(tmp_path)]) == 0
+    wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert wrote and all((tmp_path / p).is_file() or __import__("os").path.isfile(p) for p in wrote)
+    assert str(tmp_path / "moe_experts.csv") in wrote
