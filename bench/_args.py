@@ -24,6 +24,36 @@ def file_stem(text: str) -> str:
     return text
 
 
+def nvfp4_size(text: str) -> int:
+    """A hidden or intermediate size NVFP4 can quantize: a multiple of its 16-element blocks."""
+    from pdlab._subcommands import int_arg
+
+    value = int_arg(16, "a multiple of 16, e.g. 2048 or 7168")(text)
+    if value % 16:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of 16 (NVFP4 quantizes blocks of 16); "
+                                         "expected e.g. 2048 or 7168")
+    return value
+
+
+def json_object(text: str) -> str:
+    """A JSON object, e.g. a kernel config '{"BLOCK_N": 64}' (returned as the text)."""
+    import json
+
+    try:
+        ok = isinstance(json.loads(text), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; expected e.g. '{{\"BLOCK_N\": 64}}'")
+    return text
+
+
+def add_no_plot(p: argparse.ArgumentParser) -> None:
+    """--no-plot, the same for every bench command that draws PNG plots."""
+    p.add_argument("--no-plot", action="store_true",
+                   help="write no PNG plots (the CSV and JSON results are written as always)")
+
+
 def out_dir_problem(path: str | os.PathLike) -> str | None:
     """Why the results folder `path` cannot take a command's files (it is made here when missing), else None."""
     from pathlib import Path

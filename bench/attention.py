@@ -23,7 +23,7 @@ import random
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
-from pdlab.bench._args import file_stem, out_dir_problem, seconds
+from pdlab.bench._args import add_no_plot, file_stem, out_dir_problem, seconds
 
 _GPU_DEFAULTS = {"batch": "128", "seqlen": "1024,4096,8192", "heads": "16,128", "kv_dtype": "bf16,fp8",
                  "page_size": "64", "s_q": "1"}
@@ -37,7 +37,7 @@ _KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0}
 # the CSV's columns, whatever ran (a failed or unsupported row leaves its measurements empty)
 COLUMNS = ("op", "batch", "seqlen", "heads", "kv_dtype", "page", "s_q", "shape", "backend", "status", "config_source",
            "kernel", "config", "median_ms", "p10_ms", "p90_ms", "timing", "tflops", "gbps", "pct_roofline", "bound",
-           "err_out", "err_lse")
+           "compute_peak", "err_out", "err_lse")
 
 
 def _page_size(text: str) -> int:
@@ -78,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default bench/results/<device>/attention)")
     p.add_argument("--name", default=None, type=file_stem, help="file stem (default mla_<op>)")
     p.add_argument("--seed", type=int, default=0)
+    add_no_plot(p)
 
 
 def parse_configs(texts: list[str]) -> list:
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from pdlab.attention.workloads import decode_cost, decode_problem, prefill_cost, prefill_problem
     from pdlab.bench import report
     from pdlab.bench.harness import bench, cosine_error
-    from pdlab.bench.roofline import roofline
+    from pdlab.bench.roofline import compute_dtype, roofline
     from pdlab.kernels import registry
     from pdlab.kernels.arch import device_facts
     from pdlab.kernels.contracts import dtype_name
@@ -232,12 +233,16 @@ def run(args: argparse.Namespace) -> int:
                         graph = args.cuda_graph and not b.reference
                         t = bench(fn, device=device, repeats=args.repeats, cuda_graph=graph,
                                   warmup=2 if b.reference else 5, max_seconds=args.max_seconds)
-                        rf = roofline(flops, nbytes, t.seconds, facts, "bf16")
+                        # q's dtype sets the units: fp32 rows run on the CUDA cores (see PEAK_LABELS); fp8 caches
+                        # keep bf16 q's peak (the e4m3 q·k of some Gluon kernels runs at up to twice it)
+                        peak = compute_dtype(dtype)
+                        rf = roofline(flops, nbytes, t.seconds, facts, peak)
                         rows.append(dict(row, status="ok", config_source=source, kernel=kernel,
                                          config=json.dumps(used, sort_keys=True) if used else "",
                                          median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, timing=t.kind,
                                          tflops=rf["tflops"], gbps=rf["gbps"], pct_roofline=rf["pct_roofline"],
-                                         bound=rf["bound"], err_out=err_out, err_lse=err_lse))
+                                         bound=rf["bound"], compute_peak=rf["compute_peak"], err_out=err_out,
+                                         err_lse=err_lse))
                     except Exception as exc:  # one failing config must not end the sweep
                         rows.append(dict(row, status=f"error: {type(exc).__name__}: {str(exc)[:200]}",
                                          config=json.dumps(cfg) if cfg else ""))
@@ -267,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                         "pct_roofline", "err_out", "err_lse") if c in ok]
     if len(ok):
         report.print_table(ok, f"{op.name} on {facts.name}", cols)
+    if len(ok) and not args.no_plot:
         peaks = facts.peaks
         report.plot_bars(ok.assign(label=ok["backend"] + " " + ok["config_source"].str.slice(0, 12)), "shape",
                          "tflops", "label", f"{out_dir}/{stem}_tflops.png", f"{op.name}: achieved TFLOPS",

@@ -58,7 +58,9 @@ def facts_rows() -> list[tuple[str, str]]:
         p = facts.peaks
         rows += [("HBM bandwidth", f"{p.hbm_bytes_per_s / 1e12:.2f} TB/s"),
                  ("bf16 / fp8 / fp4 dense", f"{p.bf16_flops / 1e12:.0f} / {p.fp8_flops / 1e12:.0f} / "
-                                            f"{p.fp4_flops / 1e12:.0f} TFLOPS"), ("peaks source", p.source)]
+                                            f"{p.fp4_flops / 1e12:.0f} TFLOPS"),
+                 ("fp32 CUDA cores (no TF32)", f"{p.fp32_flops / 1e12:.0f} TFLOPS" if p.fp32_flops else "unknown"),
+                 ("peaks source", p.source)]
     for pkg in VENDOR_PACKAGES:
         rows.append((f"package {pkg}", "installed" if _has_package(pkg) else "not installed"))
     return rows

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
-from pdlab.bench._args import file_stem, out_dir_problem, seconds
+from pdlab.bench._args import add_no_plot, file_stem, out_dir_problem, seconds
 from pdlab.kernels.nvfp4 import nvfp4_size_problem
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
@@ -39,7 +39,7 @@ STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 COLUMNS = ("mode", "tokens", "payload", "runner", "ep", "dispatcher", "status", "dispatch_config",
            "dispatch_config_detail", *[f"{s}_ms" for s in STAGES], "total_ms", "dispatch_combine_graph_ms",
            "experts_graph_ms", "timing", "dispatch_MB", "combine_MB", "dispatch_GBps", "combine_GBps", "comm_GBps",
-           "pairs", "tflops", "experts_GBps", "pct_roofline", "cos_err")
+           "pairs", "tflops", "experts_GBps", "pct_roofline", "compute_peak", "cos_err")
 # the low-latency buffer's tokens per rank where no low-latency row sizes it (the MoE layer's own default)
 N_MAX_DEFAULT = 128
 CPU_CFG = dict(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, n_group=4, topk_group=2,
@@ -69,9 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int_arg(0), default=3)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference (error column empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe or moe_ep)")
+    p.add_argument("--out", default=None, help="results folder (default bench/results/<device>/moe, or moe_ep for "
+                   "--ep > 1 and --scaling)")
     p.add_argument("--name", default=None, type=file_stem, help="result file stem (default moe_ep<N>)")
-    p.add_argument("--no-plot", action="store_true")
+    add_no_plot(p)
     p.add_argument("--timeout", type=seconds, default=1800.0, help="seconds before spawned ranks are stopped")
     p.add_argument("--scaling", nargs="+", default=None, metavar="CSV",
                    help="instead of running: plot dispatch/combine time and GB/s against the EP size from result "
@@ -83,12 +84,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    if args.scaling:
-        return plot_scaling(args.scaling, args.out or ".", args.name or "moe_ep_scaling")
-
     from pdlab.bench import report
+
+    if args.scaling:  # the EP sizes compared: the EP runs' folder
+        return plot_scaling(args.scaling, args.out or report.default_out_dir("moe_ep"), args.name or "moe_ep_scaling",
+                            plot=not args.no_plot)
+
     from pdlab.kernels import arch
     from pdlab.moe.config import PRESETS, MoEConfig, resolve_model
+    from pdlab.moe.dispatch.base import payload_size_problem
     from pdlab.moe.dispatch.spawn import run_ranks
 
     cuda = torch.cuda.is_available()
@@ -137,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
                 f"I={cfg.intermediate_size}) with the reference backends (torch runner, gloo ranks); "
                 "times are CPU times, not GPU figures")
         print(note)
+    payloads = list_items(args.dispatch)
+    for payload in payloads:  # every row of that payload would fail at run time
+        problem = payload_size_problem(payload, cfg.hidden_size)
+        if problem:
+            print(f"bench moe: --dispatch {payload} cannot carry the model's tokens: {problem}; drop {payload} "
+                  "from --dispatch, or use a model whose hidden size fits")
+            return 2
     if cfg.num_experts % args.ep:
         print(f"bench moe: --ep {args.ep} does not divide the model's {cfg.num_experts} experts; choose an EP size "
               "that divides it")
@@ -146,7 +157,6 @@ def run(args: argparse.Namespace) -> int:
     # the low-latency rows take the token counts up to 256
     ll_tokens = list_items(args.ll_tokens, int) or [t for t in tokens if t <= 256] or tokens[:1]
     modes = ["normal", "low_latency"] if args.mode == "both" else [args.mode]
-    payloads = list_items(args.dispatch)
     if not cuda:  # auto is the reference runner on CPU
         runners = list(dict.fromkeys("torch" if r == "auto" else r for r in runners))
     n_max = args.num_max_dispatch_tokens or (max(ll_tokens) if "low_latency" in modes else N_MAX_DEFAULT)
@@ -235,7 +245,7 @@ def bench_rank(rank: int, world: int, *, plan: dict[str, Any]) -> list[dict[str,
 
     cfg = MoEConfig(**plan["cfg"])
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    facts = device_facts(dev) if dev.type == "cuda" else None
+    facts = device_facts(dev)  # the CPU's have no peaks: no roofline
     distributed = dist.is_initialized()
     weights, gate, bias = synthetic_moe(cfg, plan["seed"], dev)
     bias = bias if cfg.topk_method == "noaux_tc" else None  # DeepSeek-V2's softmax routings take no bias
@@ -318,8 +328,9 @@ def _measure(layer, row, plan, cfg, weights, dev, facts, distributed, refs) -> d
     flops = pairs * cfg.flops_per_token_expert
     wbytes = active * 3 * cfg.hidden_size * cfg.intermediate_size * _weight_bytes_per_param(row["runner"])
     abytes = pairs * cfg.hidden_size * 2 * 2
-    rl = roofline(flops, wbytes + abytes, times["experts"].seconds, facts, "bf16")
-    row.update(tflops=rl["tflops"], experts_GBps=rl["gbps"], pct_roofline=rl["pct_roofline"])
+    rl = roofline(flops, wbytes + abytes, times["experts"].seconds, facts, _compute_dtype(row["runner"]))
+    row.update(tflops=rl["tflops"], experts_GBps=rl["gbps"], pct_roofline=rl["pct_roofline"],
+               compute_peak=rl["compute_peak"])
     if plan.get("profile"):
         row["profile_text"] = _profile(lambda: layer.combine(y, layer.dispatch(tokens, ids, w)[1]), dev)
     if plan["reference"]:
@@ -415,6 +426,19 @@ def _weight_bytes_per_param(runner: str) -> float:
     return 0.5625 if forms == ("nvfp4",) else 2.0
 
 
+def _compute_dtype(runner: str) -> str:
+    """The units a runner's expert GEMMs run on (the roofline's compute peak): the reference computes in fp32,
+    cutedsl multiplies NVFP4 operands on fp4 tensor cores, the others (triton W4A16, torch_grouped) in bf16."""
+    from pdlab.kernels import registry
+
+    try:
+        if registry.get_backend("moe_experts", runner).reference:
+            return "fp32"
+    except KeyError:
+        pass
+    return "fp4" if runner == "cutedsl" else "bf16"
+
+
 # ---------------------------------------------------------------------------------------------
 # reporting helpers
 
@@ -425,8 +449,9 @@ DEEPEP_EP8 = {"normal": {"dispatch_GBps": 153.0, "combine_GBps": 158.0},
               "low_latency": {"dispatch_us": 37.0, "combine_us": 59.0}}
 
 
-def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
-    """Dispatch + combine against the EP size, one line per (mode, payload), from result CSVs."""
+def plot_scaling(paths: list[str], out_dir: str, name: str, plot: bool = True) -> int:
+    """Dispatch + combine against the EP size, one line per (mode, payload), from result CSVs: `<name>.png` (unless
+    not `plot`) and the rows it drew, `<name>.csv`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -460,6 +485,13 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
         print("bench moe --scaling: no successful rows in", ", ".join(paths))
         return 1
     df = df.assign(comm_ms=df.dispatch_ms + df.combine_ms)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    df[need].sort_values(["mode", "payload", "ep"]).to_csv(out / f"{name}.csv", index=False)
+    summary = f"({len(df)} rows, EP sizes {sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}"
+    if not plot:
+        print(f"wrote {out / (name + '.csv')} {summary}")
+        return 0
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for (mode, payload, tokens), grp in df.groupby(["mode", "payload", "tokens"]):
         grp = grp.groupby("ep", as_index=False)[["comm_ms", "dispatch_GBps", "combine_GBps"]].min()
@@ -473,13 +505,9 @@ def plot_scaling(paths: list[str], out_dir: str, name: str) -> int:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / f"{name}.png", dpi=120)
-    cols = ["ep", "mode", "tokens", "payload", "dispatch_ms", "combine_ms", "dispatch_GBps", "combine_GBps"]
-    df[cols].sort_values(["mode", "payload", "ep"]).to_csv(out / f"{name}.csv", index=False)
-    print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} ({len(df)} rows, EP sizes "
-          f"{sorted(df.ep.unique().tolist())}); DeepEP EP8 published: {DEEPEP_EP8}")
+    plt.close(fig)
+    print(f"wrote {out / (name + '.png')} and {out / (name + '.csv')} {summary}")
     return 0
 
 

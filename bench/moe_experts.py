@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
+from pdlab.bench._args import json_object, nvfp4_size, out_dir_problem
 from pdlab.bench.harness import bench, cosine_error
 from pdlab.bench.roofline import roofline
 from pdlab.kernels import registry
 from pdlab.kernels.arch import device_facts
 from pdlab.moe.experts import OP, resolved_config, run_experts
-from pdlab.moe.layouts import Contiguous, Masked, quantize_payload
+from pdlab.moe.layouts import PAYLOADS, Contiguous, Masked, quantize_payload
 from pdlab.moe.runners.triton_nvfp4 import kernel_path
 from pdlab.moe.weights import ExpertWeights
 
@@ -112,19 +114,24 @@ def valid_rows(layout_out, layout_in) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdlab.bench.moe_experts", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="decode,prefill", help="decode,prefill")
-    p.add_argument("--decode-tokens", default=",".join(map(str, DECODE_TOKENS)))
-    p.add_argument("--prefill-tokens", default="512,2048")
-    p.add_argument("--runners", default="triton,torch_grouped")
-    p.add_argument("--layouts", default="masked,contiguous")
-    p.add_argument("--payloads", default="bf16,nvfp4", help="activation payloads tried where a runner accepts them")
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--inter", type=int, default=2048)
+    prog = "pdlab.bench.moe_experts"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    tokens = comma_list(positive_int, "tokens per expert >= 1, e.g. 1,16,64")
+    p.add_argument("--shapes", default="decode,prefill", type=comma_list(one_of("decode", "prefill"), "decode,prefill"),
+                   help="phases to run: decode,prefill")
+    p.add_argument("--decode-tokens", default=",".join(map(str, DECODE_TOKENS)), type=tokens)
+    p.add_argument("--prefill-tokens", default="512,2048", type=tokens)
+    p.add_argument("--runners", default="triton,torch_grouped", type=comma_list(str, "runner names, e.g. triton,torch"))
+    p.add_argument("--layouts", default="masked,contiguous",
+                   type=comma_list(one_of("masked", "contiguous"), "layouts among masked, contiguous"))
+    p.add_argument("--payloads", default="bf16,nvfp4", type=comma_list(one_of(*PAYLOADS), "payloads among "
+                   + ", ".join(PAYLOADS)), help="activation payloads tried where a runner accepts them")
+    p.add_argument("--experts", type=int_arg(1), default=64)
+    p.add_argument("--hidden", type=nvfp4_size, default=7168)
+    p.add_argument("--inter", type=nvfp4_size, default=2048)
     p.add_argument("--sweep", action="store_true", help="also try a small triton config grid per shape")
-    p.add_argument("--sweep-tokens", default="16,64,512", help="tokens per expert where --sweep applies")
-    p.add_argument("--config", action="append", default=[], metavar="JSON",
+    p.add_argument("--sweep-tokens", default="16,64,512", type=tokens, help="tokens per expert where --sweep applies")
+    p.add_argument("--config", action="append", default=[], metavar="JSON", type=json_object,
                    help="also time the triton runner with this config (repeatable; rows marked 'explicit')")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the torch reference")
     p.add_argument("--weights-layout", default="modelopt", choices=["modelopt", "tiled", "fragment"],
@@ -148,35 +155,43 @@ def main(argv: list[str] | None = None) -> int:
         dev, facts, peaks, hbm = torch.device("cpu"), device_facts(), None, float("nan")
     E, H, I = args.experts, args.hidden, args.inter
     interp = dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    runners = [r for r in args.runners.split(",") if registry.unavailable_reason(OP, r) is None
+    names = list_items(args.runners)
+    problem = registry.unknown_names(OP, names)
+    out = args.out or report.default_out_dir("moe_experts")
+    problem = problem or (f"--out {why}; give a folder to write the results into" if (why := out_dir_problem(out))
+                          else None)
+    if problem:
+        print(f"{prog}: {problem}")
+        return 2
+    runners = [r for r in names if registry.unavailable_reason(OP, r) is None
                or (interp and registry.get_backend(OP, r).options.get("interpretable"))]
-    skipped = {r: registry.unavailable_reason(OP, r) for r in args.runners.split(",") if r not in runners}
+    skipped = {r: registry.unavailable_reason(OP, r) for r in names if r not in runners}
     for r, why in skipped.items():
         print(f"skipping runner {r}: {why}")
     weights = random_nvfp4_weights(E, H, I, dev, with_bf16="torch_grouped" in runners)
     weights.store_(args.weights_layout)
     a_gs = weights.activation_global_scale
     shapes = []
-    if "decode" in args.shapes:
-        shapes += [("decode", int(m)) for m in args.decode_tokens.split(",")]
-    if "prefill" in args.shapes:
-        shapes += [("prefill", int(m)) for m in args.prefill_tokens.split(",")]
+    phases = list_items(args.shapes)
+    if "decode" in phases:
+        shapes += [("decode", m) for m in list_items(args.decode_tokens, int)]
+    if "prefill" in phases:
+        shapes += [("prefill", m) for m in list_items(args.prefill_tokens, int)]
     rows = []
     jobs = []
     for phase, m in shapes:
-        for kind in args.layouts.split(","):
-            for payload in args.payloads.split(","):
+        for kind in list_items(args.layouts):
+            for payload in list_items(args.payloads):
                 for r in runners:
                     opts = registry.get_backend(OP, r).options
                     if kind in opts["layouts"] and payload in opts["payloads"]:
                         jobs.append((phase, m, kind, payload, r))
     sweep_grid = _sweep_grid() if args.sweep else {}
-    out = args.out or report.default_out_dir("moe_experts")
     with report.progress(len(jobs), "moe experts") as advance:
         for phase, m, kind, payload, r in jobs:
             layout = make_layout(kind, payload, E, m, H, dev, a_gs)
             configs = [(None, "tuned/default")]
-            if (args.sweep and r == "triton" and payload == "bf16" and str(m) in args.sweep_tokens.split(",")
+            if (args.sweep and r == "triton" and payload == "bf16" and m in list_items(args.sweep_tokens, int)
                     and kind == ("masked" if phase == "decode" else "contiguous")):
                 configs += [(c, "sweep") for c in sweep_grid.get(phase, [])]
             if r == "triton":
@@ -228,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = report.provenance(facts, {"measured_hbm_gbps": hbm / 1e9,
                                      "measured_bf16_tflops": peaks.bf16_flops / 1e12 if peaks else None,
                                      "weights": "random NVFP4 bytes, scales 0.5..4, scale_2 0.01"})
-    report.save(df, out, "moe_experts", meta)
-    report.save(best, out, "moe_experts_best", meta)
+    wrote = [report.save(df, out, "moe_experts", meta), report.save(best, out, "moe_experts_best", meta)]
     (Path(out) / "moe_experts_partial.csv").unlink(missing_ok=True)  # it only survives a timeout
     report.print_table(df, f"moe_experts E={E} H={H} I={I} (measured HBM {hbm / 1e9:.0f} GB/s)",
                        ["phase", "tokens_per_expert", "layout", "payload", "runner", "path", "median_us", "weight_gbps",
@@ -239,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     for phase, y, ylabel in (("decode", "weight_gbps", "weight GB/s"), ("prefill", "tflops", "TFLOPS")):
         part = plain[plain.phase == phase]
         if not part.empty:
-            report.plot_bars(part, "tokens_per_expert", y, "series", f"{out}/moe_experts_{phase}.png",
+            wrote.append(report.plot_bars(part, "tokens_per_expert", y, "series", f"{out}/moe_experts_{phase}.png",
                              f"MoE experts {phase}, E={E} H={H} I={I}", ylabel,
                              hline=hbm / 1e9 if phase == "decode" and peaks else None,
-                             hline_label="measured HBM copy GB/s" if phase == "decode" else None)
-    print(f"wrote {out}")
+                             hline_label="measured HBM copy GB/s" if phase == "decode" else None))
+    for path in wrote:
+        print(f"wrote {path}")
+        if path.suffix == ".csv":  # report.save writes its JSON beside it
+            print(f"wrote {path.with_suffix('.json')}")
     return 0
 
 

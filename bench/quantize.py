@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from pdlab._subcommands import comma_list, int_arg, list_items
-from pdlab.bench._args import out_dir_problem
+from pdlab.bench._args import add_no_plot, nvfp4_size, out_dir_problem
 
 GPU_M = [1, 128, 1024, 4096, 16384]
 GPU_K = [7168, 2048]
@@ -31,19 +31,10 @@ SWEEP += [{"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w, "TILES_K": t}
           for bm, bk, w, t in [(4, 512, 2, 2), (4, 512, 2, 7), (2, 512, 1, 7), (4, 256, 1, 4)]]
 
 
-def _hidden(text: str) -> int:
-    """An argparse `type`: a hidden size NVFP4 can quantize (a multiple of its 16-element blocks)."""
-    value = int_arg(16, "a multiple of 16, e.g. 2048 or 7168")(text)
-    if value % 16:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of 16 (NVFP4 quantizes blocks of 16); "
-                                         "expected e.g. 2048 or 7168")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--m", type=int_arg(1), nargs="+",
                    help="rows (default: 1 128 1024 4096 16384 on GPU, 1 16 128 on CPU)")
-    p.add_argument("--k", type=_hidden, nargs="+", help="hidden sizes (default: 7168 2048 on GPU, 2048 on CPU)")
+    p.add_argument("--k", type=nvfp4_size, nargs="+", help="hidden sizes (default: 7168 2048 on GPU, 2048 on CPU)")
     p.add_argument("--backends", default="torch,triton", type=comma_list(str, "backend names, e.g. torch,triton"),
                    help="comma-separated backends (default: torch,triton)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -55,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-peaks", action="store_true",
                    help="measure this GPU's copy bandwidth and bf16 rate first (cached for later runs)")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<device>/quantize)")
-    p.add_argument("--no-plot", action="store_true")
+    add_no_plot(p)
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -2,28 +2,45 @@
 
 from __future__ import annotations
 
+import torch
+
 from pdlab.kernels.arch import DeviceFacts
+
+# What each compute dtype's roofline is measured against (the CSVs' `compute_peak` column). fp32 work runs on the CUDA
+# cores, not on TF32 tensor cores: the Triton kernels take fp32 inputs with input_precision="ieee" and the torch
+# references turn TF32 off, so its peak is the plain fp32 FMA rate (67 TFLOPS on H100/H200, not bf16's 989).
+PEAK_LABELS = {"bf16": "bf16 tensor cores", "fp16": "fp16 tensor cores", "fp8": "fp8 tensor cores",
+               "fp4": "fp4 tensor cores", "fp32": "fp32 CUDA cores (no TF32)"}
+_OF_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def compute_dtype(dtype: torch.dtype) -> str:
+    """The roofline compute dtype of work whose matmul inputs are `dtype` (bf16, fp16 or fp32; others: bf16)."""
+    return _OF_DTYPE.get(dtype, "bf16")
 
 
 def roofline(flops: float, nbytes: float, seconds: float, facts: DeviceFacts | None,
              compute_dtype: str = "bf16") -> dict:
     """Achieved rates and the share of the device's roofline for one timed call.
 
-    Returns {"tflops", "gbps", "intensity", "bound" ("memory"|"compute"|"?"), "floor_us",
-    "pct_roofline"}: pct_roofline = floor time / measured time, where the floor is
-    max(flops / peak_flops, bytes / peak_bandwidth)."""
+    compute_dtype: a key of `PEAK_LABELS`, the units the FLOPs run on. Returns {"tflops", "gbps", "intensity",
+    "bound" ("memory"|"compute"|"?"), "floor_us", "pct_roofline", "compute_peak"}: pct_roofline = floor time /
+    measured time, where the floor is max(flops / peak_flops, bytes / peak_bandwidth), and compute_peak the
+    `PEAK_LABELS` entry of the peak taken; "?", nan and None where the device's peak of that dtype is unknown."""
     out = {"tflops": flops / seconds / 1e12 if seconds > 0 else float("nan"),
            "gbps": nbytes / seconds / 1e9 if seconds > 0 else float("nan"),
            "intensity": flops / nbytes if nbytes else float("inf"),
-           "bound": "?", "floor_us": float("nan"), "pct_roofline": float("nan")}
+           "bound": "?", "floor_us": float("nan"), "pct_roofline": float("nan"), "compute_peak": None}
     peaks = facts.peaks if facts is not None else None
     if peaks is None or seconds <= 0:
         return out
     peak_flops = {"bf16": peaks.bf16_flops, "fp16": peaks.bf16_flops, "fp8": peaks.fp8_flops,
-                  "fp4": peaks.fp4_flops or peaks.bf16_flops}[compute_dtype]
+                  "fp4": peaks.fp4_flops or peaks.bf16_flops, "fp32": peaks.fp32_flops}[compute_dtype]
+    if flops and not peak_flops:  # no compute floor to compare with: the memory one alone would misname the bound
+        return out
     t_compute = flops / peak_flops if peak_flops else 0.0
     t_memory = nbytes / peaks.hbm_bytes_per_s
     floor = max(t_compute, t_memory)
     out.update(bound="compute" if t_compute > t_memory else "memory", floor_us=floor * 1e6,
-               pct_roofline=100.0 * floor / seconds)
+               pct_roofline=100.0 * floor / seconds, compute_peak=PEAK_LABELS[compute_dtype])
     return out

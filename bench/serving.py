@@ -8,8 +8,8 @@ sent as a token-id list, which /v1/completions accepts). Requests arrive as a Po
 Definitions (as `vllm bench serve` / `sglang.bench_serving`): TTFT = POST → first chunk carrying
 choices; ITL = gaps between consecutive chunks carrying choices; TPOT = (latency − TTFT)/(output_tokens − 1);
 E2E = POST → last chunk; goodput = requests meeting every SLO of --goodput (ms) per second.
-Writes <out>/serving.json (summary + per request), serving.csv (per request), serving_summary.csv and
-serving_latency.png (distributions).
+Writes <out>/<tag>.json (summary + per request), <tag>.csv (per request), <tag>_summary.csv and
+<tag>_latency.png (distributions), --tag serving by default, and prints each path it wrote.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ SLO_KEYS = ("ttft", "tpot", "e2e", "itl")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (no /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", type=server_url,
+                   help="server root, http://host:port (no /v1)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
     p.add_argument("--dataset", default="random", choices=["random"])
@@ -50,9 +51,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="output folder (default bench/results/<device>/serving)")
-    from pdlab.bench._args import file_stem
+    from pdlab.bench._args import add_no_plot, file_stem
 
     p.add_argument("--tag", default="serving", type=file_stem, help="file name stem of the outputs")
+    add_no_plot(p)
+
+
+def server_url(text: str) -> str:
+    """An argparse `type`: a server root URL, http(s)://host[:port] (the usage error names the expected form)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is not a number, an unclosed [IPv6 bracket
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a server URL; expected http://host:port, e.g. "
+                                         "http://127.0.0.1:30000")
+    if parts.path.rstrip("/").endswith("/v1"):  # the endpoints are appended to it: /v1/v1/completions
+        raise argparse.ArgumentTypeError(f"{text!r} is the API path, not the server root; drop the /v1 "
+                                         "(expected http://host:port)")
+    return text
 
 
 @dataclass
@@ -74,14 +94,23 @@ class RequestResult:
 
 
 def parse_goodput(items: list[str]) -> dict[str, float]:
-    slos = {}
+    """--goodput items KEY:MS → {key: ms}; ValueError naming the item for an unknown key, a value that is not a
+    number > 0, or a key given twice."""
+    slos: dict[str, float] = {}
     for it in items:
         key, _, val = it.partition(":")
         if key not in SLO_KEYS or not val:
             raise ValueError(f"--goodput item {it!r}: expected KEY:MS with KEY in {', '.join(SLO_KEYS)}")
-        slos[key] = float(val)
-        if slos[key] <= 0:
+        try:
+            ms = float(val)
+        except ValueError:
+            raise ValueError(f"--goodput item {it!r}: {val!r} is not a number of ms; expected KEY:MS, e.g. "
+                             "ttft:5000") from None
+        if not ms > 0:  # zero, negative or nan: no request could meet it
             raise ValueError(f"--goodput {key} must be > 0 ms, got {val}")
+        if key in slos:
+            raise ValueError(f"--goodput names {key} twice ({slos[key]:g} and {ms:g}); give each SLO once")
+        slos[key] = ms
     return slos
 
 
@@ -317,17 +346,20 @@ def run(args: argparse.Namespace) -> int:
     rows = [{**{k: v for k, v in asdict(r).items() if k != "itl"}, "tpot": r.tpot,
              "max_itl": max(r.itl, default=None), "num_chunks": len(r.itl) + (1 if r.success else 0)} for r in results]
     import pandas as pd
-    pd.DataFrame(rows).to_csv(out / f"{args.tag}.csv", index=False)
-    pd.DataFrame([{**meta, **{k: v for k, v in summary.items() if k != "slos_ms"}}]).to_csv(
-        out / f"{args.tag}_summary.csv", index=False)
-    (out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "summary": summary, "requests": rows}, indent=1))
-    plot_latency(results, out / f"{args.tag}_latency.png",
-                 f"{model} @ {args.base_url}: {args.num_prompts} req, in {args.random_input_len}, out {args.random_output_len}")
+    paths = [out / f"{args.tag}.json", out / f"{args.tag}.csv", out / f"{args.tag}_summary.csv"]
+    paths[0].write_text(json.dumps({"meta": meta, "summary": summary, "requests": rows}, indent=1))
+    pd.DataFrame(rows).to_csv(paths[1], index=False)
+    pd.DataFrame([{**meta, **{k: v for k, v in summary.items() if k != "slos_ms"}}]).to_csv(paths[2], index=False)
+    if not args.no_plot:
+        paths.append(out / f"{args.tag}_latency.png")
+        plot_latency(results, paths[-1], f"{model} @ {args.base_url}: {args.num_prompts} req, in "
+                     f"{args.random_input_len}, out {args.random_output_len}")
     _print(summary)
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"{len(errors)} request(s) failed; first error: {errors[0]}", file=sys.stderr)
-    print(f"wrote {out / args.tag}.json/.csv, {args.tag}_summary.csv, {args.tag}_latency.png")
+    for path in paths:
+        print(f"wrote {path}")
     return 0 if summary["completed"] > 0 else 1
 
 

@@ -26,22 +26,25 @@ class Peaks:
     fp8_flops: float
     fp4_flops: float  # 0 where the device has no FP4 tensor cores
     source: str
+    # fp32 FMA on the CUDA cores (no tensor cores, no TF32): what fp32 kernels and references run at; 0 = unknown
+    fp32_flops: float = 0.0
 
     def ridge(self, dtype: str = "bf16") -> float:
         """FLOP per byte above which a kernel is compute-bound."""
-        return {"bf16": self.bf16_flops, "fp8": self.fp8_flops, "fp4": self.fp4_flops}[dtype] / self.hbm_bytes_per_s
+        return {"bf16": self.bf16_flops, "fp8": self.fp8_flops, "fp4": self.fp4_flops,
+                "fp32": self.fp32_flops}[dtype] / self.hbm_bytes_per_s
 
 
 # Datasheet figures, dense (sparsity halves them away). Sources: NVIDIA H100/H200 datasheets (SXM),
-# DGX B200 / GB200 NVL72 datasheets (per GPU).
+# DGX B200 / GB200 NVL72 datasheets (per GPU); fp32 (CUDA cores): the same sheets, HGX B200/B300 for B200/B300.
 _PEAKS: dict[str, Peaks] = {
-    "H100": Peaks(3.35e12, 989e12, 1979e12, 0.0, "NVIDIA H100 SXM datasheet"),
-    "H200": Peaks(4.8e12, 989e12, 1979e12, 0.0, "NVIDIA H200 SXM datasheet"),
-    "H800": Peaks(3.35e12, 989e12, 1979e12, 0.0, "NVIDIA H800 SXM (H100 rates)"),
-    "H20": Peaks(4.0e12, 148e12, 296e12, 0.0, "NVIDIA H20 datasheet"),
-    "B200": Peaks(8.0e12, 2250e12, 4500e12, 9000e12, "NVIDIA DGX B200 datasheet (per GPU)"),
-    "GB200": Peaks(8.0e12, 2500e12, 5000e12, 10000e12, "NVIDIA GB200 NVL72 datasheet (per GPU)"),
-    "B300": Peaks(8.0e12, 2250e12, 4500e12, 13500e12, "NVIDIA Blackwell Ultra datasheet (per GPU)"),
+    "H100": Peaks(3.35e12, 989e12, 1979e12, 0.0, "NVIDIA H100 SXM datasheet", 67e12),
+    "H200": Peaks(4.8e12, 989e12, 1979e12, 0.0, "NVIDIA H200 SXM datasheet", 67e12),
+    "H800": Peaks(3.35e12, 989e12, 1979e12, 0.0, "NVIDIA H800 SXM (H100 rates)", 67e12),
+    "H20": Peaks(4.0e12, 148e12, 296e12, 0.0, "NVIDIA H20 datasheet", 44e12),
+    "B200": Peaks(8.0e12, 2250e12, 4500e12, 9000e12, "NVIDIA DGX B200 datasheet (per GPU)", 75e12),
+    "GB200": Peaks(8.0e12, 2500e12, 5000e12, 10000e12, "NVIDIA GB200 NVL72 datasheet (per GPU)", 80e12),
+    "B300": Peaks(8.0e12, 2250e12, 4500e12, 13500e12, "NVIDIA Blackwell Ultra datasheet (per GPU)", 75e12),
 }
 
 
@@ -171,12 +174,19 @@ def measured_peaks(name: str) -> Peaks | None:
     except (OSError, ValueError):
         return None
     entry = data.get(name)
-    return Peaks(**entry) if entry else None
+    if not entry:
+        return None
+    peaks = Peaks(**entry)
+    if not peaks.fp32_flops:  # cached before fp32 was recorded: the datasheet's ratio to bf16, as measure_peaks does
+        sheet = _peaks_for_name(name)
+        if sheet:
+            peaks = replace(peaks, fp32_flops=peaks.bf16_flops * sheet.fp32_flops / sheet.bf16_flops)
+    return peaks
 
 
 def measure_peaks(device: int | None = None, save: bool = True) -> Peaks:
     """Measure HBM copy bandwidth (bytes read + written) and the bf16 matmul rate on this GPU, cache
-    them, and return Peaks where fp8/fp4 keep the datasheet ratio to bf16."""
+    them, and return Peaks where fp8/fp4/fp32 keep the datasheet ratio to bf16."""
     if not torch.cuda.is_available():
         raise RuntimeError("measure_peaks needs a CUDA device")
     dev = torch.device("cuda", device if device is not None else torch.cuda.current_device())
@@ -191,8 +201,9 @@ def measure_peaks(device: int | None = None, save: bool = True) -> Peaks:
     sheet = _peaks_for_name(name)
     ratio8 = sheet.fp8_flops / sheet.bf16_flops if sheet else 2.0
     ratio4 = sheet.fp4_flops / sheet.bf16_flops if sheet else 0.0
+    ratio32 = sheet.fp32_flops / sheet.bf16_flops if sheet else 0.0
     peaks = Peaks(bw, flops, flops * ratio8, flops * ratio4,
-                  f"measured on this machine {time.strftime('%Y-%m-%d')} (copy, bf16 8192^3 matmul)")
+                  f"measured on this machine {time.strftime('%Y-%m-%d')} (copy, bf16 8192^3 matmul)", flops * ratio32)
     if save:
         path = _cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)

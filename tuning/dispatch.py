@@ -97,6 +97,19 @@ def _tolerance(bucket) -> float:
     return 1e-4 if bucket["payload"] == "bf16" else 2e-2
 
 
+def _payload_problem(model: ModelShape, payloads: list[str]) -> str | None:
+    """Why some of `payloads` cannot carry the model's tokens (its hidden size is not a multiple of the payload's
+    scale block), else None: every bucket of that payload would fail at run time."""
+    from pdlab.moe.dispatch.base import payload_size_problem
+
+    problems = [p for p in (payload_size_problem(kind, model.hidden_size) for kind in payloads) if p]
+    if not problems:
+        return None
+    fits = [kind for kind in PAYLOADS if not payload_size_problem(kind, model.hidden_size)]
+    return "; ".join(problems) + "; pass a config whose hidden size fits, or tune the payloads it fits alone " \
+        f"(--only payload={','.join(fits)})"
+
+
 def _accepts(backend, bucket) -> bool:
     o = backend.options or {}
     if bucket["ranks"] > int(o.get("max_ranks", 1 << 30)):
@@ -122,18 +135,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "processes, one GPU each; gloo on CPU); default 1 (the local dispatcher)")
 
 
-def _ep_problem(args: argparse.Namespace) -> str | None:
-    """The one-line refusal of an --ep that does not divide the experts of the model tuned (R1's, a config file's,
-    or the small CPU shape's under --arch cpu), else None; a --model that cannot be read is left to run_tune."""
+def _model_problem(args: argparse.Namespace) -> str | None:
+    """The one-line refusal of the model tuned (R1's, a config file's, or the small CPU shape's under --arch cpu): a
+    hidden size some payload cannot carry, or an --ep that does not divide its experts; else None. Checked before
+    any rank starts; a --model that cannot be read is left to run_tune."""
     from pdlab.kernels.arch import detect_arch
+    from pdlab.tuning.command import parse_only
     from pdlab.tuning.models import cpu_shape, load_model_shape
 
     try:
         model = load_model_shape(args.model)
+        payloads = parse_only(args.only).get("payload") or list(PAYLOADS)
     except (OSError, ValueError):
         return None
     if (args.arch or detect_arch()).lower() == "cpu":
         model = cpu_shape(args.model, model)
+    problem = _payload_problem(model, [p for p in payloads if p in PAYLOADS])
+    if problem:
+        return f"tune dispatch: --model {args.model!r}: {problem}"
     experts = model.n_routed_experts
     if experts % args.ep == 0:
         return None
@@ -143,7 +162,7 @@ def _ep_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _ep_problem(args) if args.ep > 1 else None
+    problem = _model_problem(args)
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -23,7 +23,8 @@ from typing import Any, Mapping
 import torch
 
 from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
-from pdlab.moe.layouts import PAYLOADS, Contiguous, Layout, Masked, group_tokens, quantize_fp8_blockwise
+from pdlab.kernels.nvfp4 import BLOCK as NVFP4_BLOCK
+from pdlab.moe.layouts import FP8_BLOCK, PAYLOADS, Contiguous, Layout, Masked, group_tokens, quantize_fp8_blockwise
 
 MODES = ("normal", "low_latency")
 LAYOUT_OF_MODE = {"normal": "contiguous", "low_latency": "masked"}
@@ -100,6 +101,16 @@ def payload_row_bytes(kind: str, hidden_size: int) -> int:
     raise ValueError(f"unknown payload {kind!r}; known: {', '.join(PAYLOADS)}")
 
 
+def payload_size_problem(kind: str, hidden_size: int) -> str | None:
+    """Why a dispatch payload cannot carry tokens of `hidden_size`, with the rule, else None: fp8 scales blocks of
+    128 elements, nvfp4 blocks of 16."""
+    block = {"fp8": FP8_BLOCK, "nvfp4": NVFP4_BLOCK}.get(kind)
+    if block is None or hidden_size % block == 0:
+        return None
+    return (f"hidden_size={hidden_size} is not a multiple of {block}: {kind} dispatch scales the hidden size in "
+            f"blocks of {block}")
+
+
 def quantize_tokens(x: torch.Tensor, payload: str, global_scale: torch.Tensor | float | None = None
                     ) -> TokenPayload:
     """The quantize stage: x [T, H] bf16 → TokenPayload of kind `payload`.
@@ -112,16 +123,16 @@ def quantize_tokens(x: torch.Tensor, payload: str, global_scale: torch.Tensor | 
     if payload == "bf16":
         return TokenPayload("bf16", x, source=x)
     if payload == "fp8":
-        if x.shape[-1] % 128:
-            raise ValueError(f"fp8 dispatch needs the hidden size to be a multiple of 128, got {x.shape[-1]}; "
+        if payload_size_problem("fp8", x.shape[-1]):
+            raise ValueError(f"fp8 dispatch needs the hidden size to be a multiple of {FP8_BLOCK}, got {x.shape[-1]}; "
                              "use the bf16 payload for this model")
         q, s = quantize_fp8_blockwise(x)
         return TokenPayload("fp8", q, s, source=x)
     if global_scale is None:
         raise ValueError("nvfp4 dispatch needs the layer's static activation global scale (448·6/amax = "
                          "1/input_scale): pass global_scale (MoELayer takes it from the weights' w13 input scale)")
-    if x.shape[-1] % 16:
-        raise ValueError(f"nvfp4 dispatch needs the hidden size to be a multiple of 16, got {x.shape[-1]}")
+    if payload_size_problem("nvfp4", x.shape[-1]):
+        raise ValueError(f"nvfp4 dispatch needs the hidden size to be a multiple of {NVFP4_BLOCK}, got {x.shape[-1]}")
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
     packed, sf = nvfp4_quantizer(x.device)(x, gs)
     return TokenPayload("nvfp4", packed, sf, gs, source=x)

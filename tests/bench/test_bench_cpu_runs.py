@@ -225,3 +225,57 @@ def test_bench_attention_counts_q_and_out_bytes_at_the_dtype_the_row_ran(tmp_pat
         else:
             nbytes = prefill_cost([32, 32], [32, 32], 16, kv_elem, q_elem)[1]
         assert row["gbps"] * 1e9 * row["median_ms"] / 1e3 == pytest.approx(nbytes, rel=1e-6), kv_dtype
+
+
+@pytest.mark.parametrize("dispatch", ["fp8", "bf16,fp8"])
+def test_bench_moe_fp8_dispatch_of_a_hidden_size_fp8_cannot_hold_is_a_usage_error(tmp_path, capsys, dispatch):
+    # hidden 144 (a multiple of NVFP4's 16, not of fp8's 128-element scale blocks): every fp8 row was skipped at run
+    # time and the run exited 0 with the bf16 rows alone
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 144, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 64, "n_group": 1, "topk_group": 1}))
+    assert main(["moe", "--model", str(cfg), "--dispatch", dispatch, "--tokens", "1", "--out", str(tmp_path / "out"),
+                 "--no-plot"]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("bench moe: --dispatch fp8") and "hidden_size=144" in line and "multiple of 128" in line
+    assert not (tmp_path / "out").exists()
+
+
+def _peaks_here(monkeypatch):
+    """Pretend this CPU has datasheet peaks (fp32 far below bf16), so that rows report a roofline."""
+    from pdlab.kernels import arch
+
+    facts = arch.DeviceFacts("Test GPU", "cpu", 2, 1 << 34,
+                             arch.Peaks(1e12, 1e12, 2e12, 0.0, "test", fp32_flops=1e9))
+    monkeypatch.setattr(arch, "device_facts", lambda device=None: facts)
+    return facts.peaks
+
+
+def _expected_pct(row, peak_flops: float, peaks) -> float:
+    # floor / time = max(flops / peak, bytes / bandwidth) / time
+    return 100 * max(row["tflops"] * 1e12 / peak_flops, row["gbps"] * 1e9 / peaks.hbm_bytes_per_s)
+
+
+def test_bench_attention_fp32_rows_take_the_fp32_peak(tmp_path, capsys, monkeypatch):
+    # fp32 rows' % roofline was computed against the bf16 tensor-core peak
+    peaks = _peaks_here(monkeypatch)
+    assert main(["attention", "--backend", "torch", "--batch", "1", "--seqlen", "64", "--heads", "16", "--kv-dtype",
+                 "fp32,bf16", "--repeats", "1", "--out", str(tmp_path), "--no-plot"]) == 0
+    df = pd.read_csv(tmp_path / "mla_decode.csv").set_index("kv_dtype")
+    assert df.loc["fp32", "compute_peak"] == "fp32 CUDA cores (no TF32)"
+    assert df.loc["bf16", "compute_peak"] == "bf16 tensor cores"
+    assert df.loc["fp32", "pct_roofline"] == pytest.approx(_expected_pct(df.loc["fp32"], peaks.fp32_flops, peaks))
+    assert df.loc["bf16", "pct_roofline"] == pytest.approx(_expected_pct(df.loc["bf16"], peaks.bf16_flops, peaks))
+
+
+def test_bench_moe_reference_runner_rows_take_the_fp32_peak(tmp_path, capsys, monkeypatch):
+    # the torch runner computes in fp32; its experts' % roofline was computed against the bf16 tensor-core peak
+    peaks = _peaks_here(monkeypatch)
+    assert main(["moe", "--runner", "torch", "--dispatch", "bf16", "--mode", "normal", "--tokens", "16",
+                 "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--no-plot"]) == 0
+    row = pd.read_csv(tmp_path / "moe_ep1.csv").iloc[0]
+    assert row["compute_peak"] == "fp32 CUDA cores (no TF32)"
+    assert row["pct_roofline"] == pytest.approx(100 * max(row["tflops"] * 1e12 / peaks.fp32_flops,
+                                                          row["experts_GBps"] * 1e9 / peaks.hbm_bytes_per_s))

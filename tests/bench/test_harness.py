@@ -112,3 +112,34 @@ def test_graph_timing_of_an_uncapturable_call_leaves_the_next_trials_working():
     y = torch.randn(1 << 16, device="cuda")  # a random input of the next trial
     t = bench(lambda: torch.mul(y, 2), device="cuda", warmup=1, repeats=3, cuda_graph=True, graph_calls=2)
     assert t.kind == "cuda-graph" and t.median_ms > 0
+
+
+def test_roofline_of_fp32_work_uses_the_fp32_peak_not_the_bf16_tensor_cores():
+    # an fp32 row's compute floor was taken at the bf16 tensor-core rate (16x the fp32 one on H100/H200)
+    facts = DeviceFacts("Test GPU", "sm90", 132, 1 << 37, Peaks(4e12, 1e15, 2e15, 0.0, "test", fp32_flops=5e13))
+    r = roofline(flops=1e12, nbytes=1e6, seconds=40e-3, facts=facts, compute_dtype="fp32")  # 25 TFLOPS of 50
+    assert r["bound"] == "compute" and r["pct_roofline"] == pytest.approx(50.0)
+    assert r["compute_peak"] == "fp32 CUDA cores (no TF32)"
+    assert roofline(1e12, 1e6, 40e-3, facts, "bf16")["pct_roofline"] == pytest.approx(2.5)
+    # no fp32 figure: no compute floor to claim (the memory one alone would call it memory-bound)
+    r = roofline(flops=1e12, nbytes=1e6, seconds=40e-3, facts=FACTS, compute_dtype="fp32")
+    assert r["bound"] == "?" and math.isnan(r["pct_roofline"])
+
+
+def test_every_datasheet_device_has_an_fp32_peak_below_its_bf16_one():
+    from pdlab.kernels.arch import peaks_table
+
+    for name, peaks in peaks_table().items():
+        assert 0 < peaks.fp32_flops < peaks.bf16_flops / 2, name
+
+
+def test_peaks_cached_before_fp32_was_measured_take_it_from_the_datasheet_ratio(tmp_path, monkeypatch):
+    import json
+
+    from pdlab.kernels.arch import measured_peaks, peaks_table
+
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path))
+    (tmp_path / "measured_peaks.json").write_text(json.dumps({"NVIDIA H200": {
+        "hbm_bytes_per_s": 4.2e12, "bf16_flops": 7e14, "fp8_flops": 1.4e15, "fp4_flops": 0.0, "source": "old"}}))
+    sheet = peaks_table()["H200"]
+    assert measured_peaks("NVIDIA H200").fp32_flops == pytest.approx(7e14 * sheet.fp32_flops / sheet.bf16_flops)

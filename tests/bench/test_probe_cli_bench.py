@@ -377,3 +377,149 @@ def test_bench_attention_rows_name_the_lengths_they_ran(tmp_path, capsys, argv, 
     csv = tmp_path / ("mla_prefill.csv" if "prefill" in argv else "mla_decode.csv")
     row = pd.read_csv(csv).iloc[0]
     assert (row["seqlen"], row["s_q"], row["shape"]) == (seqlen, s_q, shape)
+
+
+def test_bench_serving_prints_the_paths_it_wrote(tmp_path, capsys):
+    # it printed "wrote <out>/serving.json/.csv, serving_summary.csv, serving_latency.png": one made-up path
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path), "--tag", "t"]) == 1  # nothing listens: every request failed
+    wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("wrote ")]
+    assert sorted(wrote) == sorted(str(tmp_path / name) for name in ("t.json", "t.csv", "t_summary.csv",
+                                                                      "t_latency.png"))
+
+
+@pytest.mark.parametrize("url, says", [
+    ("notaurl", "'notaurl' is not a server URL"),
+    ("127.0.0.1:30000", "is not a server URL"),
+    ("ftp://host:21", "is not a server URL"),
+    ("http://", "is not a server URL"),
+    ("http://host:port", "is not a server URL"),
+    ("http://127.0.0.1:30000/v1", "drop the /v1"),
+])
+def test_bench_serving_malformed_base_url_is_a_usage_error(tmp_path, capsys, url, says):
+    # --base-url notaurl ended in "cannot reach notaurl/v1/models ... is the server up?" (exit 1), or with --model
+    # in every request failing with InvalidUrlClientError
+    with pytest.raises(SystemExit) as exc:
+        main(["serving", "--base-url", url, "--model", "m", "--num-prompts", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --base-url" in err and says in err and "http://host:port" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:30000", "https://example.com/", "http://[::1]:8000"])
+def test_bench_serving_takes_a_server_root_url(url):
+    from pdlab.bench.serving import server_url
+
+    assert server_url(url) == url
+
+
+@pytest.mark.parametrize("command", ["attention", "moe", "quantize", "serving"])
+def test_every_bench_command_that_plots_takes_no_plot_with_one_meaning(capsys, command):
+    # bench attention and bench serving had no --no-plot while bench moe and bench quantize did (without a help text)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-plot write no PNG plots (the CSV and JSON results are written as always)" in text
+
+
+def test_bench_attention_no_plot_writes_the_csv_and_no_png(tmp_path, capsys):
+    argv = ["attention", "--backend", "torch", "--batch", "1", "--seqlen", "16", "--heads", "16", "--repeats", "1"]
+    assert main([*argv, "--out", str(tmp_path / "plots")]) == 0
+    assert list((tmp_path / "plots").glob("*.png"))  # plots by default
+    assert main([*argv, "--out", str(tmp_path / "none"), "--no-plot"]) == 0
+    names = sorted(p.name for p in (tmp_path / "none").iterdir())
+    assert names == ["mla_decode.csv", "mla_decode.json"]
+
+
+def test_bench_serving_no_plot_writes_the_results_and_no_png(tmp_path, capsys):
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path), "--no-plot"]) == 1  # nothing listens: every request failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serving.csv", "serving.json", "serving_summary.csv"]
+    assert "png" not in capsys.readouterr().out
+
+
+def test_bench_moe_scaling_no_plot_writes_the_csv_only(tmp_path, capsys):
+    rows = pd.DataFrame({"ep": [2, 4], "mode": "normal", "tokens": 16, "payload": "bf16", "status": "ok",
+                         "dispatch_ms": [1.0, 2.0], "combine_ms": [1.0, 2.0], "dispatch_GBps": [5.0, 6.0],
+                         "combine_GBps": [5.0, 6.0]})
+    rows.to_csv(tmp_path / "in.csv", index=False)
+    assert main(["moe", "--scaling", str(tmp_path / "in.csv"), "--out", str(tmp_path / "out"), "--no-plot"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["moe_ep_scaling.csv"]
+    assert "png" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("goodput, says", [
+    (["ttft:abc"], "--goodput item 'ttft:abc': 'abc' is not a number of ms"),
+    (["ttft:nan"], "--goodput ttft must be > 0 ms, got nan"),
+    (["ttft:5000", "ttft:50"], "--goodput names ttft twice (5000 and 50)"),
+])
+def test_bench_serving_bad_goodput_is_a_usage_error_naming_the_option(tmp_path, capsys, goodput, says):
+    # ttft:abc said only "could not convert string to float: 'abc'"; ttft:nan was taken (no request could meet it),
+    # and a key given twice kept the last value without a word
+    assert main(["serving", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+                 "--out", str(tmp_path / "out"), "--goodput", *goodput]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert line.startswith("bench serving: ") and says in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_scaling_writes_into_the_results_folder_its_help_names(tmp_path, capsys, monkeypatch):
+    # --help says --out defaults to bench/results/<device>/moe or moe_ep; --scaling wrote into the current folder
+    from pdlab.kernels.arch import device_facts
+
+    rows = pd.DataFrame({"ep": [2, 4], "mode": "normal", "tokens": 16, "payload": "bf16", "status": "ok",
+                         "dispatch_ms": [1.0, 2.0], "combine_ms": [1.0, 2.0], "dispatch_GBps": [5.0, 6.0],
+                         "combine_GBps": [5.0, 6.0]})
+    rows.to_csv(tmp_path / "in.csv", index=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PDLAB_RESULTS_DIR", str(tmp_path / "results"))
+    assert main(["moe", "--scaling", "in.csv", "--no-plot"]) == 0
+    assert (tmp_path / "results" / device_facts().key / "moe_ep" / "moe_ep_scaling.csv").exists()
+    assert not (tmp_path / "moe_ep_scaling.csv").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--hidden", "100"], "argument --hidden: '100' is not a multiple of 16"),
+    (["--inter", "0"], "argument --inter: '0' is below 16"),
+    (["--experts", "0"], "argument --experts: '0' is below 1"),
+    (["--shapes", "decod"], "argument --shapes: 'decod' is not one of decode, prefill"),
+    (["--decode-tokens", "1,x"], "argument --decode-tokens: 'x' is not an integer"),
+    (["--layouts", "dense"], "argument --layouts: 'dense' is not one of masked, contiguous"),
+    (["--payloads", "fp4"], "argument --payloads: 'fp4' is not one of bf16, fp8, nvfp4"),
+    (["--config", "{bad"], "argument --config: '{bad' is not a JSON object"),
+])
+def test_bench_moe_experts_bad_values_are_usage_errors(tmp_path, capsys, argv, says):
+    # --hidden 100 and --experts 0 ended in torch tracebacks; --shapes decod was ignored and the default (R1-sized)
+    # shapes ran for minutes on a CPU
+    from pdlab.bench import moe_experts
+
+    with pytest.raises(SystemExit) as exc:
+        moe_experts.main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_moe_experts_unknown_runner_or_bad_out_exits_2_in_one_line(tmp_path, capsys):
+    # --runners nope ended in a KeyError traceback
+    from pdlab.bench import moe_experts
+
+    small = ["--experts", "2", "--hidden", "32", "--inter", "32", "--shapes", "decode", "--decode-tokens", "1"]
+    assert moe_experts.main([*small, "--runners", "torch,nope", "--out", str(tmp_path / "out")]) == 2
+    line = _last_line(capsys.readouterr().out)
+    assert line.startswith("pdlab.bench.moe_experts: moe_experts has no backend named 'nope'") and "torch" in line
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert moe_experts.main([*small, "--runners", "torch", "--out", str(target)]) == 2
+    assert _last_line(capsys.readouterr().out).startswith(f"pdlab.bench.moe_experts: --out {target}")
+
+
+def test_bench_moe_experts_prints_the_files_it_wrote(tmp_path, capsys):
+    from pdlab.bench import moe_experts
+
+    assert moe_experts.main(["--experts", "2", "--hidden", "32", "--inter", "32", "--shapes", "decode",
+                             "--decode-tokens", "1", "--runners", "torch", "--layouts", "contiguous",
+                             "--payloads", "bf16", "--out", str(tmp_path)]) == 0
+    wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert wrote and all((tmp_path / p).is_file() or __import__("os").path.isfile(p) for p in wrote)
+    assert str(tmp_path / "moe_experts.csv") in wrote
