@@ -128,7 +128,7 @@ def _root_note(root) -> str:
 
 def _identity(device) -> tuple[str, str, str]:
     """(name, key, arch) for --device: a torch device, or the name / key of a device whose files are
-    stored (the device need not be here: name and arch then come from the files' metadata)."""
+    stored, in any letter case (the device need not be here: name and arch then come from the files' metadata)."""
     import torch
 
     if device is None or isinstance(device, int):
@@ -137,6 +137,9 @@ def _identity(device) -> tuple[str, str, str]:
         torch.device(device)
     except (RuntimeError, ValueError):
         key = str(device).replace(" ", "_")
+        stored = {d.name.lower(): d.name for r in tuned.config_roots() if not _root_note(r)
+                  for d in r.iterdir() if d.is_dir()}
+        key = stored.get(key.lower(), key)  # nvidia_h200 names the files of NVIDIA_H200
         for root in tuned.config_roots():
             if _root_note(root):
                 continue
