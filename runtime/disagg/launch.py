@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from pdlab.runtime.disagg.config import RoleConfig
+    from pdlab.runtime.disagg.http import check_bind
     from pdlab.runtime.engine.engine import preflight
     from pdlab.runtime.router.router import RouterConfig
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = config_from_args(RoleConfig, args)
             cfg = build_config(RoleConfig, **{**cfg.model_dump(), "role": args.role})
             preflight(cfg)
+            check_bind(cfg.host, cfg.port)  # a wrong --host or a taken --port fails before the model loads
             return _run_inline(serve_role, cfg.model_dump())
         base = config_from_args(RoleConfig, args).model_dump()
         pre, dec = _split_devices(base)
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0})
         for c in (pcfg, dcfg):  # settings that conflict with the model: one line here, not a child's traceback
             preflight(c)
+        check_bind(base["host"], base["port"])  # the router's address; the servers listen on the same host
     except (ConfigError, ValueError, OSError) as exc:  # OSError: a model path or config.json that cannot be read
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2
