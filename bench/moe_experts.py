@@ -112,7 +112,7 @@ def valid_rows(layout_out, layout_in) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdlab.bench.moe_experts", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="pdlab.bench.moe_experts", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="decode,prefill", help="decode,prefill")
     p.add_argument("--decode-tokens", default=",".join(map(str, DECODE_TOKENS)))
     p.add_argument("--prefill-tokens", default="512,2048")

@@ -40,3 +40,50 @@ def test_a_port_in_use_names_port(mode):
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port" in out, out
     assert "--host" not in out, out
     assert "warm-up" not in out, out
+
+
+def _exit_code(argv: list[str]) -> int:
+    """`pdlab ARGV` in this process: its exit code, whether returned or raised (argparse's usage errors)."""
+    from pdlab.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["runtime", "serve", "--decode", "http://127.0.0.1:9"], "--decode"),  # was --decode-reserve-tokens
+    (["runtime", "serve", "--max-run", "0"], "--max-run"),  # was --max-running-requests
+    (["runtime", "serve", "--role", "prefill", "--max-run", "0"], "--max-run"),
+    (["runtime", "serve", "--role", "router", "--decode", "http://127.0.0.1:9", "--pol", "x"], "--pol"),
+    (["bench", "moe", "--tok", "0"], "--tok"),  # was --tokens
+    (["tune", "attention", "--tri", "0"], "--tri"),  # was --trials
+])
+def test_a_partial_flag_is_a_usage_error_naming_it(argv, flag, capsys):
+    """argparse took a flag's prefix for the flag it begins (allow_abbrev), so `runtime serve --decode URL` without
+    --role read URL as --decode-reserve-tokens; now a flag that is not spelt out is unknown, exit 2 naming it."""
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {flag}" in err, err
+
+
+def test_every_pdlab_parser_refuses_abbreviations():
+    """Every argparse parser in pdlab's sources is built with allow_abbrev=False (a new tool's parser too)."""
+    import ast
+    import pathlib
+
+    import pdlab
+
+    root = pathlib.Path(pdlab.__file__).parent
+    missing = []
+    for path in root.rglob("*.py"):
+        if "tests" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == \
+                    "ArgumentParser":
+                kw = {k.arg: k.value for k in node.keywords}
+                if not (isinstance(kw.get("allow_abbrev"), ast.Constant) and kw["allow_abbrev"].value is False):
+                    missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not missing, f"argparse.ArgumentParser without allow_abbrev=False: {missing}"
