@@ -605,7 +605,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         req, q = _start(ids, sp, rid, fields=lambda name: names.get(name, f"sampling_params.{name}"))
 
         def meta(final: StepOutput | None, n: int) -> dict:
-            m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
+            # the client's id where it chose one: a disaggregated server runs the request under the router's transfer id
+            m = {"id": rid or req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
                  "finish_reason": {"type": final.finish_reason.value} if final and final.finish_reason else None}
             if body.return_logprob:
                 m["output_token_logprobs"] = [[lp[0], t] for lp, t in zip(req.output_logprobs, req.output_ids)]

@@ -1,6 +1,7 @@
 """The HTTP API at its edges, as a new client tries it: the native /generate route holds to the same request limits as
 the OpenAI routes."""
 
+import json
 import os
 import sys
 
@@ -43,3 +44,41 @@ def test_more_than_16_stop_strings_is_a_400_on_every_route(client, path, body, p
     else:
         body["stop"] = stops[:16]
     assert client.post(path, json=body).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def pd_router():
+    """A prefill server, a decode server (embedded tiny model, CPU) and the router in front of them; the router's URL."""
+    from pdlab.runtime.disagg.launch import serve_role, serve_router
+    from pdlab.runtime.router.router import RouterConfig
+    from pdlab.runtime.supervisor import ChildSpec, Supervisor
+
+    base = dict(device="cpu", max_total_tokens=4096, log_level="warning", port=0, transfer_timeout=5.0)
+    sup = Supervisor(start_timeout=120, stop_timeout=5)
+    try:
+        acks = sup.start([ChildSpec(role, serve_role, args=({**base, "role": role},)) for role in ("prefill", "decode")])
+        rcfg = RouterConfig(prefill=[acks["prefill"]["url"]], decode=[acks["decode"]["url"]], port=0)
+        acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
+        yield acks["router"]["url"]
+    finally:
+        sup.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_through_the_router_names_the_request_by_the_clients_id(pd_router, stream):
+    """A /generate request's meta_info.id is the client's `rid` (or X-Request-Id); through a prefill/decode pair it
+    was the router's transfer id ("pd-..."), so a client could not match answers to its requests."""
+    body = {"input_ids": [5, 6, 7], "stream": stream, "sampling_params": {"max_new_tokens": 3}}
+    with httpx.Client(base_url=pd_router, timeout=60) as c:
+        for extra, headers, want in (({"rid": "mine-1"}, {}, "mine-1"), ({}, {"X-Request-Id": "trace-9"}, "trace-9")):
+            r = c.post("/generate", json={**body, **extra}, headers=headers)
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                ids = {e["meta_info"]["id"] for e in events}
+            else:
+                ids = {r.json()["meta_info"]["id"]}
+            assert ids == {want}, r.text
+        r = c.post("/generate", json={**body, "stream": False})  # no id of the client's: the server's own
+        assert r.status_code == 200 and r.json()["meta_info"]["id"].startswith("pd-"), r.text
