@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.decode:
                 raise ValueError("--role router needs --decode URL [URL ...] (and --prefill URL ... for "
                                  "disaggregated pairs)")
-            rcfg = RouterConfig(host=args.host or "127.0.0.1", port=30000 if args.port is None else args.port, **rargs)
+            rcfg = build_config(RouterConfig, host=args.host or "127.0.0.1",
+                                port=30000 if args.port is None else args.port, **rargs)
             return _run_inline(serve_router, rcfg.model_dump())
         if args.role in ("prefill", "decode"):
             cfg = config_from_args(RoleConfig, args)
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         for c in (pcfg, dcfg):  # settings that conflict with the model: one line here, not a child's traceback
             preflight(c)
         check_bind(base["host"], base["port"])  # the router's address; the servers listen on the same host
+        # the router's settings, before any server starts (its server lists are the servers started; any URL here)
+        build_config(RouterConfig, **{**rargs, "host": base["host"], "port": base["port"], "decode": ["http://-"]})
     except (ConfigError, ValueError, OSError) as exc:  # OSError: a model path or config.json that cannot be read
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2

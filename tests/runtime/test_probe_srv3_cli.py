@@ -87,3 +87,17 @@ def test_every_pdlab_parser_refuses_abbreviations():
                 if not (isinstance(kw.get("allow_abbrev"), ast.Constant) and kw["allow_abbrev"].value is False):
                     missing.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not missing, f"argparse.ArgumentParser without allow_abbrev=False: {missing}"
+
+
+@pytest.mark.parametrize("mode", [["--disagg", "--device", "cpu"], ["--role", "router", "--decode", "http://127.0.0.1:9"]])
+@pytest.mark.parametrize("flag,value,field", [("--health-interval", "0", "health_interval"),
+                                              ("--request-timeout", "-1", "request_timeout")])
+def test_a_bad_router_setting_is_one_line_before_anything_starts(mode, flag, value, field):
+    """`--disagg --health-interval 0` started both servers, then died with a pydantic traceback when it built the
+    router; --role router printed pydantic's raw report (input dict, documentation link). Now both are the
+    configuration error every other setting gets, exit 2, before any server starts."""
+    p = _serve(*mode, flag, value, "--port", "0", timeout=60)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert f"{field}: Input should be greater than 0" in out, out
+    assert "Traceback" not in out and "pydantic" not in out and "ready" not in out, out
