@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.decode:
                 raise ValueError("--role router needs --decode URL [URL ...] (and --prefill URL ... for "
                                  "disaggregated pairs)")
-            rcfg = build_config(RouterConfig, host=args.host or "127.0.0.1",
+            rcfg = build_config(RouterConfig, host="127.0.0.1" if args.host is None else args.host,
                                 port=30000 if args.port is None else args.port, **rargs)
             return _run_inline(serve_router, rcfg.model_dump())
         if args.role in ("prefill", "decode"):

@@ -101,3 +101,15 @@ def test_a_bad_router_setting_is_one_line_before_anything_starts(mode, flag, val
     assert p.returncode == 2, out
     assert f"{field}: Input should be greater than 0" in out, out
     assert "Traceback" not in out and "pydantic" not in out and "ready" not in out, out
+
+
+@pytest.mark.parametrize("mode", [[], ["--role", "router", "--decode", "http://127.0.0.1:9"]])
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused(mode, host):
+    """`--host "$HOST"` with HOST unset: the server listened on every interface (0.0.0.0) though it binds 127.0.0.1
+    unless told otherwise, and the router silently took 127.0.0.1; now a usage error naming --host."""
+    p = _serve(*mode, "--host", host, "--port", "0", timeout=60)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "--host is empty" in out and "0.0.0.0" in out, out
+    assert "serving on" not in out and "ready" not in out, out
