@@ -48,7 +48,8 @@ def test_more_than_16_stop_strings_is_a_400_on_every_route(client, path, body, p
 
 @pytest.fixture(scope="module")
 def pd_router():
-    """A prefill server, a decode server (embedded tiny model, CPU) and the router in front of them; the router's URL."""
+    """A prefill server, a decode server (embedded tiny model, CPU) and the router in front of them; yields the
+    router's URL."""
     from pdlab.runtime.disagg.launch import serve_role, serve_router
     from pdlab.runtime.router.router import RouterConfig
     from pdlab.runtime.supervisor import ChildSpec, Supervisor
@@ -56,7 +57,8 @@ def pd_router():
     base = dict(device="cpu", max_total_tokens=4096, log_level="warning", port=0, transfer_timeout=5.0)
     sup = Supervisor(start_timeout=120, stop_timeout=5)
     try:
-        acks = sup.start([ChildSpec(role, serve_role, args=({**base, "role": role},)) for role in ("prefill", "decode")])
+        acks = sup.start([ChildSpec(role, serve_role, args=({**base, "role": role},))
+                          for role in ("prefill", "decode")])
         rcfg = RouterConfig(prefill=[acks["prefill"]["url"]], decode=[acks["decode"]["url"]], port=0)
         acks.update(sup.start([ChildSpec("router", serve_router, args=(rcfg.model_dump(),))]))
         yield acks["router"]["url"]

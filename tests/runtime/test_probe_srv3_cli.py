@@ -89,7 +89,8 @@ def test_every_pdlab_parser_refuses_abbreviations():
     assert not missing, f"argparse.ArgumentParser without allow_abbrev=False: {missing}"
 
 
-@pytest.mark.parametrize("mode", [["--disagg", "--device", "cpu"], ["--role", "router", "--decode", "http://127.0.0.1:9"]])
+@pytest.mark.parametrize("mode", [["--disagg", "--device", "cpu"],
+                                  ["--role", "router", "--decode", "http://127.0.0.1:9"]])
 @pytest.mark.parametrize("flag,value,field", [("--health-interval", "0", "health_interval"),
                                               ("--request-timeout", "-1", "request_timeout")])
 def test_a_bad_router_setting_is_one_line_before_anything_starts(mode, flag, value, field):
