@@ -38,7 +38,7 @@ def run_tool(prog: str, description: str, table: dict[str, Subcommand], argv: li
             raise
         print(f"{prog} {name}: not built yet in this version of pdlab", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=sub.help)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"{prog} {name}", description=sub.help)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     return int(module.run(args) or 0)

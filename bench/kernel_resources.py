@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     from pdlab._subcommands import int_arg
 
     first = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, whole
-    ap = argparse.ArgumentParser(prog="pdlab.bench.kernel_resources", description=first)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="pdlab.bench.kernel_resources", description=first)
     ap.add_argument("--op", choices=("mla_decode", "moe_experts"), default="mla_decode")
     ap.add_argument("--heads", type=int_arg(1), default=16, help="mla_decode")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8", help="mla_decode")

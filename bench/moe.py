@@ -602,6 +602,6 @@ def _print_availability(dispatcher: str, runners: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
-    parser = argparse.ArgumentParser(prog="bench moe", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="bench moe", description=__doc__.split("\n")[0])
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

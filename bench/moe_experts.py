@@ -115,7 +115,7 @@ def valid_rows(layout_out, layout_in) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "pdlab.bench.moe_experts"
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=__doc__.split("\n")[0])
     tokens = comma_list(positive_int, "tokens per expert >= 1, e.g. 1,16,64")
     p.add_argument("--shapes", default="decode,prefill", type=comma_list(one_of("decode", "prefill"), "decode,prefill"),
                    help="phases to run: decode,prefill")

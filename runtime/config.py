@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 # settings the disaggregation launcher sets for each server it starts; no flag sets them
@@ -165,6 +165,11 @@ class ServerConfig(SchedulerConfig):
                          "max_prefill_tokens, so that kernels compile at start-up instead of stalling the first "
                          "requests")
 
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, host: str) -> str:
+        return check_host(host)
+
     @model_validator(mode="after")
     def _check_api_key(self):
         key = self.api_key
@@ -175,6 +180,15 @@ class ServerConfig(SchedulerConfig):
             raise ValueError("--api-key has whitespace around it, which no 'Authorization: Bearer' header can carry; "
                              "remove it")
         return self
+
+
+def check_host(host: str) -> str:
+    """`host`; ValueError for an empty --host (`--host "$HOST"` with HOST unset), which would listen on every
+    interface."""
+    if not host.strip():
+        raise ValueError(f"--host is empty ({host!r}), which would listen on every interface; give 0.0.0.0 for "
+                         "that, an address of this machine, or leave --host out for 127.0.0.1")
+    return host
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def _load(name: str, path: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", default=SHAPES, help=f"comma list of BxL, {', '.join(RAGGED)}, longtail")

@@ -132,7 +132,7 @@ def _pinned(tri, configs: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--pinned", action="store_true",
                     help="also run both pools with every decode call pinned to one config (each config seen, and "

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdlab.attention import ops
     from pdlab.attention.backends import flashinfer_mla as fm
 
-    p = argparse.ArgumentParser(prog="python -m pdlab.bench.gpu.flashinfer_plan_cost",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.bench.gpu.flashinfer_plan_cost",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--heads", type=int, default=128)

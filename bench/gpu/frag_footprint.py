@@ -23,7 +23,7 @@ def main() -> None:
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag, default_mma_async, program_tokens
     from pdlab.moe.triton import nvfp4_frag as F
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
     ap.add_argument("--tokens", default="16,64")
     ap.add_argument("--experts", type=int, default=64)
     args = ap.parse_args()

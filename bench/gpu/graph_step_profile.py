@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdlab.runtime.engine.loop import LLM
     from pdlab.runtime.engine.perf import decode_throughput
 
-    p = argparse.ArgumentParser(prog="python -m pdlab.bench.gpu.graph_step_profile",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.bench.gpu.graph_step_profile",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default="synthetic:deepseek-r1:4")
     p.add_argument("--batch", type=int, default=8)

@@ -19,7 +19,7 @@ import torch
 def main() -> None:
     from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights, time_runner
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--payloads", default="nvfp4,bf16")

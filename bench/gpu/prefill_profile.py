@@ -73,7 +73,8 @@ def _sync_sites(llm, n: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from pdlab.runtime.engine.loop import LLM
 
-    p = argparse.ArgumentParser(prog="python3 bench/gpu/prefill_profile.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python3 bench/gpu/prefill_profile.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="default: the embedded tiny model")
     p.add_argument("--tokens", default="16,128,512,2048")
     p.add_argument("--profile-tokens", type=int, default=128, help="0: the timings only")

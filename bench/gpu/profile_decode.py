@@ -220,7 +220,7 @@ def _compiled_kernels() -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--what", choices=["moe", "frag", "mla"], required=True)
     ap.add_argument("--config", action="append", default=[],
                     help="repeatable: JSON config merged over the default, or for mla 'default' / 'tuned' "

@@ -15,7 +15,7 @@ import sys
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
     ap.add_argument("--seeds", type=int, default=24)
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "attention"))

@@ -23,7 +23,7 @@ def main() -> None:
     from pdlab.moe.experts import run_experts
     from pdlab.moe.layouts import Contiguous, Masked
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)

@@ -20,7 +20,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 bench/gpu/step_tail.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python3 bench/gpu/step_tail.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="serve_compiles.sh's output folder (steps.jsonl, runs.txt)")
     p.add_argument("--top", type=int, default=8, help="slowest steps to list per run")
     a = p.parse_args(argv)

@@ -152,7 +152,7 @@ def timing(variants, quick: bool, shape_set: str = "wide", shapes=None, baseline
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", nargs="*", default=['{}', '{"num_splits": 1}', '{"num_splits": 2}'],

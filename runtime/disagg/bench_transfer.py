@@ -143,7 +143,8 @@ def _row(method, nbytes, times, src, dst, ok) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdlab.runtime.disagg.bench_transfer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.disagg.bench_transfer",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, default=61, help="KV layers (DeepSeek-R1: 61)")
     p.add_argument("--page-size", type=int, default=64)

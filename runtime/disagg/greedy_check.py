@@ -40,7 +40,8 @@ def collect(base_url: str, batch: list[list[int]], max_new: int, concurrency: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdlab.runtime.disagg.greedy_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.disagg.greedy_check",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url")
     p.add_argument("--out")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"))

@@ -1,27 +1,55 @@
-"""Serving a FastAPI app with uvicorn on a socket bound up front: a port already in use is an
-OSError raised in the caller (with its traceback), and the caller learns the real port when it
+"""Serving a FastAPI app with uvicorn on a socket bound up front: a host or port that cannot be listened on is a
+BindError (an OSError) raised in the caller, naming --host or --port, and the caller learns the real port when it
 asked for port 0. `serve_app` blocks (a server process); `serve_in_thread` is for tests and tools."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
 from typing import Callable
 
+# bind() errors that are the address's fault (not one of this machine's, or of a family it lacks), not the port's
+_HOST_ERRNOS = {errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL}
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0 = any free port). OSError if it is taken."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+
+class BindError(OSError):
+    """host:port cannot be listened on; str() is one line naming the flag to change (--host or --port)."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def bind(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to host:port (port 0 = any free port), listening unless `listen` is False (uvicorn
+    listens on it when it starts). BindError naming --host for an address this machine does not have (or a name
+    that does not resolve), --port for a port that is taken or needs privileges."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without it, Nagle + delayed
+    # ACKs add ~40 ms to every response on a kept-alive connection
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        if listen:
+            sock.listen(2048)
     except OSError as e:
         sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}; choose another --port "
-                               f"(0 = any free port)") from None
-    sock.listen(2048)
+        where = f"cannot listen on {host}:{port}: {e.strerror or e}"
+        if isinstance(e, socket.gaierror) or e.errno in _HOST_ERRNOS:
+            raise BindError(e.errno, f"{where}; --host {host} is not an address of this machine: give one of its "
+                                     "addresses or names, 127.0.0.1 (this machine only) or 0.0.0.0 (every "
+                                     "interface)") from None
+        hint = " (ports below 1024 need privileges)" if e.errno == errno.EACCES else ""
+        raise BindError(e.errno, f"{where}{hint}; choose another --port (0 = any free port)") from None
     return sock
+
+
+def check_bind(host: str, port: int) -> None:
+    """BindError (as `bind`) when host:port cannot be listened on now: checked before a model is loaded or a
+    process started, so that a wrong flag fails at once."""
+    bind(host, port, listen=False).close()
 
 
 def _server(app, sock, log_level: str, graceful_timeout: float = 2.0):

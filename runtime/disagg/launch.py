@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `runtime serve --disagg|--role ...` (argv without the leading 'serve')."""
-    parser = argparse.ArgumentParser(prog="runtime serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="runtime serve", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return run(args)
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from pdlab.runtime.disagg.config import RoleConfig
+    from pdlab.runtime.disagg.http import check_bind
     from pdlab.runtime.engine.engine import preflight
     from pdlab.runtime.router.router import RouterConfig
 
@@ -66,12 +67,14 @@ def run(args: argparse.Namespace) -> int:
             if not args.decode:
                 raise ValueError("--role router needs --decode URL [URL ...] (and --prefill URL ... for "
                                  "disaggregated pairs)")
-            rcfg = RouterConfig(host=args.host or "127.0.0.1", port=30000 if args.port is None else args.port, **rargs)
+            rcfg = build_config(RouterConfig, host="127.0.0.1" if args.host is None else args.host,
+                                port=30000 if args.port is None else args.port, **rargs)
             return _run_inline(serve_router, rcfg.model_dump())
         if args.role in ("prefill", "decode"):
             cfg = config_from_args(RoleConfig, args)
             cfg = build_config(RoleConfig, **{**cfg.model_dump(), "role": args.role})
             preflight(cfg)
+            check_bind(cfg.host, cfg.port)  # a wrong --host or a taken --port fails before the model loads
             return _run_inline(serve_role, cfg.model_dump())
         base = config_from_args(RoleConfig, args).model_dump()
         pre, dec = _split_devices(base)
@@ -81,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0})
         for c in (pcfg, dcfg):  # settings that conflict with the model: one line here, not a child's traceback
             preflight(c)
+        check_bind(base["host"], base["port"])  # the router's address; the servers listen on the same host
+        # the router's settings, before any server starts (its server lists are the servers started; any URL here)
+        build_config(RouterConfig, **{**rargs, "host": base["host"], "port": base["port"], "decode": ["http://-"]})
     except (ConfigError, ValueError, OSError) as exc:  # OSError: a model path or config.json that cannot be read
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2
@@ -95,7 +101,7 @@ def _check_ignored_flags(args: argparse.Namespace) -> None:
     or --disagg (which makes its own), the other router settings and --start-timeout for one server role."""
     from pdlab.runtime.disagg.config import RoleConfig
 
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     add_arguments(parser)
     given = lambda name: getattr(args, name, None) not in (None, parser.get_default(name))  # noqa: E731
     if args.role == "router":

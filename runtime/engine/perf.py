@@ -137,7 +137,8 @@ def ttft(llm, prompt_len: int, repeats: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdlab.runtime.engine.perf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.engine.perf",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")

@@ -105,7 +105,8 @@ def _sync(device):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdlab.runtime.model.profile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.model.profile",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None,
                     help="synthetic:deepseek-r1[:LAYERS], a checkpoint dir, or none (tiny)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

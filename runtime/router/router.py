@@ -33,9 +33,10 @@ from typing import Literal, Mapping
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdlab.runtime.config import check_host
 from pdlab.runtime.server.request_id import EchoRequestId
 
 log = logging.getLogger("pdlab.router")
@@ -58,6 +59,11 @@ class RouterConfig(BaseModel):
                                     "router stops (SIGTERM, Ctrl-C); it takes no new connections meanwhile")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, host: str) -> str:
+        return check_host(host)
 
     @model_validator(mode="after")
     def _check(self):

@@ -33,6 +33,7 @@ from pdlab.runtime.server.request_id import EchoRequestId, request_id
 
 log = logging.getLogger("pdlab.runtime")
 MAX_TOKENS_CAP = 1 << 20  # larger is absurd for any model; the context check gives the precise limit
+MAX_STOP_STRINGS = 16  # per request, on every route
 
 
 # ---- request bodies ------------------------------------------------------------------------------
@@ -172,6 +173,17 @@ def _union_field(loc: list[str]) -> int | None:
         if part in _UNION_FIELDS and (nxt in ("str", "int") or "[" in nxt):
             return i
     return None
+
+
+def _stop_strings(stop: str | list[str] | None, param: str) -> list[str]:
+    """A request's `stop` as a list; ApiError 400 naming `param` for an empty string or more than MAX_STOP_STRINGS
+    (each one is searched for in the text after every token)."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stop):
+        raise ApiError(400, "stop strings must be non-empty", param)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}; send fewer", param)
+    return stop
 
 
 def _json_kind(value: Any) -> str:
@@ -438,13 +450,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return list(_tok_text(t)[1])
 
     def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not s for s in stop):
-            raise ApiError(400, "stop strings must be non-empty", "stop")
-        if len(stop) > 16:
-            raise ApiError(400, f"at most 16 stop strings, got {len(stop)}", "stop")
         return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-                              seed=body.seed, max_tokens=max_tokens, stop=stop,
+                              seed=body.seed, max_tokens=max_tokens, stop=_stop_strings(body.stop, "stop"),
                               stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
 
@@ -582,11 +589,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         if body.top_logprobs_num and not body.return_logprob:
             raise ApiError(400, "top_logprobs_num needs return_logprob=true", "top_logprobs_num")
         s = body.sampling_params
-        stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
-        if any(not x for x in stop):
-            raise ApiError(400, "stop strings must be non-empty", "sampling_params.stop")
         sp = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
-                            max_tokens=s.max_new_tokens, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
+                            max_tokens=s.max_new_tokens, stop=_stop_strings(s.stop, "sampling_params.stop"),
+                            stop_token_ids=list(s.stop_token_ids or []),
                             ignore_eos=s.ignore_eos, skip_special_tokens=s.skip_special_tokens,
                             logprobs=body.top_logprobs_num if body.return_logprob else None)
         rid = body.rid
@@ -600,7 +605,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         req, q = _start(ids, sp, rid, fields=lambda name: names.get(name, f"sampling_params.{name}"))
 
         def meta(final: StepOutput | None, n: int) -> dict:
-            m = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
+            # the client's id where it chose one: a disaggregated server runs the request under the router's transfer id
+            m = {"id": rid or req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
                  "finish_reason": {"type": final.finish_reason.value} if final and final.finish_reason else None}
             if body.return_logprob:
                 m["output_token_logprobs"] = [[lp[0], t] for lp, t in zip(req.output_logprobs, req.output_ids)]

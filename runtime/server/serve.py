@@ -68,16 +68,16 @@ class Server:
                                "none (decode role: the CUDA graphs)" if self.warmup is not None else
                                "off" if not c.warmup else "none (not on CUDA)")]
 
-    def start(self) -> int:
-        """Start the engine loop and uvicorn in background threads; returns the bound port."""
+    def start(self, sock: socket.socket | None = None) -> int:
+        """Start the engine loop and uvicorn in background threads; returns the bound port. sock: a socket bound
+        to the config's host and port (`bind`), else it is bound here (BindError naming --host or --port)."""
         import uvicorn
+
+        from pdlab.runtime.disagg.http import bind
+
+        if sock is None:
+            sock = bind(self.cfg.host, self.cfg.port, listen=False)
         self.loop.start()
-        # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without it,
-        # Nagle + delayed ACKs add ~40 ms to every response on a kept-alive connection
-        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM,
-                             socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.cfg.host, self.cfg.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         self._uvicorn = uvicorn.Server(config)
@@ -114,9 +114,9 @@ class Server:
             self._thread.join(10)
         self.loop.stop()
 
-    def serve_forever(self) -> None:
-        """Serve until Ctrl-C or SIGTERM, then stop gracefully (`stop`)."""
-        port = self.start()
+    def serve_forever(self, sock: socket.socket | None = None) -> None:
+        """Serve (on `sock`, as `start`) until Ctrl-C or SIGTERM, then stop gracefully (`stop`)."""
+        port = self.start(sock)
         print(f"serving on http://{self.cfg.host}:{port} (OpenAI API under /v1, /generate, /health, /metrics)",
               flush=True)
         old = None
@@ -159,22 +159,22 @@ def run(args: argparse.Namespace) -> int:
         print("runtime serve --disagg: run it through `runtime serve --disagg ...` (the launcher); "
               "this module serves one colocated server", file=sys.stderr)
         return 2
+    from pdlab.runtime.disagg.http import BindError, bind
+
     try:
         cfg = config_from_args(ServerConfig, args)
-    except ConfigError as exc:
+        sock = bind(cfg.host, cfg.port, listen=False)  # a wrong --host or a taken --port fails before loading
+    except (ConfigError, BindError) as exc:
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = Server(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # bad path, checkpoint, or settings
+        sock.close()
         print(f"runtime serve: {exc}", file=sys.stderr)
         return 2
     for line in server.describe():
         print(line, flush=True)
-    try:
-        server.serve_forever()
-    except OSError as exc:
-        print(f"runtime serve: cannot bind {cfg.host}:{cfg.port}: {exc}; pick another --port", file=sys.stderr)
-        return 1
+    server.serve_forever(sock)
     return 0

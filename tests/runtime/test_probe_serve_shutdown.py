@@ -98,7 +98,7 @@ _CHILD = textwrap.dedent("""
     sc = build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048, max_context_len=CTX,
                       shutdown_timeout={grace})
     srv = Server(sc, model=SlowToy(cfg), tokenizer=tok, model_config=cfg)
-    srv.start = (lambda start: lambda: print("PORT", start(), flush=True))(srv.start)
+    srv.start = (lambda start: lambda *a: print("PORT", start(*a), flush=True))(srv.start)
     srv.serve_forever()
     print("CLEAN EXIT", flush=True)
 """)
