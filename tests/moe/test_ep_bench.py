@@ -9,10 +9,11 @@ import pytest
 from pdlab.bench import moe as bench_moe
 
 
-def _args(tmp_path, *argv):
+def _args(tmp_path, *argv, plot=False):
     p = argparse.ArgumentParser()
     bench_moe.add_arguments(p)
-    return p.parse_args([*argv, "--out", str(tmp_path), "--no-plot", "--repeats", "2", "--warmup", "1"])
+    no_plot = [] if plot else ["--no-plot"]
+    return p.parse_args([*argv, "--out", str(tmp_path), "--repeats", "2", "--warmup", "1", *no_plot])
 
 
 def test_bench_moe_ep2_on_gloo_writes_rows_ratios_and_errors(tmp_path, capsys):
@@ -96,9 +97,12 @@ def test_scaling_plot_from_result_csvs(tmp_path):
         path = tmp_path / f"moe_ep{ep}.csv"
         pd.DataFrame([r for r in rows if r["ep"] == ep]).to_csv(path, index=False)
         paths.append(str(path))
-    assert bench_moe.run(_args(tmp_path, "--scaling", *paths)) == 0
+    assert bench_moe.run(_args(tmp_path, "--scaling", *paths, plot=True)) == 0
     out = pd.read_csv(tmp_path / "moe_ep_scaling.csv")
     assert sorted(out.ep.unique()) == [2, 4] and (tmp_path / "moe_ep_scaling.png").stat().st_size > 0
+    (tmp_path / "moe_ep_scaling.png").unlink()
+    assert bench_moe.run(_args(tmp_path, "--scaling", *paths)) == 0  # --no-plot: the CSV alone
+    assert (tmp_path / "moe_ep_scaling.csv").exists() and not (tmp_path / "moe_ep_scaling.png").exists()
 
 
 def test_only_sync_free_low_latency_paths_are_timed_as_a_cuda_graph():
