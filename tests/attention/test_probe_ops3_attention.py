@@ -1,0 +1,33 @@
+"""MLA ops and fp8 KV helpers on bad input: a max_q_len below a sequence's new tokens, fp8 scales that cannot
+quantize, slots below -1."""
+
+import pytest
+import torch
+
+from pdlab.attention import mla_prefill
+from pdlab.attention.workloads import prefill_problem
+from pdlab.kernels import registry
+from pdlab.kernels.contracts import ShapeError
+
+TRITON_PREFILL = registry.get_backend("mla_prefill", "triton")
+
+
+def _prefill(p, backend, **kw):
+    return mla_prefill(p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON_PREFILL])
+def test_prefill_max_q_len_below_a_sequences_new_tokens_is_named(backend):
+    """max_q_len sizes the triton launch grid: one below a sequence's new tokens left that sequence's last rows
+    unwritten (garbage out, nothing said). With qo_indptr on the host the op checks it for free."""
+    p = prefill_problem([5, 9, 3], [3, 9, 1], heads=2, page=4, dtype=torch.float32, seed=0)
+    with pytest.raises(ShapeError, match=r"max_q_len.*sequence 1 adds 9 new tokens.*max_q_len >= 9"):
+        _prefill(p, backend, max_q_len=3)
+
+
+def test_prefill_max_q_len_at_the_longest_sequence_matches_the_reference():
+    p = prefill_problem([5, 9, 3], [3, 9, 1], heads=2, page=4, dtype=torch.float32, seed=0)
+    ref_out, ref_lse = _prefill(p, "torch")
+    out, lse = _prefill(p, TRITON_PREFILL, max_q_len=9, config={})
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
