@@ -31,3 +31,33 @@ def test_prefill_max_q_len_at_the_longest_sequence_matches_the_reference():
     out, lse = _prefill(p, TRITON_PREFILL, max_q_len=9, config={})
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf"), True])
+@pytest.mark.parametrize("fn", ["quantize", "dequantize"])
+def test_fp8_helpers_name_a_host_scale_that_cannot_scale(fn, bad):
+    """A scale of 0 saturated every byte to ±448 (quantize) or zeroed every value (dequantize); a negative one
+    flipped the signs; NaN gave NaN bytes: all silently."""
+    from pdlab.attention import dequantize_kv_fp8, quantize_kv_fp8
+
+    x = torch.ones(2, 576)
+    with pytest.raises(ValueError, match=r"kv_scale.*finite number > 0"):
+        quantize_kv_fp8(x, bad) if fn == "quantize" else dequantize_kv_fp8(quantize_kv_fp8(x, 1.0), bad)
+
+
+@pytest.mark.parametrize("fn", ["quantize", "dequantize"])
+def test_fp8_helpers_name_a_scale_tensor_of_several_values(fn):
+    from pdlab.attention import dequantize_kv_fp8, quantize_kv_fp8
+
+    x = torch.ones(2, 576)
+    with pytest.raises(ValueError, match=r"kv_scale.*1 element.*got \[2\]"):
+        quantize_kv_fp8(x, torch.ones(2)) if fn == "quantize" else dequantize_kv_fp8(quantize_kv_fp8(x, 1.0),
+                                                                                      torch.ones(2))
+
+
+def test_fp8_helpers_take_a_number_or_a_one_element_tensor():
+    from pdlab.attention import dequantize_kv_fp8, quantize_kv_fp8
+
+    x = torch.full((2, 576), 3.0)
+    for scale in (0.5, torch.tensor(0.5), torch.tensor([0.5])):
+        torch.testing.assert_close(dequantize_kv_fp8(quantize_kv_fp8(x, scale), scale), x)
