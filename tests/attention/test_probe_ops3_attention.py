@@ -61,3 +61,16 @@ def test_fp8_helpers_take_a_number_or_a_one_element_tensor():
     x = torch.full((2, 576), 3.0)
     for scale in (0.5, torch.tensor(0.5), torch.tensor([0.5])):
         torch.testing.assert_close(dequantize_kv_fp8(quantize_kv_fp8(x, scale), scale), x)
+
+
+@pytest.mark.parametrize("bad", [-2, -100])
+def test_reference_store_names_a_slot_below_minus_one(bad):
+    """-1 is the one skip marker; the torch backend raises for every other slot outside the pool, as documented
+    (it skipped any negative slot, so a miscomputed slot lost its row silently)."""
+    from pdlab.attention import store_kv
+
+    kv = torch.zeros(3, 4, 576)
+    with pytest.raises(ShapeError, match=rf"slots.*slot {bad}.*-1 skips"):
+        store_kv(kv, torch.tensor([0, bad]), torch.randn(2, 576), backend="torch")
+    store_kv(kv, torch.tensor([0, -1]), torch.ones(2, 576), backend="torch")  # -1 still skips
+    assert kv.view(-1, 576)[0].eq(1).all() and kv.view(-1, 576)[1:].eq(0).all()
