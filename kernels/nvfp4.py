@@ -23,6 +23,9 @@ and sign-only codes, so it dequantises to NaN: a NaN is never turned into a fini
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from pdlab.kernels.contracts import Op, Spec
@@ -108,7 +111,19 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+def _host_global_scale(value: object) -> float:
+    """A global scale given as a host number, as a float; ValueError unless it is a finite number > 0 (checked for
+    free; a tensor's value is not read, that would be a device sync)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok and math.isfinite(float(value)) and float(value) > 0:
+        return float(value)
+    raise ValueError(f"global_scale is {value!r}; it must be a finite number > 0 (448·6/amax: "
+                     "global_scale_from_amax(amax) gives it; 0 dequantises to NaN, a negative scale to zeros)")
+
+
 def _expand_global_scale(global_scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = _host_global_scale(global_scale)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     if gs.numel() == 1:
         return gs.reshape(())
@@ -124,7 +139,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
 
     Args:
         x: [..., K] bf16 | fp16 | fp32, K a multiple of 16; 1-D, 2-D [M, K] or grouped [E, M, K].
-        global_scale: fp32 scalar (a number, 0-d or 1-element tensor), or [E] (one per leading
+        global_scale: fp32 scalar (a finite number > 0, 0-d or 1-element tensor), or [E] (one per leading
             index) for grouped input.
         masked_m: optional [E] int32 for grouped [E, M, K] input: rows m >= masked_m[e] are not
             quantized and come back as zero bytes / zero scales.
@@ -165,7 +180,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
     Args:
         x: [..., K] bf16 | fp16 | fp32, stride(-1) == 1, K a multiple of 16 (1-D, [M, K] or [E, M, K]).
         global_scale: fp32 tensor with 1 element, or [x.shape[0]] (one per expert / leading index),
-            on x's device; a Python float is turned into a tensor (one small copy: pass a tensor
+            on x's device; a Python number (finite, > 0) is turned into a tensor (one small copy: pass a tensor
             when capturing CUDA graphs).
         masked_m: optional [E] int32 on x's device, x then [E, M_max, K]: rows m >= masked_m[e] are
             not read and come back as zero bytes and zero scales.
@@ -191,7 +206,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
     if swizzle and x.dim() not in (2, 3):
         QUANTIZE.require(chosen.name, False, "x", "must be 2-D or 3-D for swizzled scales", x, "[M, K] or [E, M, K]")
     if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.full((1,), float(global_scale), dtype=torch.float32, device=x.device)
+        global_scale = torch.full((1,), _host_global_scale(global_scale), dtype=torch.float32, device=x.device)
     lead = x.shape[0] if x.dim() >= 2 else 1
     QUANTIZE.require(chosen.name, global_scale.dtype == torch.float32 and global_scale.numel() in (1, lead)
                      and global_scale.device == x.device, "global_scale", "does not fit", global_scale,
