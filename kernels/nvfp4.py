@@ -64,6 +64,16 @@ QUANTIZE_MASKED = Op(
         "NVFP4 quantizes along the last dim in blocks of 16: K must be a multiple of 16.")},
 )
 
+_SCALES_HINT = ("scales are the row-major block scales [..., K/16] quantize returned with these bytes (swizzled "
+                "scales: unswizzle_scales_128x4(scales, M, K/16) first).")
+DEQUANTIZE = Op(
+    "nvfp4_dequantize",
+    inputs={"packed": Spec("... K/2", "uint8"), "scales": Spec("... K/16")},
+    hints={"packed": "packed holds two E2M1 codes per uint8 byte [..., K/2], as quantize returns it (a "
+                     "torch.float4_e2m1fn_x2 tensor: from_torch_fp4(t)).",
+           "scales": _SCALES_HINT},
+)
+
 
 def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
     """Which of a MoE model's sizes NVFP4 expert weights cannot hold, with the reason, else None: both GEMMs
@@ -242,10 +252,15 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     """Reference dequantization.
 
     Args:
-        packed: [..., K/2] uint8. scales: [..., K/16] float8_e4m3fn (row-major) or any dtype holding
-            the scale values. global_scale: fp32 scalar or [E] (one per leading index).
+        packed: [..., K/2] uint8. scales: [..., K/16] (packed's leading dims) float8_e4m3fn (row-major; uint8
+            bytes are read as e4m3) or any other dtype holding the scale values. global_scale: fp32 scalar (a
+            finite number > 0, or a tensor) or [E] (one per leading index).
     Returns: [..., K] of `dtype` (computed in fp32).
+    Raises ShapeError when packed is not uint8 or the scales do not fit its shape (e.g. swizzled ones).
     """
+    dims = DEQUANTIZE.check(None, packed=packed, scales=scales)
+    DEQUANTIZE.require(None, scales.shape[:-1] == packed.shape[:-1], "scales", "has other leading dims than "
+                       "packed", scales, f"[{', '.join(map(str, packed.shape[:-1]))}, K/16={dims['K'] // BLOCK}]")
     values = e2m1_decode(unpack_e2m1(packed))  # [..., K] fp32
     sf = scales.float() if scales.dtype != torch.uint8 else scales.view(torch.float8_e4m3fn).float()
     gs = _expand_global_scale(global_scale, values)
