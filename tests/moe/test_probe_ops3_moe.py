@@ -75,3 +75,46 @@ def test_torch_runner_weight_forms_differ_by_the_quantization():
     auto, nv, bf = (run_experts(layout, w, runner="torch", config={"weights": f}).hidden
                     for f in ("auto", "nvfp4", "bf16"))
     assert torch.equal(auto, nv) and not torch.equal(nv, bf)
+
+
+def _sized(hidden: int, intermediate: int):
+    from pdlab.moe.layouts import group_tokens
+    from pdlab.moe.weights import ExpertWeights
+
+    g = torch.Generator().manual_seed(0)
+    w = ExpertWeights.from_bf16(torch.randn(2, 2 * intermediate, hidden, generator=g),
+                                torch.randn(2, hidden, intermediate, generator=g), quantize=True)
+    layout, _ = group_tokens(torch.randn(3, hidden, generator=g), torch.tensor([[0], [1], [0]]), 2)
+    return layout, w
+
+
+@pytest.mark.parametrize("hidden,intermediate,name", [(48, 32, "hidden_size=48"),
+                                                      (32, 16, "moe_intermediate_size=16")])
+def test_triton_runner_names_sizes_it_cannot_take(hidden, intermediate, name):
+    """NVFP4 holds sizes in multiples of 16, the triton GEMMs need multiples of 32: the call failed inside the
+    kernel wrapper with 'moe_nvfp4_gemm: K=48 must be a multiple of 32' (no argument, no fix)."""
+    from pdlab.moe.experts import run_experts
+
+    layout, w = _sized(hidden, intermediate)
+    with pytest.raises(ShapeError, match=rf"moe_experts\[triton\] argument 'weights'.*{name}.*multiple of 32"
+                                         r".*torch_grouped"):
+        run_experts(layout, w, runner="triton")
+
+
+def test_layer_refuses_the_triton_runner_for_sizes_it_cannot_take():
+    from pdlab.moe.config import MoEConfig
+    from pdlab.moe.layer import MoELayer
+
+    cfg = MoEConfig(num_experts=2, top_k=1, hidden_size=48, intermediate_size=32, n_group=1, topk_group=1)
+    _, w = _sized(48, 32)
+    with pytest.raises(ValueError, match=r"runner 'triton'.*hidden_size=48.*multiple of 32"):
+        MoELayer(cfg, w, torch.randn(2, 48), None, dispatcher="local", runner="triton")
+
+
+def test_triton_runner_runs_sizes_of_32():
+    from pdlab.moe.experts import run_experts
+
+    layout, w = _sized(64, 32)
+    ref = run_experts(layout, w, runner="torch").hidden
+    out = run_experts(layout, w, runner="triton").hidden
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
