@@ -118,3 +118,23 @@ def test_triton_runner_runs_sizes_of_32():
     ref = run_experts(layout, w, runner="torch").hidden
     out = run_experts(layout, w, runner="triton").hidden
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_torch_grouped_returns_the_activation_dtype_as_documented(dtype, masked):
+    """run_experts documents bf16 output, 'fp16/fp32 when the input was'; torch_grouped returned bf16 always."""
+    from pdlab.moe.experts import run_experts
+    from pdlab.moe.layouts import to_masked
+
+    layout, w = _experts(quantize=False)
+    layout = layout.__class__(**{**layout.__dict__, "hidden": layout.hidden.to(dtype)})
+    if masked:
+        layout = to_masked(layout)
+    out = run_experts(layout, w, runner="torch_grouped")
+    assert out.hidden.dtype == dtype
+    ref = run_experts(layout, w, runner="torch").hidden
+    assert ref.dtype == dtype
+    rows = slice(None) if not masked else (slice(None), slice(0, 1))  # every expert holds a row there
+    scale = ref[rows].float().abs().max()
+    assert (out.hidden[rows].float() - ref[rows].float()).abs().max() < 2e-2 * scale
