@@ -451,7 +451,8 @@ class BaseDispatcher(ABC):
         bad = ((topk_ids < 0) | (topk_ids >= self.num_experts)).nonzero()
         if bad.numel():
             t, j = bad[0].tolist()
-            raise ShapeError("moe_dispatch", self.name, "topk_ids", f"has expert id {int(topk_ids[t, j])} at [{t}, {j}]",
+            raise ShapeError("moe_dispatch", self.name, "topk_ids",
+                             f"has expert id {int(topk_ids[t, j])} at [{t}, {j}]",
                              f"0 <= id < {self.num_experts} (global expert ids)", describe_tensor(topk_ids),
                              "topk_ids are the router's global expert ids; this dispatcher was built for "
                              f"num_experts={self.num_experts}")
