@@ -7,14 +7,27 @@ rounds to nearest even.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 FP8_MAX = 448.0
 
 
 def _scale_value(kv_scale: float | torch.Tensor, device: torch.device) -> torch.Tensor | float:
+    """The scale as the arithmetic takes it; ValueError for a tensor of more than one value and for a host number
+    that is not finite and > 0 (a tensor's value is not read: that would be a device sync)."""
     if isinstance(kv_scale, torch.Tensor):
+        if kv_scale.numel() != 1:
+            raise ValueError(f"kv_scale must be a number or a tensor of 1 element (the per-tensor fp8 scale), got "
+                             f"{list(kv_scale.shape)} {kv_scale.dtype}")
         return kv_scale.to(device=device, dtype=torch.float32).reshape(())
+    ok = isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool)
+    if not (ok and math.isfinite(float(kv_scale)) and float(kv_scale) > 0):
+        raise ValueError(f"kv_scale is {kv_scale!r}; it must be a finite number > 0 (value = e4m3 * kv_scale: 0 "
+                         "saturates every byte, a negative scale flips signs): pass the pool's scale, e.g. "
+                         "fp8_scale_for(x), or 1.0")
     return float(kv_scale)
 
 
@@ -23,8 +36,9 @@ def quantize_kv_fp8(x: torch.Tensor, kv_scale: float | torch.Tensor) -> torch.Te
 
     Args:
         x: [..., 576] (any shape) bf16 | fp16 | fp32.
-        kv_scale: per-tensor dequant scale (python float or 0-dim/1-element fp32 tensor).
-    Returns: uint8 tensor of x's shape holding e4m3(x / kv_scale), saturated to ±448."""
+        kv_scale: per-tensor dequant scale: a finite number > 0, or a 0-dim/1-element fp32 tensor.
+    Returns: uint8 tensor of x's shape holding e4m3(x / kv_scale), saturated to ±448.
+    Raises ValueError for a scale of several values or a host number that is not finite and > 0."""
     if not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError("quantize_kv_fp8 needs torch with float8_e4m3fn (torch >= 2.1)")
     scale = _scale_value(kv_scale, x.device)
@@ -38,7 +52,7 @@ def dequantize_kv_fp8(data: torch.Tensor, kv_scale: float | torch.Tensor,
 
     Args:
         data: uint8 (e4m3 bytes) or float8_e4m3fn tensor, any shape.
-        kv_scale: the scale the bytes were written with.
+        kv_scale: the scale the bytes were written with (as in `quantize_kv_fp8`).
         dtype: output dtype (fp32 by default).
     Returns: float tensor of data's shape = float(e4m3) * kv_scale."""
     if data.dtype == torch.uint8:

@@ -169,7 +169,9 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
             sequence b sits at position seqlens[b] - n_b + j and sees positions <= its own.
         softmax_scale: float.
         kv_scale: fp8 dequant scale for uint8 pools.
-        max_q_len: host-known max new tokens of one sequence (sizes the launch grid; default T).
+        max_q_len: host-known max new tokens of one sequence (sizes the launch grid; default T). Checked against
+            a host qo_indptr; with qo_indptr on the GPU (not read: no sync) a smaller value leaves the new tokens
+            past it unwritten.
         backend, config, max_seqlen: as in `mla_decode`.
     Returns:
         out: [T, H, 512] q.dtype; lse: [T, H] fp32 (natural log).
@@ -187,6 +189,14 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         MLA_PREFILL.require(backend_name(backend), ip[0] == 0 and ip[-1] == dims["T"] and
                             all(a <= c for a, c in zip(ip, ip[1:])), "qo_indptr", f"is not a valid indptr ({ip})",
                             qo_indptr, f"0 = indptr[0] <= ... <= indptr[-1] = T = {dims['T']}")
+        if max_q_len is not None:  # it sizes the launch grid: rows past it would be left unwritten
+            news = [c - a for a, c in zip(ip, ip[1:])]
+            top = max(range(len(news)), key=news.__getitem__)
+            MLA_PREFILL.require(backend_name(backend), news[top] <= int(max_q_len), "max_q_len",
+                                f"is {max_q_len}, but sequence {top} adds {news[top]} new tokens", qo_indptr,
+                                f"max_q_len >= {news[top]} (the most new tokens of one sequence)",
+                                "max_q_len bounds every sequence's new tokens; pass max(qo_indptr[b+1] - qo_indptr[b]) "
+                                "or None (T).")
         if seqlens.device.type == "cpu":
             bad = [i for i, (n, s) in enumerate(zip((c - a for a, c in zip(ip, ip[1:])), seqlens.tolist())) if n > s]
             MLA_PREFILL.require(backend_name(backend), not bad, "seqlens", f"is smaller than the new tokens of "

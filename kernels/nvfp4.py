@@ -23,6 +23,9 @@ and sign-only codes, so it dequantises to NaN: a NaN is never turned into a fini
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from pdlab.kernels.contracts import Op, Spec
@@ -59,6 +62,16 @@ QUANTIZE_MASKED = Op(
         "masked_m means grouped input [E, M_max, K] (low-latency dispatch output); a 2-D [N, K] input "
         "is the contiguous layout: quantize it without masked_m." if "dims" in problem else
         "NVFP4 quantizes along the last dim in blocks of 16: K must be a multiple of 16.")},
+)
+
+_SCALES_HINT = ("scales are the row-major block scales [..., K/16] quantize returned with these bytes (swizzled "
+                "scales: unswizzle_scales_128x4(scales, M, K/16) first).")
+DEQUANTIZE = Op(
+    "nvfp4_dequantize",
+    inputs={"packed": Spec("... K/2", "uint8"), "scales": Spec("... K/16")},
+    hints={"packed": "packed holds two E2M1 codes per uint8 byte [..., K/2], as quantize returns it (a "
+                     "torch.float4_e2m1fn_x2 tensor: from_torch_fp4(t)).",
+           "scales": _SCALES_HINT},
 )
 
 
@@ -108,7 +121,19 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+def _host_global_scale(value: object) -> float:
+    """A global scale given as a host number, as a float; ValueError unless it is a finite number > 0 (checked for
+    free; a tensor's value is not read, that would be a device sync)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok and math.isfinite(float(value)) and float(value) > 0:
+        return float(value)
+    raise ValueError(f"global_scale is {value!r}; it must be a finite number > 0 (448·6/amax: "
+                     "global_scale_from_amax(amax) gives it; 0 dequantises to NaN, a negative scale to zeros)")
+
+
 def _expand_global_scale(global_scale: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = _host_global_scale(global_scale)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     if gs.numel() == 1:
         return gs.reshape(())
@@ -124,7 +149,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float,
 
     Args:
         x: [..., K] bf16 | fp16 | fp32, K a multiple of 16; 1-D, 2-D [M, K] or grouped [E, M, K].
-        global_scale: fp32 scalar (a number, 0-d or 1-element tensor), or [E] (one per leading
+        global_scale: fp32 scalar (a finite number > 0, 0-d or 1-element tensor), or [E] (one per leading
             index) for grouped input.
         masked_m: optional [E] int32 for grouped [E, M, K] input: rows m >= masked_m[e] are not
             quantized and come back as zero bytes / zero scales.
@@ -165,7 +190,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
     Args:
         x: [..., K] bf16 | fp16 | fp32, stride(-1) == 1, K a multiple of 16 (1-D, [M, K] or [E, M, K]).
         global_scale: fp32 tensor with 1 element, or [x.shape[0]] (one per expert / leading index),
-            on x's device; a Python float is turned into a tensor (one small copy: pass a tensor
+            on x's device; a Python number (finite, > 0) is turned into a tensor (one small copy: pass a tensor
             when capturing CUDA graphs).
         masked_m: optional [E] int32 on x's device, x then [E, M_max, K]: rows m >= masked_m[e] are
             not read and come back as zero bytes and zero scales.
@@ -191,7 +216,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float, masked_m: torc
     if swizzle and x.dim() not in (2, 3):
         QUANTIZE.require(chosen.name, False, "x", "must be 2-D or 3-D for swizzled scales", x, "[M, K] or [E, M, K]")
     if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.full((1,), float(global_scale), dtype=torch.float32, device=x.device)
+        global_scale = torch.full((1,), _host_global_scale(global_scale), dtype=torch.float32, device=x.device)
     lead = x.shape[0] if x.dim() >= 2 else 1
     QUANTIZE.require(chosen.name, global_scale.dtype == torch.float32 and global_scale.numel() in (1, lead)
                      and global_scale.device == x.device, "global_scale", "does not fit", global_scale,
@@ -227,10 +252,15 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     """Reference dequantization.
 
     Args:
-        packed: [..., K/2] uint8. scales: [..., K/16] float8_e4m3fn (row-major) or any dtype holding
-            the scale values. global_scale: fp32 scalar or [E] (one per leading index).
+        packed: [..., K/2] uint8. scales: [..., K/16] (packed's leading dims) float8_e4m3fn (row-major; uint8
+            bytes are read as e4m3) or any other dtype holding the scale values. global_scale: fp32 scalar (a
+            finite number > 0, or a tensor) or [E] (one per leading index).
     Returns: [..., K] of `dtype` (computed in fp32).
+    Raises ShapeError when packed is not uint8 or the scales do not fit its shape (e.g. swizzled ones).
     """
+    dims = DEQUANTIZE.check(None, packed=packed, scales=scales)
+    DEQUANTIZE.require(None, scales.shape[:-1] == packed.shape[:-1], "scales", "has other leading dims than "
+                       "packed", scales, f"[{', '.join(map(str, packed.shape[:-1]))}, K/16={dims['K'] // BLOCK}]")
     values = e2m1_decode(unpack_e2m1(packed))  # [..., K] fp32
     sf = scales.float() if scales.dtype != torch.uint8 else scales.view(torch.float8_e4m3fn).float()
     gs = _expand_global_scale(global_scale, values)

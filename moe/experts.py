@@ -69,6 +69,12 @@ def check_pairing(dispatch_layout: str, payload: str, runner: str) -> None:
         f"{', '.join(fits) or 'none registered'}.")
 
 
+def size_problem(runner: registry.Backend, weights: ExpertWeights) -> str | None:
+    """Why `runner` cannot run experts of these sizes (its `size_problem` option), else None."""
+    fn = runner.options.get("size_problem")
+    return fn(weights.hidden_size, weights.intermediate_size) if fn is not None else None
+
+
 def select_runner(layout: Layout, weights: ExpertWeights, runner: str | None = None) -> registry.Backend:
     """The runner to use: `runner` by name (error if unusable here), else the most preferred usable one
     accepting this layout kind, payload and weight form."""
@@ -82,7 +88,8 @@ def select_runner(layout: Layout, weights: ExpertWeights, runner: str | None = N
         o = b.options
         forms = o.get("weights", ("bf16", "nvfp4"))
         return (layout.kind in o.get("layouts", ()) and layout.payload in o.get("payloads", ())
-                and ((weights.has_nvfp4 and "nvfp4" in forms) or (weights.has_bf16 and "bf16" in forms)))
+                and ((weights.has_nvfp4 and "nvfp4" in forms) or (weights.has_bf16 and "bf16" in forms))
+                and size_problem(b, weights) is None)
 
     return registry.select(OP, device=device, accept=accept)
 
@@ -108,7 +115,8 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
         payload "bf16"; rows past the valid ones (masked rows >= masked_m) are unspecified.
     Raises:
         ShapeError when the layout does not fit the runner's contract (wrong layout kind, shapes,
-        dtypes, or weights of another size), and for row counts beyond the slab or the layout's bound
+        dtypes, or weights of another size), for expert sizes the runner cannot take (triton: hidden and
+        intermediate sizes multiples of 32), and for row counts beyond the slab or the layout's bound
         (`check_rows`: the torch runner always, the others under PDLAB_CHECK_INVARIANTS=1); ValueError for an
         unsupported payload, and for expected_m / active_experts that are not integers >= 1.
     """
@@ -133,6 +141,11 @@ def run_experts(layout: Layout, weights: ExpertWeights, *, runner: str | None = 
     if weights.has_bf16:
         wt.update(w13=weights.w13, w2=weights.w2)
     wdims = WEIGHTS.check(backend.name, bound={"E": E, "K": K}, **wt)
+    why = size_problem(backend, weights)
+    if why:
+        raise ShapeError(OP, backend.name, "weights", why, "sizes this runner takes",
+                         f"hidden_size={K}, moe_intermediate_size={wdims['I']}",
+                         "run these experts with runner 'torch_grouped' (bf16) or 'torch' (the reference)")
     expected_m, active_experts = _expected(layout, E, expected_m, active_experts)
     if runner is not None:
         backend = select_runner(layout, weights, runner)  # availability, after the shape checks

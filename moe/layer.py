@@ -317,11 +317,15 @@ def _check_runner_pairing(runner: str | None, dispatcher: str, mode: str, layout
             _experts.check_pairing(layout, payload, name)
         except ValueError as exc:
             return f"MoELayer: dispatcher '{dispatcher}' in {mode} mode with runner '{name}': {exc}"
-        forms = registry.get_backend("moe_experts", name).options.get("weights", ("bf16", "nvfp4"))
+        backend = registry.get_backend("moe_experts", name)
+        forms = backend.options.get("weights", ("bf16", "nvfp4"))
         if not ((weights.has_nvfp4 and "nvfp4" in forms) or (weights.has_bf16 and "bf16" in forms)):
             return (f"MoELayer: runner '{name}' needs {'/'.join(forms)} expert weights but these carry "
                     f"{'nvfp4' if weights.has_nvfp4 else 'bf16'} only. Fix: build ExpertWeights with "
                     f"from_bf16(..., quantize={'nvfp4' in forms}) or pick another runner")
+        why = _experts.size_problem(backend, weights)
+        if why:
+            return f"MoELayer: runner '{name}' cannot run these experts: {why}. Fix: pick runner 'torch_grouped'"
         return None
 
     if runner is not None:

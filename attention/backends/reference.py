@@ -100,17 +100,20 @@ def mla_prefill_torch(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scal
 
 @register_backend("store_kv", "torch", archs=("cpu", "cuda"), priority=0, options=_OPTIONS, reference=True)
 def store_kv_torch(kv_cache, slots, latent, *, kv_scale=None, config=None):
-    """Reference scatter; raises on slots outside the pool."""
+    """Reference scatter; raises on slots outside the pool (-1 skips a row)."""
     from pdlab.attention.kv import quantize_kv_fp8
     from pdlab.attention.ops import STORE_KV
 
     P, page, _ = kv_cache.shape
-    keep = slots >= 0
-    idx = slots[keep]
-    if idx.numel():
-        top = int(idx.max())
+    if slots.numel():
+        low, top = int(slots.min()), int(slots.max())
+        STORE_KV.require("torch", low >= -1, "slots", f"has slot {low}, below the pool", slots,
+                         f"-1 <= slots < num_pages*page_size = {P * page}",
+                         "A slot is page * page_size + offset; -1 skips a row (padding), no other negative slot.")
         STORE_KV.require("torch", top < P * page, "slots", f"reaches slot {top}, beyond the pool", slots,
                          f"slots < num_pages*page_size = {P * page}", "A slot is page * page_size + offset.")
+    keep = slots >= 0
+    idx = slots[keep]
     rows = latent[keep]
     if kv_cache.dtype == torch.uint8:
         rows = quantize_kv_fp8(rows, kv_scale)

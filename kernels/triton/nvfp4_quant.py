@@ -4,6 +4,7 @@ torch reference on GPU and under the CPU interpreter (TRITON_INTERPRET=1, for te
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -53,8 +54,8 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch
     from pdlab.kernels.triton._nvfp4_quant_kernel import nvfp4_quant_kernel
 
     K = x.shape[-1]
-    x2 = x if x.dim() == 2 else x.reshape(-1, K)  # a view unless the leading dims cannot merge
-    R = x2.shape[0]
+    R = math.prod(x.shape[:-1])
+    x2 = x if x.dim() == 2 else x.reshape(R, K)  # a view unless the leading dims cannot merge
     groups = x.shape[0] if x.dim() >= 3 else 1  # grid axis 2; masked_m and swizzle tiles are per group
     M = R // groups if groups else 0
     cfg = default_config(M, K)
@@ -70,9 +71,9 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor, masked_m: torch
         kt = 0
     gs_mode = 0 if global_scale.numel() == 1 else (2 if x.dim() == 2 else 1)
     in_kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
-    words = _as_pairs(x2, torch.int64 if in_kind == 2 else torch.int32)
-    if R == 0 or K == 0:
+    if R == 0 or K == 0:  # nothing to launch (and an empty row has no word view)
         return packed, scales.view(torch.float8_e4m3fn)
+    words = _as_pairs(x2, torch.int64 if in_kind == 2 else torch.int32)
     offs_64 = max(words.stride(0) * R, scales.numel()) >= 2**31 - 2**20  # element offsets need 64 bits
     tiles_k = cfg.get("TILES_K", 1)
     grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(K, cfg["BLOCK_K"] * tiles_k), groups)

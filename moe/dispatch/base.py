@@ -23,6 +23,8 @@ from typing import Any, Mapping
 import torch
 
 from pdlab.kernels.contracts import Op, ShapeError, Spec, describe_tensor
+from pdlab.kernels.env import ENV
+from pdlab.kernels.graphs import capturing
 from pdlab.kernels.nvfp4 import BLOCK as NVFP4_BLOCK
 from pdlab.moe.layouts import FP8_BLOCK, PAYLOADS, Contiguous, Layout, Masked, group_tokens, quantize_fp8_blockwise
 
@@ -403,11 +405,13 @@ class BaseDispatcher(ABC):
 
         Args:
             x: [T, H] bf16 tokens, or a TokenPayload from `quantize` (then `payload` is its kind).
-            topk_ids: [T, k] int32 (int64 accepted) global expert ids. topk_weights: [T, k] fp32.
+            topk_ids: [T, k] int32 (int64 accepted) global expert ids in [0, num_experts): checked on a host
+                tensor, and on a device one under PDLAB_CHECK_INVARIANTS=1 (one sync). topk_weights: [T, k] fp32.
             payload: "bf16" | "fp8" | "nvfp4" (nvfp4 needs global_scale, fp32 scalar).
             mode: overrides the dispatcher's mode for this call.
         Returns:
             (Contiguous for "normal" | Masked [E_local, M_max, ..] for "low_latency", handle).
+        Raises ShapeError for tensors that break the contract and for expert ids outside the experts (see topk_ids).
         """
         mode = mode or self.mode
         if mode not in MODES:
@@ -427,6 +431,7 @@ class BaseDispatcher(ABC):
             raise ShapeError("moe_dispatch", self.name, "x", "has the wrong hidden size",
                              f"[T, {self.hidden_size}]", describe_tensor(x if tokens is None else tokens.data),
                              "the dispatcher was built for another hidden size")
+        self._check_expert_ids(topk_ids)
         T = topk_ids.shape[0]
         if mode == "low_latency" and T > self.num_max_dispatch_tokens_per_rank:
             raise ValueError(f"{self.name} low-latency dispatch got {T} tokens on this rank but its buffer holds "
@@ -436,6 +441,21 @@ class BaseDispatcher(ABC):
         if tokens is None:
             tokens = self.quantize(x, payload, global_scale)
         return self._dispatch(tokens, topk_ids, topk_weights, mode)
+
+    def _check_expert_ids(self, topk_ids: torch.Tensor) -> None:
+        """ShapeError for an expert id outside [0, num_experts): read for free from a host tensor, and with one sync
+        from a device one under PDLAB_CHECK_INVARIANTS=1 (outside a graph capture). Unchecked, the local dispatcher
+        drops such a pair and the nccl one sends it to a rank that does not exist."""
+        if not topk_ids.numel() or not (topk_ids.device.type == "cpu" or (ENV.check_invariants and not capturing())):
+            return
+        bad = ((topk_ids < 0) | (topk_ids >= self.num_experts)).nonzero()
+        if bad.numel():
+            t, j = bad[0].tolist()
+            raise ShapeError("moe_dispatch", self.name, "topk_ids",
+                             f"has expert id {int(topk_ids[t, j])} at [{t}, {j}]",
+                             f"0 <= id < {self.num_experts} (global expert ids)", describe_tensor(topk_ids),
+                             "topk_ids are the router's global expert ids; this dispatcher was built for "
+                             f"num_experts={self.num_experts}")
 
     def combine(self, y: Layout, handle: DispatchHandle) -> torch.Tensor:
         """Weighted sum of the experts' outputs back on the tokens' own rank.

@@ -26,7 +26,8 @@ def _probe() -> str | None:
                            options={"layouts": ("contiguous", "masked"), "payloads": ("bf16",),
                                     "weights": ("bf16", "nvfp4")})
 def run_torch_grouped(layout, weights, *, config):
-    """Two torch._grouped_mm calls (gate_up, down) with SiLU·mul between, in bf16."""
+    """Two torch._grouped_mm calls (gate_up, down) with SiLU·mul between, in bf16; the output in the activations'
+    dtype (bf16, or fp16 / fp32 where they were), as every runner returns it."""
     w13, w2 = weights.bf16()
     w13t, w2t = w13.transpose(-2, -1), w2.transpose(-2, -1)  # [E, K, 2I], [E, I, K] views
     x = layout.hidden.to(torch.bfloat16)
@@ -34,7 +35,9 @@ def run_torch_grouped(layout, weights, *, config):
         offs = layout.offsets[1:]
         gu = torch._grouped_mm(x, w13t, offs=offs, out_dtype=torch.bfloat16)
         g, u = gu.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(g) * u, w2t, offs=offs, out_dtype=torch.bfloat16)
-    gu = torch._grouped_mm(x, w13t, out_dtype=torch.bfloat16)
-    g, u = gu.chunk(2, dim=-1)
-    return torch._grouped_mm((F.silu(g) * u).contiguous(), w2t, out_dtype=torch.bfloat16)
+        out = torch._grouped_mm(F.silu(g) * u, w2t, offs=offs, out_dtype=torch.bfloat16)
+    else:
+        gu = torch._grouped_mm(x, w13t, out_dtype=torch.bfloat16)
+        g, u = gu.chunk(2, dim=-1)
+        out = torch._grouped_mm((F.silu(g) * u).contiguous(), w2t, out_dtype=torch.bfloat16)
+    return out.to(layout.hidden.dtype)  # no copy for bf16 activations

@@ -16,6 +16,9 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     return (F.silu(gate) * up) @ w2.T
 
 
+_FORMS = ("auto", "bf16", "nvfp4")
+
+
 @registry.register_backend("moe_experts", "torch", archs=("cpu", "cuda"), priority=0, reference=True,
                            default_config={"weights": "auto"}, config_space={},
                            options={"layouts": ("contiguous", "masked"), "payloads": ("bf16", "fp8", "nvfp4"),
@@ -24,6 +27,14 @@ def run_torch(layout, weights, *, config):
     """fp32 reference. config["weights"]: "auto" (NVFP4 when present, else bf16) | "bf16" | "nvfp4"."""
     layout.check_rows("moe_experts", "torch")
     form = config.get("weights", "auto")
+    if form not in _FORMS:
+        raise ValueError(f"moe_experts[torch]: config weights={form!r}; choose one of "
+                         f"{', '.join(map(repr, _FORMS))} (auto: NVFP4 when present, else bf16)")
+    have = {"bf16": weights.has_bf16, "nvfp4": weights.has_nvfp4}
+    if form != "auto" and not have[form]:
+        raise ValueError(f"moe_experts[torch]: config weights={form!r}, but these weights have no {form} form "
+                         f"(they carry {'nvfp4' if weights.has_nvfp4 else 'bf16'} only): pass weights='auto', or "
+                         "build ExpertWeights.from_bf16(..., quantize=True) to hold both")
     if form == "bf16" or (form == "auto" and not weights.has_nvfp4):
         w13, w2 = weights.w13.float(), weights.w2.float()
     else:

@@ -170,10 +170,22 @@ def launch_key(layout, weights, config: dict) -> tuple:
             expected_m >= 2)
 
 
+def size_problem(hidden_size: int, intermediate_size: int) -> str | None:
+    """Why these experts' sizes do not fit the triton GEMMs (each reduces over its K in tiles of at least 32
+    elements), else None."""
+    bad = [f"{n}={v}" for n, v in (("hidden_size", hidden_size), ("moe_intermediate_size", intermediate_size))
+           if v % 32]
+    if not bad:
+        return None
+    return (f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of 32: the triton NVFP4 GEMMs "
+            "reduce over K in tiles of 32")
+
+
 @registry.register_backend("moe_experts", "triton", archs=("cuda",), packages=("triton",), probe=_probe,
                            priority=20, config_space=_SPACE, default_config=_DEFAULT,
                            options={"layouts": ("contiguous", "masked"), "payloads": ("bf16", "fp8", "nvfp4"),
-                                    "weights": ("nvfp4",), "interpretable": True, "launch_key": launch_key})
+                                    "weights": ("nvfp4",), "interpretable": True, "launch_key": launch_key,
+                                    "size_problem": size_problem})
 def run_triton(layout, weights, *, config):
     """NVFP4 W4A16 experts: fused gate_up+SiLU·mul GEMM, then down GEMM."""
     from pdlab.moe.triton.nvfp4_moe import A_FLOAT, A_FP8, A_NVFP4, moe_nvfp4_gemm

@@ -138,7 +138,20 @@ def check_nonfinite(device) -> None:
             what="non-finite masked")
 
 
-CASES = {"roundings": check_roundings, "small": check_small, "masked": check_masked, "nonfinite": check_nonfinite}
+def check_empty(device) -> None:
+    """No rows or no columns (K = 0 is a multiple of 16): empty outputs of the reference's shapes, as the torch
+    backend gives (K = 0 raised a bare view error before any check)."""
+    for shape in ((0, 32), (3, 0), (2, 0, 32), (2, 3, 0)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.zeros(shape, dtype=dtype, device=device)
+            compare(x, torch.tensor([1.0], device=device), what="empty")
+            if x.dim() == 3:
+                compare(x, torch.tensor([1.0, 2.0], device=device), torch.zeros(2, dtype=torch.int32, device=device),
+                        what="empty masked")
+
+
+CASES = {"roundings": check_roundings, "small": check_small, "masked": check_masked, "nonfinite": check_nonfinite,
+         "empty": check_empty}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

@@ -23,7 +23,7 @@ def _cases():
     return module
 
 
-@pytest.mark.parametrize("case", ["roundings", "small", "masked", "nonfinite"])
+@pytest.mark.parametrize("case", ["roundings", "small", "masked", "nonfinite", "empty"])
 def test_triton_matches_reference_in_interpreter(case):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
@@ -45,7 +45,7 @@ def test_triton_backend_reports_why_not_on_plain_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["roundings", "small", "masked", "nonfinite"])
+@pytest.mark.parametrize("case", ["roundings", "small", "masked", "nonfinite", "empty"])
 def test_triton_matches_reference_on_gpu_small(case):
     _cases().CASES[case]("cuda")
 
