@@ -495,6 +495,9 @@ def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping
     hint = (f"The block table gives {dims['pages']} pages of {page} tokens = {capacity} tokens per sequence: "
             f"widen block_table or use larger pages.")
     if max_seqlen is not None:
+        op.require(name, isinstance(max_seqlen, numbers.Integral) and not isinstance(max_seqlen, bool)
+                   and int(max_seqlen) >= 0, "max_seqlen", f"is {max_seqlen!r}", max_seqlen, "an int >= 0 or None",
+                   "max_seqlen is a host-known bound of seqlens: pass the longest sequence's length (or None).")
         op.require(name, int(max_seqlen) <= capacity, "seqlens", f"reaches {max_seqlen} tokens, beyond the pages given",
                    seqlens, f"seqlens <= pages*page_size = {capacity}", hint)
     if seqlens is not None and seqlens.device.type == "cpu" and seqlens.numel():  # host tensor: free check

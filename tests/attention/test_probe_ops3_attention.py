@@ -74,3 +74,16 @@ def test_reference_store_names_a_slot_below_minus_one(bad):
         store_kv(kv, torch.tensor([0, bad]), torch.randn(2, 576), backend="torch")
     store_kv(kv, torch.tensor([0, -1]), torch.ones(2, 576), backend="torch")  # -1 still skips
     assert kv.view(-1, 576)[0].eq(1).all() and kv.view(-1, 576)[1:].eq(0).all()
+
+
+@pytest.mark.parametrize("bad", ["x", -1, 2.5, True])
+def test_decode_max_seqlen_that_is_no_length_is_named(bad):
+    # max_seqlen="x" ended in int()'s bare ValueError; -1 was read as a bound every sequence breaks
+    from pdlab.attention import mla_decode
+    from pdlab.attention.workloads import decode_problem
+
+    p = decode_problem([5, 9], heads=2, page=4, dtype=torch.float32, seed=0)
+    with pytest.raises(ShapeError, match=r"max_seqlen.*an int >= 0 or None"):
+        mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch", max_seqlen=bad)
+    out, _ = mla_decode(p.q, p.kv_cache, p.block_table, p.seqlens, p.softmax_scale, backend="torch", max_seqlen=9)
+    assert torch.isfinite(out).all()
