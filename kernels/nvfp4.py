@@ -88,7 +88,11 @@ def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
 
 
 def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
-    """448·6 / amax as fp32 (amax of 0 gives scale 1). amax: scalar or [E] fp32 → same shape fp32."""
+    """448·6 / amax as fp32 (amax of 0 gives scale 1). amax: scalar or [E] fp32 → same shape fp32, >= 0.
+    A host number that is negative, NaN or inf is a ValueError (an amax is a largest absolute value)."""
+    if not isinstance(amax, torch.Tensor) and not (math.isfinite(float(amax)) and float(amax) >= 0):
+        raise ValueError(f"global_scale_from_amax: amax={amax!r} is no absolute maximum: pass max(|x|), a "
+                         "finite number >= 0")
     amax = torch.as_tensor(amax, dtype=torch.float32)
     return torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
 
@@ -297,6 +301,9 @@ def swizzle_scales_128x4(scales: torch.Tensor) -> torch.Tensor:
     Returns: [(L,) ceil(M/128), ceil(K16/4), 32, 4, 4], same dtype, padding zero-filled. In flat
     order the element for (m, k) sits at mTile·(numKTiles·512) + kTile·512 + (m%32)·16 +
     ((m%128)/32)·4 + (k%4)."""
+    if scales.dim() not in (2, 3):
+        raise ValueError(f"swizzle_scales_128x4: scales must be [M, K16] or [L, M, K16] (one scale per 16 "
+                         f"elements of each row), got {scales.dim()}-D {tuple(scales.shape)}")
     batched = scales.dim() == 3
     s = scales if batched else scales.unsqueeze(0)
     L, M, K16 = s.shape
@@ -312,9 +319,16 @@ def unswizzle_scales_128x4(swizzled: torch.Tensor, m: int, k16: int) -> torch.Te
     """Inverse of `swizzle_scales_128x4`: [(L,) mt, kt, 32, 4, 4] (or its flat view per batch) →
     [(L,) m, k16], dropping the padding."""
     Mp, Kp = _round_up(m, 128), _round_up(k16, 4)
+    if swizzled.dim() not in (1, 2, 5, 6):
+        raise ValueError(f"unswizzle_scales_128x4: swizzled must be [(L,) mt, kt, 32, 4, 4] or its flat view "
+                         f"[(L,) mt*kt*512], got {swizzled.dim()}-D {tuple(swizzled.shape)}")
     batched = swizzled.dim() in (2, 6)
     s = swizzled if batched else swizzled.unsqueeze(0)
     L = s.shape[0]
+    if s[0].numel() != Mp * Kp:
+        raise ValueError(f"unswizzle_scales_128x4: m={m}, k16={k16} need {Mp * Kp} scales per batch "
+                         f"(M and K16 padded to {Mp} x {Kp}), the tensor holds {s[0].numel()} "
+                         f"({tuple(swizzled.shape)}): pass the m and k16 it was swizzled from")
     s = s.reshape(L, Mp // 128, Kp // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5).reshape(L, Mp, Kp)
     out = s[:, :m, :k16].contiguous()
     return out if batched else out[0]

@@ -56,3 +56,29 @@ def test_dequantize_round_trips_plain_and_grouped():
         y = nvfp4.dequantize_nvfp4(packed, s, gs)
         assert y.shape == x.shape and (y - x).abs().max() < 0.5 * x.abs().max()
     assert nvfp4.dequantize_nvfp4(packed[0, 0], scales[0, 0], 1.0).shape == (32,)
+
+
+def test_swizzle_helpers_name_a_tensor_of_the_wrong_rank_or_size():
+    # a 1-D tensor to swizzle and a wrong m to unswizzle ended in bare unpack / view errors
+    from pdlab.kernels.nvfp4 import swizzle_scales_128x4, unswizzle_scales_128x4
+
+    with pytest.raises(ValueError, match=r"swizzle_scales_128x4: scales must be \[M, K16\].*1-D \(8,\)"):
+        swizzle_scales_128x4(torch.zeros(8, dtype=torch.uint8))
+    scales = torch.arange(130 * 5, dtype=torch.float32).reshape(130, 5)
+    sw = swizzle_scales_128x4(scales)
+    assert torch.equal(unswizzle_scales_128x4(sw, 130, 5), scales)
+    assert torch.equal(unswizzle_scales_128x4(sw.flatten(), 130, 5), scales)  # its flat view
+    with pytest.raises(ValueError, match=r"m=300, k16=5 need 3072 scales.*holds 2048.*the m and k16 it was swizzled"):
+        unswizzle_scales_128x4(sw, 300, 5)
+    with pytest.raises(ValueError, match=r"got 3-D"):
+        unswizzle_scales_128x4(sw.reshape(2, 4, 256), 130, 5)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_global_scale_from_amax_names_an_amax_that_is_no_absolute_maximum(bad):
+    # a negative or NaN amax gave scale 1 without a word, inf gave 0 (every value then quantizes to 0)
+    from pdlab.kernels.nvfp4 import global_scale_from_amax
+
+    with pytest.raises(ValueError, match=r"amax=.* is no absolute maximum"):
+        global_scale_from_amax(bad)
+    assert float(global_scale_from_amax(6.0)) == pytest.approx(448.0) and float(global_scale_from_amax(0.0)) == 1.0
