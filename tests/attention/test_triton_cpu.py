@@ -312,3 +312,17 @@ def test_fp8_default_with_several_new_tokens_matches_the_reference(q_len, heads,
     ref_out, ref_lse = _decode(p, "torch")
     out, lse = _decode(p, TRITON_DECODE, config={"BLOCK_N": 32})
     assert cosine_error(out, ref_out) < 3e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
+
+
+@pytest.mark.parametrize("page", [64, 16])
+def test_prefill_default_config_at_deepseek_head_counts(page, seed):
+    # the default's BLOCK_N 0 resolves by rows per program: BLOCK_T 4 x 16 heads = 64 rows take 64-token KV tiles (a
+    # page of 16 is read tile by tile across pages); poisoned rows past each length must stay unread
+    from pdlab.attention.backends.triton_mla import PREFILL_DEFAULT, _warps
+
+    assert _warps(PREFILL_DEFAULT, 4 * 16)["BLOCK_N"] == 64 and _warps(PREFILL_DEFAULT, 4 * 4)["BLOCK_N"] == 32
+    p = prefill_problem([70, 9, 1], [6, 9, 1], heads=16, page=page, dtype=torch.float32, seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale)
+    ref_out, ref_lse = mla_prefill(*args, backend="torch")
+    out, lse = mla_prefill(*args, backend=TRITON_PREFILL, max_q_len=p.max_q_len)
+    _close(out, lse, ref_out, ref_lse, 1e-5)
