@@ -415,28 +415,25 @@ def _tokens(seed: int, rank: int, T: int, H: int, device: torch.device) -> torch
     return torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
 
 
-def _weight_bytes_per_param(runner: str) -> float:
-    """Weight bytes a runner streams per parameter: NVFP4 (0.5 + 1/16 scale) or bf16."""
+def _runner_options(runner: str) -> dict:
+    """The registry options of a moe_experts runner ({} for a name nobody registered)."""
     from pdlab.kernels import registry
 
     try:
-        forms = registry.get_backend("moe_experts", runner).options.get("weights", ("bf16",))
+        return registry.get_backend("moe_experts", runner).options
     except KeyError:
-        return 2.0
-    return 0.5625 if forms == ("nvfp4",) else 2.0
+        return {}
+
+
+def _weight_bytes_per_param(runner: str) -> float:
+    """Weight bytes a runner streams per parameter: NVFP4 (0.5 + 1/16 scale) or bf16."""
+    return 0.5625 if _runner_options(runner).get("weights", ("bf16",)) == ("nvfp4",) else 2.0
 
 
 def _compute_dtype(runner: str) -> str:
-    """The units a runner's expert GEMMs run on (the roofline's compute peak): the reference computes in fp32,
-    cutedsl multiplies NVFP4 operands on fp4 tensor cores, the others (triton W4A16, torch_grouped) in bf16."""
-    from pdlab.kernels import registry
-
-    try:
-        if registry.get_backend("moe_experts", runner).reference:
-            return "fp32"
-    except KeyError:
-        pass
-    return "fp4" if runner == "cutedsl" else "bf16"
+    """The units a runner's expert GEMMs run on (the roofline's compute peak): its `compute` option (the fp32
+    reference "fp32", cutedsl's NVFP4 operands "fp4"), else bf16 (triton W4A16, torch_grouped)."""
+    return _runner_options(runner).get("compute", "bf16")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ def prepare_weights(w) -> dict:
 
 @registry.register_backend("moe_experts", "cutedsl", archs=("sm100",), packages=("flashinfer", "cutlass"),
                            probe=_probe, priority=30,
-                           options={"layouts": ("masked",), "payloads": ("bf16", "nvfp4"), "weights": ("nvfp4",)})
+                           options={"layouts": ("masked",), "payloads": ("bf16", "nvfp4"), "weights": ("nvfp4",),
+                                    "compute": "fp4"})
 def run_cutedsl(layout, weights, *, config):
     """flashinfer CuTe DSL chain on the masked layout; returns [E, M, H] bf16."""
     gemm = find_function("grouped_gemm_nt_masked")

@@ -22,7 +22,7 @@ _FORMS = ("auto", "bf16", "nvfp4")
 @registry.register_backend("moe_experts", "torch", archs=("cpu", "cuda"), priority=0, reference=True,
                            default_config={"weights": "auto"}, config_space={},
                            options={"layouts": ("contiguous", "masked"), "payloads": ("bf16", "fp8", "nvfp4"),
-                                    "weights": ("bf16", "nvfp4")})
+                                    "weights": ("bf16", "nvfp4"), "compute": "fp32"})
 def run_torch(layout, weights, *, config):
     """fp32 reference. config["weights"]: "auto" (NVFP4 when present, else bf16) | "bf16" | "nvfp4"."""
     layout.check_rows("moe_experts", "torch")

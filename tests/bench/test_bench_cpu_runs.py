@@ -279,3 +279,12 @@ def test_bench_moe_reference_runner_rows_take_the_fp32_peak(tmp_path, capsys, mo
     assert row["compute_peak"] == "fp32 CUDA cores (no TF32)"
     assert row["pct_roofline"] == pytest.approx(100 * max(row["tflops"] * 1e12 / peaks.fp32_flops,
                                                           row["experts_GBps"] * 1e9 / peaks.hbm_bytes_per_s))
+
+
+def test_each_moe_runner_names_the_units_its_roofline_takes():
+    # the compute peak comes from each runner's registry option `compute`: fp32 reference, fp4 cutedsl, bf16 else
+    import pdlab.moe  # noqa: F401  (registers the runners)
+    from pdlab.bench import moe as bench_moe
+
+    got = {r: bench_moe._compute_dtype(r) for r in ("torch", "cutedsl", "triton", "torch_grouped", "nobody")}
+    assert got == {"torch": "fp32", "cutedsl": "fp4", "triton": "bf16", "torch_grouped": "bf16", "nobody": "bf16"}
