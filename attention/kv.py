@@ -7,10 +7,9 @@ rounds to nearest even.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
+
+from pdlab.kernels.contracts import is_scale
 
 FP8_MAX = 448.0
 
@@ -23,8 +22,7 @@ def _scale_value(kv_scale: float | torch.Tensor, device: torch.device) -> torch.
             raise ValueError(f"kv_scale must be a number or a tensor of 1 element (the per-tensor fp8 scale), got "
                              f"{list(kv_scale.shape)} {kv_scale.dtype}")
         return kv_scale.to(device=device, dtype=torch.float32).reshape(())
-    ok = isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool)
-    if not (ok and math.isfinite(float(kv_scale)) and float(kv_scale) > 0):
+    if not is_scale(kv_scale):
         raise ValueError(f"kv_scale is {kv_scale!r}; it must be a finite number > 0 (value = e4m3 * kv_scale: 0 "
                          "saturates every byte, a negative scale flips signs): pass the pool's scale, e.g. "
                          "fp8_scale_for(x), or 1.0")

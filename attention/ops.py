@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from pdlab.kernels import registry, tuned
-from pdlab.kernels.contracts import Op, ShapeError, Spec, dtype_name
+from pdlab.kernels.contracts import Op, ShapeError, Spec, dtype_name, is_scale
 from pdlab.kernels.registry import Backend
 
 HEAD_DIM = 576  # kv_lora_rank 512 + rope 64
@@ -483,9 +483,7 @@ def _check_pool(op: Op, backend, kv_cache: torch.Tensor, kv_scale, dims: Mapping
         op.require(name, kv_scale.numel() == 1 and kv_scale.dtype == torch.float32, "kv_scale",
                    "must be a 1-element fp32 tensor", kv_scale, "[] or [1] fp32")
     elif kv_scale is not None:  # a host number: checked for free (a tensor's value would need a device sync)
-        ok = isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool)
-        ok = ok and math.isfinite(float(kv_scale)) and float(kv_scale) > 0
-        op.require(name, ok, "kv_scale",
+        op.require(name, is_scale(kv_scale), "kv_scale",
                    f"is {kv_scale!r}", kv_scale, "a finite number > 0",
                    "kv_scale is the fp8 pool's dequant scale (value = e4m3 * kv_scale): pass the positive scale the "
                    "pool was written with (1.0 when unsure).")

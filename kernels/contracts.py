@@ -27,6 +27,8 @@ shape with the sizes bound so far, what was received, and the op's hint for that
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -145,6 +147,14 @@ class ShapeError(ValueError):
         if hint:
             msg += f" {hint}"
         super().__init__(msg)
+
+
+def is_scale(value: object, zero_ok: bool = False) -> bool:
+    """Whether a host value is a usable scale: a real number (not a bool), finite and > 0 (>= 0 with zero_ok). The
+    ops check host numbers with it for free; a tensor's value is not read here (that would be a device sync)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(float(value)):
+        return False
+    return float(value) >= 0 if zero_ok else float(value) > 0
 
 
 def describe_tensor(t: object) -> str:

@@ -23,12 +23,9 @@ and sign-only codes, so it dequantises to NaN: a NaN is never turned into a fini
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-from pdlab.kernels.contracts import Op, Spec
+from pdlab.kernels.contracts import Op, Spec, is_scale
 from pdlab.kernels.registry import register_backend
 
 BLOCK = 16
@@ -90,7 +87,7 @@ def nvfp4_size_problem(hidden_size: int, intermediate_size: int) -> str | None:
 def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     """448·6 / amax as fp32 (amax of 0 gives scale 1). amax: scalar or [E] fp32 → same shape fp32, >= 0.
     A host number that is negative, NaN or inf is a ValueError (an amax is a largest absolute value)."""
-    if not isinstance(amax, torch.Tensor) and not (math.isfinite(float(amax)) and float(amax) >= 0):
+    if not isinstance(amax, torch.Tensor) and not is_scale(amax, zero_ok=True):
         raise ValueError(f"global_scale_from_amax: amax={amax!r} is no absolute maximum: pass max(|x|), a "
                          "finite number >= 0")
     amax = torch.as_tensor(amax, dtype=torch.float32)
@@ -128,8 +125,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def _host_global_scale(value: object) -> float:
     """A global scale given as a host number, as a float; ValueError unless it is a finite number > 0 (checked for
     free; a tensor's value is not read, that would be a device sync)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if ok and math.isfinite(float(value)) and float(value) > 0:
+    if is_scale(value):
         return float(value)
     raise ValueError(f"global_scale is {value!r}; it must be a finite number > 0 (448·6/amax: "
                      "global_scale_from_amax(amax) gives it; 0 dequantises to NaN, a negative scale to zeros)")
