@@ -571,11 +571,13 @@ def _tile(H: int, BLOCK_T: int, BLOCK_H: int, uniform: bool) -> tuple[int, int]:
 
 
 def auto_splits(B: int, head_blocks: int, q_blocks: int, capacity: int, device: torch.device,
-                waves: float = 2.0, min_tokens: int = 256) -> int:
-    """Splits of each sequence's KV so that programs fill the SMs about `waves` times, never
-    giving a split fewer than `min_tokens` of the pool capacity."""
-    programs = B * head_blocks * q_blocks
-    want = math.ceil(waves * _sm_count(device) / max(programs, 1))
+                waves: float = 2.0, min_tokens: int = 256, within: bool = False) -> int:
+    """Splits of each sequence's KV so that programs fill the SMs about `waves` times (within: the most splits
+    whose programs still fit in `waves` waves, so a launch of fewer programs than SMs is split only as far as
+    it fills them: prefill, whose causal q-blocks are uneven), never giving a split fewer than `min_tokens`
+    of the pool capacity."""
+    programs = max(B * head_blocks * q_blocks, 1)
+    want = int(waves * _sm_count(device) // programs) if within else math.ceil(waves * _sm_count(device) / programs)
     return int(max(1, min(want, capacity // min_tokens, 64)))
 
 
@@ -628,7 +630,7 @@ def mla_attention(q3: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         splits = _wide_splits(config, B, head_blocks, q_blocks, capacity, dev, gluon == "seesaw")
     elif splits <= 0:  # waves 0 (auto): by rows (`_warps` resolved it)
         waves = waves or (7.5 if block_t * block_h <= 32 else 2.0)
-        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves)
+        splits = auto_splits(B, head_blocks, q_blocks, capacity, dev, waves, within=q_per_seq == 0)
     scale, scale_ptr, from_ptr = _scale_args(kv_scale if fp8 else None, dev)
     prec = "ieee" if q3.dtype == torch.float32 else None  # fp32 oracle checks must not use tf32
     final = splits == 1

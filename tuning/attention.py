@@ -175,8 +175,9 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
 
 def _prefill_space(backend, bucket, arch: str) -> dict | None:
     """The triton prefill knobs that change its speed on this bucket: `fp8_compute` only over an fp8 pool (a 16-bit
-    cache never reads it), and `waves` only where num_splits can be 0 (automatic), the one case it sizes the splits.
-    The other backends: their whole space."""
+    cache never reads it), `waves` only where num_splits can be 0 (automatic), the one case it sizes the splits, and
+    BLOCK_H up to the bucket's heads (a program never holds more heads than there are: at 16 heads BLOCK_H 16, 32
+    and 64 are one launch). The other backends: their whole space."""
     if backend.name != "triton":
         return None
     space = dict(backend.config_space)
@@ -184,6 +185,10 @@ def _prefill_space(backend, bucket, arch: str) -> dict | None:
         space.pop("fp8_compute", None)
     if all(int(v) > 0 for v in space.get("num_splits", [0])):
         space.pop("waves", None)
+    heads = int(bucket.get("heads", 0) or 0)
+    if heads and "BLOCK_H" in space:
+        fits = [v for v in space["BLOCK_H"] if int(v) <= heads]
+        space["BLOCK_H"] = fits or [min(space["BLOCK_H"])]
     return space
 
 

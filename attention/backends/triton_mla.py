@@ -86,13 +86,18 @@ DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num
                   "fp8_compute": "auto", "swap_ab": 0, "fp8_reload": 0, "tile_in_page": 1, "fp8_upcast": "once",
                   "d_quarters": "auto", "page_ahead": "auto", "q_prescale": "auto", "kernel": "auto",
                   "schedule": "auto", "conv_group": 9, "tma3": 1, "seesaw": 1}
-PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8], "num_splits": [1, 2, 4],
-                 "waves": [2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3], "fp8_compute": ["bf16", "fp16"],
-                 "tile_in_page": [1, 0]}
+PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8],
+                 "num_splits": [0, 1, 2, 4], "waves": [1.0, 2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3],
+                 "fp8_compute": ["bf16", "fp16"], "tile_in_page": [1, 0]}
 # BLOCK_N 0: by the rows per program (`_warps`), 64 at DeepSeek-R1's 16 and 128 heads (BLOCK_T 4 x BLOCK_H 16 = 64
 # rows); it was 32, which `tune attention --op mla_prefill` beat by 1.12-1.48x in all 8 buckets at 128 heads on an H100
-# with exactly this change (bench/results/NVIDIA_H100_80GB_HBM3/tuning/2026-12-06_mla_prefill)
-PREFILL_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 16, "BLOCK_T": 4, "num_splits": 1, "waves": 2.0, "num_warps": 0,
+# with exactly this change (bench/results/NVIDIA_H100_80GB_HBM3/tuning/2026-12-06_mla_prefill).
+# num_splits 0 with waves 1: a launch of fewer programs than SMs splits each sequence's KV as far as the programs still
+# fit in one wave (`auto_splits(within=True)`), others run unsplit; it was 1 (never split), which the tuner beat by
+# 1.59x with 2 splits on one prompt of 256 new tokens over a 4096-token prefix at 16 heads (64 programs) on an H100,
+# while splitting lost wherever the programs already filled the GPU (bench/results/NVIDIA_H100_80GB_HBM3/tuning/
+# 2026-12-06_mla_prefill_16h)
+PREFILL_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 16, "BLOCK_T": 4, "num_splits": 0, "waves": 1.0, "num_warps": 0,
                    "num_stages": 2, "fp8_compute": "fp16", "tile_in_page": 1}
 
 

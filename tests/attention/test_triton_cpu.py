@@ -314,6 +314,47 @@ def test_fp8_default_with_several_new_tokens_matches_the_reference(q_len, heads,
     assert cosine_error(out, ref_out) < 3e-5 and torch.allclose(lse, ref_lse, atol=1e-2)
 
 
+def test_prefill_default_splits_only_a_launch_that_leaves_sms_idle(monkeypatch):
+    # the prefill default (num_splits 0, waves 1) splits each sequence's KV as far as the programs still fit in one
+    # wave: one prompt of 256 new tokens over a 4096-token prefix at 16 heads is 64 programs of BLOCK_T 4 on an H100's
+    # 132 SMs -> 2 splits (the tuner's winner there, 1.59x over unsplit); launches that fill the GPU, or a pool too
+    # short for a split of 256 tokens, stay unsplit (splitting lost there in the same study)
+    from pdlab.attention import triton_kernels as tk
+    from pdlab.attention.backends.triton_mla import PREFILL_DEFAULT
+
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    assert PREFILL_DEFAULT["num_splits"] == 0
+    cpu, waves = torch.device("cpu"), PREFILL_DEFAULT["waves"]
+    assert tk.auto_splits(1, 1, 256 // 4, 4352, cpu, waves, within=True) == 2
+    assert tk.auto_splits(1, 1, 256 // 4, 256, cpu, waves, within=True) == 1  # the pool holds one split's worth
+    assert tk.auto_splits(1, 1, 2048 // 4, 6144, cpu, waves, within=True) == 1  # 512 programs
+    assert tk.auto_splits(1, 8, 256 // 4, 4352, cpu, waves, within=True) == 1  # 128 heads: 8 head blocks
+    assert tk.auto_splits(8, 1, 256 // 4, 4352, cpu, waves, within=True) == 1
+    assert tk.auto_splits(1, 1, 8, 16384, cpu, waves, within=True) == 16  # 8 programs
+    assert tk.auto_splits(1, 1, 256 // 4, 4352, cpu, waves) == 3  # decode's rounding: past one wave
+
+
+def test_prefill_default_split_matches_the_reference(monkeypatch, seed):
+    # a few new tokens over a long prefix leave the CPU's 4 "SMs" idle: the default splits the KV (spied) and the
+    # lse combine must give the reference's out and lse, NaN poisoned rows past each length unread
+    from pdlab.attention import triton_kernels as tk
+
+    chosen = []
+    real = tk.auto_splits
+
+    def spy(*args, **kwargs):
+        chosen.append(real(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(tk, "auto_splits", spy)
+    p = prefill_problem([600], [4], heads=16, page=64, dtype=torch.float32, seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale)
+    ref_out, ref_lse = mla_prefill(*args, backend="torch")
+    out, lse = mla_prefill(*args, backend=TRITON_PREFILL, max_q_len=p.max_q_len)
+    assert chosen == [2]
+    _close(out, lse, ref_out, ref_lse, 1e-5)
+
+
 @pytest.mark.parametrize("page", [64, 16])
 def test_prefill_default_config_at_deepseek_head_counts(page, seed):
     # the default's BLOCK_N 0 resolves by rows per program: BLOCK_T 4 x 16 heads = 64 rows take 64-token KV tiles (a

@@ -1,5 +1,7 @@
 """The mla_decode tuning target's edge inputs: the served shapes every stored winner must also get right."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,7 +62,7 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
 
 def test_prefill_search_drops_knobs_the_bucket_never_reads():
     # over a bf16 cache the triton prefill never reads fp8_compute, and with every num_splits value explicit it never
-    # reads waves: searching them only repeats configs (3888 → 1944 for the bf16 buckets)
+    # reads waves: searching them only repeats configs; nor a BLOCK_H past the bucket's heads
     from pdlab.kernels import registry
     from pdlab.tuning.attention import MLA_PREFILL
     from pdlab.tuning.target import space_size
@@ -68,8 +70,14 @@ def test_prefill_search_drops_knobs_the_bucket_never_reads():
     triton = registry.get_backend("mla_prefill", "triton")
     b = {"batch": 8, "q_len": 2048, "seqlen": 6144, "heads": 128, "kv_dtype": "bf16"}
     space = MLA_PREFILL.search_space(triton, b, "sm90")
-    assert set(triton.config_space) - set(space) == {"fp8_compute", "waves"}
+    assert set(triton.config_space) - set(space) == {"fp8_compute"} and space["waves"] == [1.0, 2.0]
     assert space_size(space) * 2 == space_size(triton.config_space)
     assert "fp8_compute" in MLA_PREFILL.search_space(triton, {**b, "kv_dtype": "fp8"}, "sm90")
+    explicit = dataclasses.replace(triton, config_space={**triton.config_space, "num_splits": [1, 2, 4]})
+    assert "waves" not in MLA_PREFILL.search_space(explicit, b, "sm90")  # every split count explicit
+    # 16 heads: BLOCK_H 16, 32 and 64 are one launch (a program never holds more heads than there are)
+    h16 = MLA_PREFILL.search_space(triton, {**b, "heads": 16}, "sm90")
+    assert h16["BLOCK_H"] == [16] and space["BLOCK_H"] == [16, 32, 64]
+    assert MLA_PREFILL.search_space(triton, {**b, "heads": 8}, "sm90")["BLOCK_H"] == [16]
     torch_backend = registry.get_backend("mla_prefill", "torch")
     assert MLA_PREFILL.search_space(torch_backend, b, "sm90") == dict(torch_backend.config_space)
