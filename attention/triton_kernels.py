@@ -522,6 +522,28 @@ def _store_kv(KV, SLOTS, LAT, scale, SCALE_PTR, stride_kv_p, stride_kv_o, stride
     tl.store(dst + dp, xp.to(KV.dtype.element_ty), mask=mp)
 
 
+@triton.jit
+def _dequant_pages(KV, BT, OUT, scale, SCALE_PTR, n_pages, stride_kv_p, stride_kv_o, stride_out_p, stride_out_o,
+                   SCALE_FROM_PTR: tl.constexpr, D_NOPE: tl.constexpr, D_PE: tl.constexpr):
+    """Grid (entries of the block table, rows of a page): row r of the page that entry i names, e4m3 bytes times the
+    scale, into row r of page i of OUT in OUT's dtype. Page ids outside [0, n_pages) read page 0 (the entries past a
+    sequence's pages are never attended)."""
+    i = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    page = tl.load(BT + i).to(tl.int64)
+    page = tl.where((page >= 0) & (page < n_pages), page, 0)
+    if SCALE_FROM_PTR:
+        scale = tl.load(SCALE_PTR).to(tl.float32)
+    src = KV + page * stride_kv_p + r * stride_kv_o
+    dst = OUT + i * stride_out_p + r * stride_out_o
+    d = tl.arange(0, D_NOPE)
+    dp = D_NOPE + tl.arange(0, D_PE)
+    x = tl.load(src + d).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    xp = tl.load(src + dp).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    tl.store(dst + d, x.to(OUT.dtype.element_ty))
+    tl.store(dst + dp, xp.to(OUT.dtype.element_ty))
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers
 
@@ -824,6 +846,30 @@ def _gluon_kernel(config: dict, fp8: bool, q_per_seq: int, H: int, q3: torch.Ten
         raise ValueError(f"mla triton: kernel='gluon' cannot run here: fp8 kernel: {why}; 16-bit kernel: "
                          f"{why_wide}; use kernel='triton' or 'auto'")
     return None
+
+
+def dequantize_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scale,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages a block table names, dequantised once into a pool of their own (prefill over an fp8 pool: every
+    query block and head block of a launch reads the same KV tiles, so converting them in the attention kernel
+    repeats the conversion per program).
+
+    kv_cache: [P, page, 576] uint8 (e4m3 bytes); block_table: [B, W] int32 (ids outside [0, P) read page 0);
+    kv_scale: float or 0-dim/1-element fp32 tensor; dtype: bf16 or fp32.
+    Returns (pool [B·W, page, 576] dtype = e4m3 · kv_scale, table [B, W] int32 = arange: entry (b, w) is page
+    b·W + w of the new pool). No host sync; CUDA-graph safe."""
+    B, W = block_table.shape
+    P, page, _ = kv_cache.shape
+    pool = torch.empty(B * W, page, 576, dtype=dtype, device=kv_cache.device)
+    table = torch.arange(B * W, dtype=torch.int32, device=kv_cache.device).view(B, W)
+    if B * W == 0:
+        return pool, table
+    scale, scale_ptr, from_ptr = _scale_args(kv_scale, kv_cache.device)
+    bt = block_table.contiguous()
+    _dequant_pages[(B * W, page)](kv_cache, bt, pool, scale, scale_ptr if from_ptr else bt, P,
+                                  kv_cache.stride(0), kv_cache.stride(1), pool.stride(0), pool.stride(1),
+                                  SCALE_FROM_PTR=from_ptr, D_NOPE=512, D_PE=64, num_warps=4)
+    return pool, table
 
 
 def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, kv_scale) -> None:

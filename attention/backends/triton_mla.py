@@ -88,7 +88,7 @@ DECODE_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 64, "num_splits": 0, "waves": 0, "num
                   "schedule": "auto", "conv_group": 9, "tma3": 1, "seesaw": 1}
 PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1, 2, 4, 8],
                  "num_splits": [0, 1, 2, 4], "waves": [1.0, 2.0], "num_warps": [0, 4, 8], "num_stages": [1, 2, 3],
-                 "fp8_compute": ["bf16", "fp16"], "tile_in_page": [1, 0]}
+                 "fp8_compute": ["bf16", "fp16"], "tile_in_page": [1, 0], "fp8_dequant": [1, 0]}
 # BLOCK_N 0: by the rows per program (`_warps`), 64 at DeepSeek-R1's 16 and 128 heads (BLOCK_T 4 x BLOCK_H 16 = 64
 # rows); it was 32, which `tune attention --op mla_prefill` beat by 1.12-1.48x in all 8 buckets at 128 heads on an H100
 # with exactly this change (bench/results/NVIDIA_H100_80GB_HBM3/tuning/2026-12-06_mla_prefill).
@@ -97,8 +97,13 @@ PREFILL_SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_H": [16, 32, 64], "BLOCK_T": [1
 # 1.59x with 2 splits on one prompt of 256 new tokens over a 4096-token prefix at 16 heads (64 programs) on an H100,
 # while splitting lost wherever the programs already filled the GPU (bench/results/NVIDIA_H100_80GB_HBM3/tuning/
 # 2026-12-06_mla_prefill_16h)
+# fp8_dequant "auto": over an fp8 pool with bf16/fp32 queries, the block table's pages are dequantised once into a
+# pool of the query dtype (`triton_kernels.dequantize_pages`) where that copy holds at most PREFILL_DEQUANT_MAX_TOKENS
+# tokens, and the 16-bit kernel reads it: converting in the kernel repeats the conversion in every program that reads a
+# tile (each query block and head block)
 PREFILL_DEFAULT = {"BLOCK_N": 0, "BLOCK_H": 16, "BLOCK_T": 4, "num_splits": 0, "waves": 1.0, "num_warps": 0,
-                   "num_stages": 2, "fp8_compute": "fp16", "tile_in_page": 1}
+                   "num_stages": 2, "fp8_compute": "fp16", "tile_in_page": 1, "fp8_dequant": "auto"}
+PREFILL_DEQUANT_MAX_TOKENS = 1 << 18  # 256k tokens: a 302 MB bf16 copy at most
 
 
 def _probe() -> str | None:
@@ -187,6 +192,17 @@ def mla_decode_triton(q, kv_cache, block_table, seqlens, softmax_scale, *, kv_sc
     return out, lse
 
 
+def _dequant_first(config: dict, q_dtype: torch.dtype, block_table: torch.Tensor, page: int) -> bool:
+    """Whether a prefill over an fp8 pool dequantises the block table's pages first (knob fp8_dequant: 1, 0 or "auto",
+    which caps the copy at PREFILL_DEQUANT_MAX_TOKENS). Only bf16/fp32 queries: e4m3 · kv_scale may overflow fp16."""
+    if q_dtype not in (torch.bfloat16, torch.float32):
+        return False
+    knob = config.get("fp8_dequant", "auto")
+    if knob == "auto":
+        return block_table.numel() * page <= PREFILL_DEQUANT_MAX_TOKENS
+    return bool(int(knob))
+
+
 @register_backend("mla_prefill", "triton", archs=("cuda",), packages=("triton",), probe=_probe, priority=50,
                   config_space=PREFILL_SPACE, default_config=PREFILL_DEFAULT, options=_PREFILL_OPTIONS)
 def mla_prefill_triton(q, kv_cache, block_table, seqlens, qo_indptr, softmax_scale, *, kv_scale=None,
@@ -200,6 +216,9 @@ def mla_prefill_triton(q, kv_cache, block_table, seqlens, qo_indptr, softmax_sca
     if T == 0 or seqlens.shape[0] == 0:
         return out, lse
     cfg = config or PREFILL_DEFAULT
+    if kv_cache.dtype == torch.uint8 and _dequant_first(cfg, q.dtype, block_table, kv_cache.shape[1]):
+        kv_cache, block_table = tk.dequantize_pages(kv_cache, block_table, kv_scale, q.dtype)
+        kv_scale = None
     block_t = int(cfg.get("BLOCK_T", 1))
     cfg = _warps(cfg, block_t * min(int(cfg["BLOCK_H"]), H), kv_cache.dtype == torch.uint8)
     q_blocks = -(-int(max_q_len if max_q_len is not None else T) // block_t)

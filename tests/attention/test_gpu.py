@@ -125,6 +125,23 @@ def test_prefill_bf16(heads, seed):
     assert cosine_error(out, ref[0]) < 1e-5 and cosine_error(lse, ref[1]) < 1e-5
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("dequant", ["auto", 0])
+def test_prefill_fp8(heads, dequant, seed):
+    # an fp8 pool dequantised once into bf16 pages (the default, "auto") or converted in the kernel (0), against the
+    # torch reference over the same bytes; the scale as a device tensor; NaN bytes past each length never read
+    seqlens, new = [2048, 1000, 513, 64, 1, 300], [512, 1000, 1, 64, 1, 0]
+    p = prefill_problem(seqlens, new, heads, 64, torch.bfloat16, kv_dtype="fp8", device=DEV, seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale)
+    ref = mla_prefill(*args, kv_scale=p.kv_scale, backend="torch")
+    scale = torch.tensor(p.kv_scale, device=DEV)
+    out, lse = mla_prefill(*args, kv_scale=scale, backend="triton", max_q_len=p.max_q_len,
+                           config={"fp8_dequant": dequant})
+    assert torch.isfinite(out).all()
+    assert cosine_error(out, ref[0]) < 2e-5 and cosine_error(lse, ref[1]) < 1e-5, \
+        (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
+
+
 def test_store_kv_exact(seed):
     P, page = 64, 64
     latent = torch.randn(300, 576, device=DEV, dtype=torch.bfloat16) * 4

@@ -94,12 +94,72 @@ def test_prefill_ragged_matches_reference(page, block_t, splits, seed):
     _close(out, lse, ref_out, ref_lse, 1e-5)
 
 
-def test_prefill_without_max_q_len_and_fp8(seed):
+@pytest.mark.parametrize("dequant", [0, 1])
+@pytest.mark.parametrize("scale_tensor", [False, True])
+def test_prefill_without_max_q_len_and_fp8(dequant, scale_tensor, seed):
+    # an fp8 pool read in the kernel (fp8_dequant 0) or dequantised once into a pool of q's dtype first (1); the
+    # scale as a host number or as a device tensor (graph-safe)
+    p = prefill_problem([30, 9], [12, 9], heads=2, page=4, dtype=torch.float32, kv_dtype="fp8", seed=seed)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale)
+    scale = torch.tensor(p.kv_scale) if scale_tensor else p.kv_scale
+    ref_out, ref_lse = mla_prefill(*args, kv_scale=p.kv_scale, backend="torch")
+    out, lse = mla_prefill(*args, kv_scale=scale, backend=TRITON_PREFILL,
+                           config={"BLOCK_N": 16, "fp8_dequant": dequant})
+    _close(out, lse, ref_out, ref_lse, 1e-6)
+
+
+def test_dequantize_pages_is_the_pools_dequantisation_page_by_page(seed):
+    # entry (b, w) of the new table names page b·W + w of the new pool, holding e4m3 · scale of the page the old
+    # table named, exactly; ids outside the pool (-1, P) read page 0 instead of faulting
+    from pdlab.attention import triton_kernels as tk
+    from pdlab.attention.kv import dequantize_kv_fp8
+
+    p = prefill_problem([30, 9], [12, 9], heads=2, page=4, dtype=torch.float32, kv_dtype="fp8", seed=seed)
+    table = p.block_table.clone()
+    table[1, -1], table[1, -2] = -1, p.kv_cache.shape[0]
+    for dtype in (torch.float32, torch.bfloat16):
+        pool, new = tk.dequantize_pages(p.kv_cache, table, p.kv_scale, dtype)
+        B, W = table.shape
+        assert pool.shape == (B * W, 4, 576) and pool.dtype == dtype
+        assert torch.equal(new, torch.arange(B * W, dtype=torch.int32).view(B, W))
+        want = dequantize_kv_fp8(p.kv_cache[table.clamp(0).where(table < p.kv_cache.shape[0], 0).flatten().long()],
+                                 p.kv_scale).to(dtype)
+        known = ~want.isnan()  # the poisoned rows past each length hold e4m3 NaN bytes (the interpreter reads 480)
+        assert known.float().mean() > 0.5
+        # fp32 exactly; bf16 within one rounding (the interpreter truncates where the GPU rounds to nearest)
+        torch.testing.assert_close(pool[known].float(), want[known].float(), atol=0,
+                                   rtol=0 if dtype == torch.float32 else 2 ** -7)
+
+
+def test_prefill_fp8_dequant_auto_rule(monkeypatch, seed):
+    # "auto" dequantises for bf16/fp32 queries while the copy holds at most PREFILL_DEQUANT_MAX_TOKENS tokens; fp16
+    # queries never (e4m3 · scale may pass fp16's range), not even when asked; both paths match the reference
+    from pdlab.attention import triton_kernels as tk
+    from pdlab.attention.backends import triton_mla
+    from pdlab.attention.backends.triton_mla import _dequant_first
+
+    table = torch.zeros(4, 16, dtype=torch.int32)  # 4 sequences × 16 pages of 64: 4096 tokens
+    cap = triton_mla.PREFILL_DEQUANT_MAX_TOKENS
+    assert _dequant_first({"fp8_dequant": "auto"}, torch.bfloat16, table, 64)
+    assert _dequant_first({}, torch.float32, table, 64)  # a config from before the knob: auto
+    assert not _dequant_first({"fp8_dequant": "auto"}, torch.bfloat16, torch.zeros(1, cap // 64 + 1), 64)
+    assert _dequant_first({"fp8_dequant": 1}, torch.bfloat16, torch.zeros(1, cap // 64 + 1), 64)  # asked
+    assert not _dequant_first({"fp8_dequant": 0}, torch.bfloat16, table, 64)
+    assert not _dequant_first({"fp8_dequant": "auto"}, torch.float16, table, 64)
+    assert not _dequant_first({"fp8_dequant": 1}, torch.float16, table, 64)
+
+    calls = []
+    real = tk.dequantize_pages
+    monkeypatch.setattr(tk, "dequantize_pages", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     p = prefill_problem([30, 9], [12, 9], heads=2, page=4, dtype=torch.float32, kv_dtype="fp8", seed=seed)
     args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale)
     ref_out, ref_lse = mla_prefill(*args, kv_scale=p.kv_scale, backend="torch")
-    out, lse = mla_prefill(*args, kv_scale=p.kv_scale, backend=TRITON_PREFILL, config={"BLOCK_N": 16})
-    _close(out, lse, ref_out, ref_lse, 1e-6)
+    for limit, want in [(1 << 18, 1), (8, 0)]:
+        monkeypatch.setattr(triton_mla, "PREFILL_DEQUANT_MAX_TOKENS", limit)
+        calls.clear()
+        out, lse = mla_prefill(*args, kv_scale=p.kv_scale, backend=TRITON_PREFILL)  # the default config
+        assert len(calls) == want and (not want or calls[0] == p.block_table.shape)
+        _close(out, lse, ref_out, ref_lse, 1e-6)
 
 
 def test_decode_equals_prefill_of_the_same_tokens(seed):

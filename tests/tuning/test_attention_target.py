@@ -61,7 +61,7 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
 
 
 def test_prefill_search_drops_knobs_the_bucket_never_reads():
-    # over a bf16 cache the triton prefill never reads fp8_compute, and with every num_splits value explicit it never
+    # over a bf16 cache the triton prefill never reads fp8_compute or fp8_dequant, and with every num_splits value explicit it never
     # reads waves: searching them only repeats configs; nor a BLOCK_H past the bucket's heads
     from pdlab.kernels import registry
     from pdlab.tuning.attention import MLA_PREFILL
@@ -70,9 +70,9 @@ def test_prefill_search_drops_knobs_the_bucket_never_reads():
     triton = registry.get_backend("mla_prefill", "triton")
     b = {"batch": 8, "q_len": 2048, "seqlen": 6144, "heads": 128, "kv_dtype": "bf16"}
     space = MLA_PREFILL.search_space(triton, b, "sm90")
-    assert set(triton.config_space) - set(space) == {"fp8_compute"} and space["waves"] == [1.0, 2.0]
-    assert space_size(space) * 2 == space_size(triton.config_space)
-    assert "fp8_compute" in MLA_PREFILL.search_space(triton, {**b, "kv_dtype": "fp8"}, "sm90")
+    assert set(triton.config_space) - set(space) == {"fp8_compute", "fp8_dequant"} and space["waves"] == [1.0, 2.0]
+    assert space_size(space) * 4 == space_size(triton.config_space)
+    assert {"fp8_compute", "fp8_dequant"} <= set(MLA_PREFILL.search_space(triton, {**b, "kv_dtype": "fp8"}, "sm90"))
     explicit = dataclasses.replace(triton, config_space={**triton.config_space, "num_splits": [1, 2, 4]})
     assert "waves" not in MLA_PREFILL.search_space(explicit, b, "sm90")  # every split count explicit
     # 16 heads: BLOCK_H 16, 32 and 64 are one launch (a program never holds more heads than there are)
