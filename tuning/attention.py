@@ -176,8 +176,8 @@ def _decode_space(backend, bucket, arch: str) -> dict | None:
 def _prefill_space(backend, bucket, arch: str) -> dict | None:
     """The triton prefill knobs that change its speed on this bucket: `fp8_compute` and `fp8_dequant` only over an
     fp8 pool (a 16-bit cache never reads them), `waves` only where num_splits can be 0 (automatic), the one case it
-    sizes the splits, and BLOCK_H up to the bucket's heads (a program never holds more heads than there are: at 16 heads BLOCK_H 16, 32
-    and 64 are one launch). The other backends: their whole space."""
+    sizes the splits, and BLOCK_H up to the bucket's heads (a program never holds more heads than there are: at 16
+    heads BLOCK_H 16, 32 and 64 are one launch). The other backends: their whole space."""
     if backend.name != "triton":
         return None
     space = dict(backend.config_space)

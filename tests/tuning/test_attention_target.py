@@ -61,8 +61,8 @@ def test_sm90_gluon_buckets_search_the_kernel_and_the_knobs_it_reads():
 
 
 def test_prefill_search_drops_knobs_the_bucket_never_reads():
-    # over a bf16 cache the triton prefill never reads fp8_compute or fp8_dequant, and with every num_splits value explicit it never
-    # reads waves: searching them only repeats configs; nor a BLOCK_H past the bucket's heads
+    # over a bf16 cache the triton prefill never reads fp8_compute or fp8_dequant, and with every num_splits value
+    # explicit it never reads waves: searching them only repeats configs; nor a BLOCK_H past the bucket's heads
     from pdlab.kernels import registry
     from pdlab.tuning.attention import MLA_PREFILL
     from pdlab.tuning.target import space_size
