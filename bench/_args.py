@@ -49,7 +49,7 @@ def json_object(text: str) -> str:
 
 
 def add_no_plot(p: argparse.ArgumentParser) -> None:
-    """--no-plot, the same for every bench command that draws PNG plots."""
+    """--no-plot, the same for every bench and tune command that draws PNG plots."""
     p.add_argument("--no-plot", action="store_true",
                    help="write no PNG plots (the CSV and JSON results are written as always)")
 

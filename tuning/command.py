@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pdlab._subcommands import int_arg
+from pdlab.bench._args import add_no_plot
 from pdlab.kernels.arch import arch_family, detect_arch
 
 
@@ -45,6 +46,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, ops: Sequence[str], de
     parser.add_argument("--seed", type=int_arg(0), default=0)
     parser.add_argument("--device", default=None, help="device to tune on (default cuda:current)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_plot(parser)
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -297,7 +299,7 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
             continue
         try:
             rep = tune_op(target, buckets, model, settings, device=device, store_root=store_root, metadata=meta,
-                          plot_dir=out_dir / "plots", lockstep=lockstep)
+                          plot_dir=None if args.no_plot else out_dir / "plots", lockstep=lockstep)
         except DeviceBroken as exc:
             print(f"{prog}: {target.op}: {exc}", file=sys.stderr)
             return 3
@@ -333,7 +335,7 @@ def _search(prog, args, plans, model, arch, budget, bucket_budget, lockstep=None
         df = pd.DataFrame(rows)
         report.print_table(df, f"tuning on {facts.name}", [c for c in df.columns if c not in ("config", "bucket")])
         report.save(df, out_dir, "tuning", meta)
-        print(f"summary and plots in {out_dir}")
+        print(f"summary {'' if args.no_plot else 'and plots '}in {out_dir}")
     if rows and store_root.resolve() not in {r.resolve() for r in tuned.config_roots()}:  # stored where none reads
         print(f"to use these configs: export {tuned.CONFIG_DIR_ENV}={store_root}")
     return status

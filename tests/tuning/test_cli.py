@@ -124,6 +124,13 @@ def test_cli_run_on_cpu_then_show(toy, isolated, capsys):
     # the model shape the buckets came from: --arch cpu tunes the named default at its small CPU shapes
     assert data["metadata"]["model_shape"]["name"] == "deepseek-r1-cpu-small" and data["metadata"]["versions"]["torch"]
     assert (isolated / "out" / "tuning.csv").exists() and (isolated / "out" / "plots" / "toy_matmul" / "speedup.png").exists()
+    # --no-plot: the same summary, no PNG (its own storage and store: the files above stay as they are)
+    args = _args("--arch", "cpu", "--backends", "blocked", "--only", "m=16", "--repeats", "3", "--budget", "60s",
+                 "--storage", str(isolated / "t2.db"), "--store", str(isolated / "store2"), "--out",
+                 str(isolated / "out2"), "--no-progress", "--no-plot")
+    assert command.run_tune("tune toy", args, ["toy_matmul"]) == 0
+    assert f"summary in {isolated / 'out2'}" in capsys.readouterr().out
+    assert (isolated / "out2" / "tuning.csv").exists() and not list((isolated / "out2").rglob("*.png"))
     assert main(["show", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "toy_matmul.json" in out and "used" in out and "blocked*" in out
