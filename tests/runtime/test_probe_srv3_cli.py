@@ -53,7 +53,6 @@ def _exit_code(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["runtime", "serve", "--decode", "http://127.0.0.1:9"], "--decode"),  # was --decode-reserve-tokens
     (["runtime", "serve", "--max-run", "0"], "--max-run"),  # was --max-running-requests
     (["runtime", "serve", "--role", "prefill", "--max-run", "0"], "--max-run"),
     (["runtime", "serve", "--role", "router", "--decode", "http://127.0.0.1:9", "--pol", "x"], "--pol"),
@@ -66,6 +65,22 @@ def test_a_partial_flag_is_a_usage_error_naming_it(argv, flag, capsys):
     assert _exit_code(argv) == 2
     err = capsys.readouterr().err
     assert f"unrecognized arguments: {flag}" in err, err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--decode", "http://127.0.0.1:9"], "--decode is a router setting: start the router with `runtime serve --role "
+                                         "router --decode URL"),  # was read as --decode-reserve-tokens
+    (["--policy=least_loaded"], "--policy is a router setting"),
+    (["--transfer-timeout", "5"], "--transfer-timeout is a setting of a disaggregated server: add --role prefill or "
+                                  "--role decode, or use --disagg"),
+    (["--start-timeout", "5"], "--start-timeout is how long --disagg waits for its servers to start: add --disagg"),
+])
+def test_a_disaggregation_flag_without_role_says_which_mode_takes_it(argv, said, capsys):
+    """`runtime serve` (colocated) given a flag only the router, a role server or --disagg reads: one line naming
+    the flag and the mode that takes it, exit 2, nothing started (it said only "unrecognized arguments")."""
+    assert _exit_code(["runtime", "serve", "--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
 
 
 def test_every_pdlab_parser_refuses_abbreviations():
