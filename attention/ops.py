@@ -25,6 +25,8 @@ import torch
 
 from pdlab.kernels import registry, tuned
 from pdlab.kernels.contracts import Op, ShapeError, Spec, dtype_name, is_scale
+from pdlab.kernels.env import ENV
+from pdlab.kernels.graphs import capturing
 from pdlab.kernels.registry import Backend
 
 HEAD_DIM = 576  # kv_lora_rank 512 + rope 64
@@ -153,6 +155,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     return b.impl(q, kv_cache, block_table, seqlens, softmax_scale, kv_scale=kv_scale, config=cfg)
 
 
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether the op may read `t`'s values on the host to check them: always on the CPU; a GPU tensor only under
+    PDLAB_CHECK_INVARIANTS=1 (one host sync) and never while a CUDA graph is captured."""
+    return t.device.type == "cpu" or (ENV.check_invariants and not capturing())
+
+
 def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
                 qo_indptr: torch.Tensor, softmax_scale: float, *, kv_scale: float | torch.Tensor | None = None,
                 max_q_len: int | None = None, backend: str | Backend | None = None,
@@ -184,7 +192,7 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         MLA_PREFILL.require(backend_name(backend), 0 < int(max_q_len) <= max(dims["T"], 1), "max_q_len",
                             f"is {max_q_len}, outside 1..T", q, f"1 <= max_q_len <= T={dims['T']}",
                             "max_q_len bounds the new tokens of one sequence; pass None to use T.")
-    if qo_indptr.device.type == "cpu" and dims["B"] > 0:  # host-known: check for free
+    if _host_readable(qo_indptr) and dims["B"] > 0:  # host-known: check for free (GPU: PDLAB_CHECK_INVARIANTS=1)
         ip = qo_indptr.tolist()
         MLA_PREFILL.require(backend_name(backend), ip[0] == 0 and ip[-1] == dims["T"] and
                             all(a <= c for a, c in zip(ip, ip[1:])), "qo_indptr", f"is not a valid indptr ({ip})",
@@ -197,7 +205,7 @@ def mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
                                 f"max_q_len >= {news[top]} (the most new tokens of one sequence)",
                                 "max_q_len bounds every sequence's new tokens; pass max(qo_indptr[b+1] - qo_indptr[b]) "
                                 "or None (T).")
-        if seqlens.device.type == "cpu":
+        if _host_readable(seqlens):
             bad = [i for i, (n, s) in enumerate(zip((c - a for a, c in zip(ip, ip[1:])), seqlens.tolist())) if n > s]
             MLA_PREFILL.require(backend_name(backend), not bad, "seqlens", f"is smaller than the new tokens of "
                                 f"sequences {bad[:4]}", seqlens, "seqlens[b] >= qo_indptr[b+1] - qo_indptr[b]",

@@ -1,8 +1,9 @@
 """Environment switches, read when asked (never at import), in one place (here, so that the ops may read them too).
 
-PDLAB_CHECK_INVARIANTS=1  the scheduler checks page ownership after every step, and `run_experts` checks its
-                          layout's row counts against the slab and the row bound (one host sync per call, none
-                          while a CUDA graph is captured) (tests, debugging).
+PDLAB_CHECK_INVARIANTS=1  the scheduler checks page ownership after every step; `run_experts` checks its layout's
+                          row counts against the slab and the row bound, dispatch its GPU expert ids, mla_prefill its
+                          GPU qo_indptr and seqlens (against T, max_q_len and each other), as they do for CPU tensors
+                          (one host sync per call, none while a CUDA graph is captured) (tests, debugging).
 PDLAB_STEP_PROFILE=1      the engine records host-side time per decode step (scheduler/Python share).
 PDLAB_STEP_LOG=FILE       the scheduler appends one JSON line per step to FILE: wall time, role, pid, prefill or decode,
                           requests, tokens, schedule / forward / process ms, queue, whether it was a warm-up step,

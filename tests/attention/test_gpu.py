@@ -142,6 +142,25 @@ def test_prefill_fp8(heads, dequant, seed):
         (cosine_error(out, ref[0]), cosine_error(lse, ref[1]))
 
 
+def test_prefill_checks_gpu_qo_indptr_under_check_invariants(monkeypatch):
+    # a GPU qo_indptr is read on the host only under PDLAB_CHECK_INVARIANTS=1 (one sync): a max_q_len below a
+    # sequence's new tokens (rows left unwritten by the triton grid) and an indptr not ending at T are named
+    from pdlab.kernels.contracts import ShapeError
+
+    p = prefill_problem([5, 9, 3], [3, 9, 1], heads=16, page=64, dtype=torch.bfloat16, device=DEV, seed=0)
+    args = (p.q, p.kv_cache, p.block_table, p.seqlens, p.qo_indptr, p.softmax_scale)
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    with pytest.raises(ShapeError, match=r"max_q_len.*sequence 1 adds 9 new tokens"):
+        mla_prefill(*args, backend="triton", max_q_len=3)
+    bad = p.qo_indptr.clone()
+    bad[-1] -= 1
+    with pytest.raises(ShapeError, match="'qo_indptr' is not a valid indptr"):
+        mla_prefill(*args[:4], bad, p.softmax_scale, backend="triton")
+    out, _ = mla_prefill(*args, backend="triton", max_q_len=9)  # a valid one runs
+    ref, _ = mla_prefill(*args, backend="torch")
+    assert cosine_error(out, ref) < 1e-5
+
+
 def test_store_kv_exact(seed):
     P, page = 64, 64
     latent = torch.randn(300, 576, device=DEV, dtype=torch.bfloat16) * 4
