@@ -4,7 +4,8 @@ request that carries the router's headers (`X-PD-Transfer-Id`, `X-PD-Role`, `X-P
 role instead of the plain engine loop, so the server's OpenAI handlers serve both cases unchanged.
 
 Endpoints (JSON): POST /disagg/pages {transfer_id, decode_meta, pages} (prefill: the decode side's
-pre-allocated page ids and pool metadata), POST /disagg/abort {transfer_id, reason} (both roles),
+pre-allocated page ids and pool metadata), POST /disagg/abort {transfer_id, reason[, refused_status, fault]}
+(both roles; the request ends as aborted, or as failed with a refused_status or "fault": true),
 GET /disagg/state (records and counts), GET /disagg/kv_meta (decode: this pool's transfer metadata).
 """
 
@@ -133,12 +134,15 @@ def install(app: FastAPI, role: PrefillRole | DecodeRole) -> None:
             refused = int(refused) if refused is not None else None
             if refused is not None and not 400 <= refused < 500:
                 raise ValueError(f"refused_status {refused} is not a 4xx status")
+            fault = body.get("fault", False)  # the router: the request's prefill server failed
+            if not isinstance(fault, bool):
+                raise ValueError(f"fault must be true or false, not {fault!r}")
         except (KeyError, TypeError, ValueError) as e:
             return JSONResponse({"error": {"message": f"bad /disagg/abort body: {e}"}}, status_code=400)
         if refused is not None and isinstance(role, DecodeRole):
             role.abort(tid, why, refused_status=refused)
         else:
-            role.abort(tid, why)
+            role.abort(tid, why, fault=fault)
         return {"ok": True}
 
     @app.get("/disagg/state")

@@ -5,10 +5,12 @@ release). A colocated server is the same scheduler without these hooks.
 Flow of one request with transfer id T (rid = T on both servers):
   decode:  bootstrapping ─ preallocate pages, hand their ids + this pool's metadata to the prefill
            (a `PeerLink`: HTTP in servers, a direct call in tests) ─▶ waiting ─ "transferring" notice
-           ─▶ transferring ─ "done" notice with the first token ─▶ decoding (kv_ready) ─▶ done | failed
+           ─▶ transferring ─ "done" notice with the first token ─▶ decoding (kv_ready) ─▶ done | failed | aborted
   prefill: bootstrapping (request and page ids both needed) ─▶ waiting (queued / computing the prompt,
            chunked) ─ first token sampled, scheduler hands the request over ─▶ transferring (one batch
-           per layer group into the decode pages) ─ done: release own pages, notify ─▶ done | failed
+           per layer group into the decode pages) ─ done: release own pages, notify ─▶ done | failed | aborted
+  failed: a fault (a timeout, a transfer or a peer that failed, a request the prefill server refused); aborted:
+  ended by its client (a disconnect) or by the server (an operator's abort, a shutdown), on either side.
 
 Every wait has a deadline (`transfer_timeout`): a decode request whose KV does not arrive is failed
 with a clear error and its pages freed; a prefill whose decode side never sends pages releases its
@@ -46,9 +48,10 @@ class State(str, enum.Enum):
     DECODING = "decoding"
     DONE = "done"
     FAILED = "failed"
+    ABORTED = "aborted"
 
 
-TERMINAL = (State.DONE, State.FAILED)
+TERMINAL = (State.DONE, State.FAILED, State.ABORTED)
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Record:
     first_logprob: Any = None  # (logprob, [(id, logprob), ...]) of the first token when the request asks for them
     abort_requested: bool = False
     abort_status: int | None = None  # the HTTP status of an abort's error (None: 502, the prefill side failed)
+    aborted: bool = False  # ended by its client or the server (State.ABORTED), not by a fault (State.FAILED)
     done_event: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
     transfer_s: float = 0.0
@@ -96,7 +100,7 @@ class RoleMetrics:
             self.transitions[new] += 1
         old = rec.state
         rec.state, rec.since = new, time.monotonic()
-        lvl = logging.WARNING if new is State.FAILED else logging.INFO
+        lvl = logging.WARNING if new is State.FAILED else logging.INFO  # an abort is no fault of the server's
         log.log(lvl, "[%s] %s: %s -> %s%s", self.role, rec.transfer_id, old.value, new.value,
                 f" ({why})" if why else "")
 
@@ -208,15 +212,18 @@ class PrefillRole(RoleHooks):
                 self.metrics.move(rec, State.BOOTSTRAPPING, "pages arrived before the request")
             rec.dst_pages, rec.peer_meta, rec.peer = list(pages), decode_meta, decode_meta.get("agent", "")
 
-    def abort(self, transfer_id: str, why: str = "aborted by the decode side", error_status: int | None = None) -> None:
+    def abort(self, transfer_id: str, why: str = "aborted by the decode side", error_status: int | None = None,
+              *, fault: bool = False) -> None:
         """Drop transfer_id: a queued / computing request is aborted, a handed-off one released; a
         transfer already in flight completes first (the decode side frees its pages on the notice).
-        error_status: a 5xx the decode side answers its client with (e.g. 503 when this server stops; else 502)."""
+        error_status: a 5xx the decode side answers its client with (e.g. 503 when this server stops; else 502).
+        fault: the request ends as failed (a deadline passed), not as aborted (its client or the server ended it)."""
         with self._lock:
             rec = self.records.get(transfer_id)
             if rec is None or rec.state in TERMINAL:
                 return
             rec.abort_requested, rec.error = True, why
+            rec.aborted = rec.aborted or not fault
             if error_status is not None and 500 <= error_status < 600:
                 rec.abort_status = error_status
         if self.loop is not None:
@@ -231,13 +238,14 @@ class PrefillRole(RoleHooks):
         if rec is None:
             raise KeyError(f"unknown transfer id {transfer_id!r}")
         if not rec.done_event.wait(timeout):
-            self.abort(transfer_id, f"prefill did not finish within {timeout} s")
+            self.abort(transfer_id, f"prefill did not finish within {timeout} s", fault=True)
         return rec
 
     # ---- loop thread --------------------------------------------------------------------------
     def _on_output(self, rec: Record, out: StepOutput) -> None:
         if out.finished and rec.state in (State.BOOTSTRAPPING, State.WAITING):
             # the scheduler finished it (bad request, abort, error) before handing it over
+            rec.aborted = rec.aborted or out.finish_reason is FinishReason.ABORT
             self._fail(None, rec, out.error or f"prefill ended early ({out.finish_reason})")
 
     def on_abort(self, sched, req: Req, reason: str) -> bool:
@@ -245,7 +253,8 @@ class PrefillRole(RoleHooks):
         rec = self.records.get(tid) if tid else None
         if rec is None or rec.state is not State.TRANSFERRING:
             return False
-        rec.abort_requested, rec.error = True, reason  # the send in flight completes, then poll frees
+        rec.abort_requested, rec.error, rec.aborted = True, reason, True  # the send in flight completes, then
+        # poll frees
         return True
 
     def on_prefill_done(self, sched, req: Req) -> bool:
@@ -316,7 +325,7 @@ class PrefillRole(RoleHooks):
         if rec.state in TERMINAL:
             return
         rec.error = why
-        self.metrics.move(rec, State.FAILED, why)  # first: the abort below reports back re-entrantly
+        self.metrics.move(rec, _end_state(rec), why)  # first: the abort below reports back re-entrantly
         if sched is not None and rec.req is not None:
             if rec.req.rid in sched.parked:
                 sched.release(rec.req.rid)
@@ -400,12 +409,15 @@ class DecodeRole(RoleHooks):
         self.loop.call(lambda sched: self._admit(sched, req, prefill, sink))
 
     def abort(self, transfer_id: str, why: str = "client disconnected", refused_status: int | None = None,
-              error_status: int | None = None) -> None:
+              error_status: int | None = None, *, fault: bool = False) -> None:
         """Drop transfer_id. `refused_status`: the prefill server refused the request with this HTTP status (a
         4xx, as the router saw it), so it never took it and writes no KV: a request still waiting for its KV ends
         at once with that status instead of at the transfer timeout. `error_status`: the HTTP status its client
-        gets for `why` otherwise (e.g. 503 when the server stops; default 400, or 502 before its KV arrived)."""
-        self.loop.call(lambda sched: self._abort(sched, transfer_id, why, refused_status, error_status))
+        gets for `why` otherwise (e.g. 503 when the server stops; default 400, or 502 before its KV arrived).
+        The request ends as aborted (its client or the server ended it), or as failed with a refusal or `fault`
+        (the router saw its prefill server fail)."""
+        aborted = refused_status is None and not fault
+        self.loop.call(lambda sched: self._abort(sched, transfer_id, why, refused_status, error_status, aborted))
 
     # ---- loop thread --------------------------------------------------------------------------
     def _admit(self, sched, req: Req, prefill: str, sink) -> None:
@@ -425,8 +437,10 @@ class DecodeRole(RoleHooks):
     def _wrap_sink(self, rec: Record):
         def sink(out: StepOutput) -> None:
             if out.finished and rec.state not in TERMINAL:
+                if out.finish_reason is FinishReason.ABORT:
+                    rec.aborted = True
                 if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                    self.metrics.move(rec, State.FAILED, out.error or out.finish_reason.value)
+                    self.metrics.move(rec, _end_state(rec), out.error or out.finish_reason.value)
                 else:
                     self.metrics.move(rec, State.DONE, out.finish_reason.value if out.finish_reason else "")
             if rec.sink is not None:  # None: answered early (`_answer_early`)
@@ -496,13 +510,14 @@ class DecodeRole(RoleHooks):
         rec = self.records.get(req.rid)
         if rec is None or rec.state not in (State.WAITING, State.TRANSFERRING):
             return False
+        rec.aborted = True
         if not rec.abort_requested:  # free pages once the prefill stops writing (its final notice)
             rec.abort_requested, rec.error = True, reason
             self._pool.submit(_quiet, self.link.send_abort, rec.peer, rec.transfer_id)
         return True
 
     def _abort(self, sched, tid: str, why: str, refused_status: int | None = None,
-               error_status: int | None = None) -> None:
+               error_status: int | None = None, aborted: bool = True) -> None:
         rec = self.records.get(tid)
         if rec is None:
             if refused_status is not None:  # the refusal overtook the request: answer it when it arrives
@@ -511,6 +526,7 @@ class DecodeRole(RoleHooks):
             return
         if rec.state in TERMINAL:
             return
+        rec.aborted = aborted
         if refused_status is not None and rec.state in (State.BOOTSTRAPPING, State.WAITING):
             self._finish_failed(sched, rec, why, refused_status)  # nothing writes its pages: free them now
         elif rec.state in (State.WAITING, State.TRANSFERRING):
@@ -539,7 +555,7 @@ class DecodeRole(RoleHooks):
         """Fail the request with `why`; status: its HTTP status (502 the prefill side failed, the default)."""
         if rec.state in TERMINAL:
             return
-        self.metrics.move(rec, State.FAILED, why)
+        self.metrics.move(rec, _end_state(rec), why)
         if rec.req.rid in sched.by_rid:
             sched.kv_failed(rec.transfer_id, why, status)  # frees the pre-allocated pages, emits the error
         elif rec.sink is not None:  # never admitted: no pages; answer the client directly
@@ -569,6 +585,11 @@ class DecodeRole(RoleHooks):
                 else:
                     self._finish_failed(sched, rec, f"the prefill server sent no KV within {self.timeout} s "
                                                     f"(state {rec.state.value}); is {rec.peer} alive?")
+
+
+def _end_state(rec: Record) -> State:
+    """The terminal state of a request that did not finish: aborted when its client or the server ended it."""
+    return State.ABORTED if rec.aborted else State.FAILED
 
 
 def _quiet(fn, *args) -> None:

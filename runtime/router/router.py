@@ -286,7 +286,7 @@ class Router:
         except httpx.HTTPError as e:
             p.errors += 1
             p.mark(False, f"{type(e).__name__}: {e}")
-            await self._abort(d, tid, f"prefill server {p.url} failed: {type(e).__name__}: {e}", headers)
+            await self._abort(d, tid, f"prefill server {p.url} failed: {type(e).__name__}: {e}", headers, fault=True)
         finally:
             p.inflight -= 1
 
@@ -302,13 +302,16 @@ class Router:
             asyncio.create_task(self._abort(p, tid, why, headers))
 
     async def _abort(self, b: Backend, tid: str, why: str, headers: Mapping[str, str] | None = None,
-                     refused_status: int | None = None) -> None:
+                     refused_status: int | None = None, fault: bool = False) -> None:
         """Tell server b to drop transfer tid, with the client request's credentials (`headers`: its Authorization
         is what a server started with --api-key asks for; the router holds no key of its own). refused_status: the
-        prefill server's 4xx for the request, which the decode server then answers the client with."""
-        body = {"transfer_id": tid, "reason": why}
+        prefill server's 4xx for the request, which the decode server then answers the client with. fault: the
+        request fails for a server's fault (counted as failed there, not as aborted)."""
+        body: dict = {"transfer_id": tid, "reason": why}
         if refused_status is not None:
             body["refused_status"] = refused_status
+        if fault:
+            body["fault"] = True
         try:
             await self.client.post(f"{b.url}/disagg/abort", json=body,
                                    headers=_credentials(headers or {}), timeout=self.cfg.health_timeout)

@@ -95,7 +95,15 @@ def test_http_greedy_equals_colocated(stack):
 def test_http_client_disconnect_frees_pages_on_both_sides(stack):
     url, acks, _ = stack
     with httpx.Client(timeout=30) as c:
+        before = {r: c.get(f"{acks[r]['url']}/disagg/state").json()["total"] for r in ("decode", "prefill")}
         _leave_after_the_first_token_and_check_pages(c, url, acks)
+        # a client that leaves is counted as aborted on the decode server, not as one of its failures
+        after = c.get(f"{acks['decode']['url']}/disagg/state").json()["total"]
+        assert after["aborted"] == before["decode"]["aborted"] + 1 and after["failed"] == before["decode"]["failed"]
+        assert 'pdlab_disagg_transitions_total{role="decode",state="aborted"}' in \
+            c.get(f"{acks['decode']['url']}/metrics").text
+        r = c.post(f"{acks['decode']['url']}/disagg/abort", json={"transfer_id": "x", "fault": "yes"})
+        assert r.status_code == 400 and "fault must be true or false" in r.json()["error"]["message"]
 
 
 def _leave_after_the_first_token_and_check_pages(c, url, acks):

@@ -26,7 +26,7 @@ def test_the_client_of_a_request_whose_prefill_server_died_gets_its_502_at_once(
     held = list(d.decode.scheduler.parked[tid].pages)
     why = "prefill server http://127.0.0.1:1 failed: ReadError: "
     t0 = time.monotonic()
-    d.decode_role.abort(tid, why)
+    d.decode_role.abort(tid, why, fault=True)
     _pump_until(d, lambda: "out" in results, seconds=2.0)
     assert "out" in results, "the client still waits for its answer"
     out = results["out"]

@@ -194,9 +194,14 @@ def test_client_abort_frees_pages_on_both_sides(disagg):
     _pump_until(d, lambda: "out" in results)
     assert results["out"].finished and results["out"].error == "client disconnected"
     # answered at once; the decode pages go once the prefill side's final notice says it stopped writing them
-    _pump_until(d, lambda: d.decode_role.records[tid].state is State.FAILED)
+    _pump_until(d, lambda: d.decode_role.records[tid].state is State.ABORTED)
     _assert_all_pages_free(d)
-    assert d.prefill_role.records[tid].state is State.FAILED
+    # counted as aborted on both sides, not as a failure of either server
+    assert d.prefill_role.records[tid].state is State.ABORTED
+    for role in (d.decode_role, d.prefill_role):
+        snap = role.metrics.snapshot()
+        assert snap["total"]["aborted"] == 1 and snap["total"]["failed"] == 0, snap
+        assert f'pdlab_disagg_requests{{role="{role.metrics.role}",state="aborted"}} 1' in role.metrics.prometheus()
     # and the servers keep serving
     assert d.generate([[1, 2]], GREEDY)[0]["token_ids"] == _colocated([[1, 2]])[0]
 
@@ -219,6 +224,7 @@ def test_direct_scheduler_abort_keeps_pages_until_the_prefill_stops_writing(disa
     _pump_until(d, lambda: "out" in results)
     assert results["out"].finished and results["out"].error == "operator abort"
     _assert_all_pages_free(d)
+    assert d.decode_role.records[tid].state is State.ABORTED
 
 
 @pytest.mark.parametrize("order", ["after", "before"])
@@ -247,6 +253,8 @@ def test_a_request_the_prefill_server_refused_ends_at_once(disagg, order):
     assert out.finished and out.error == why and out.error_status == 400
     assert time.monotonic() - t0 < 5.0
     _assert_all_pages_free(d)
+    if order == "after":  # a refused request failed: it is not one its client gave up on
+        assert d.decode_role.records[tid].state is State.FAILED
     assert d.generate([[1, 2]], GREEDY)[0]["token_ids"] == _colocated([[1, 2]])[0]
 
 
@@ -324,6 +332,8 @@ def test_lost_page_handoff_times_out_on_both_sides(disagg, monkeypatch):
         d.prefill.loop.run_once()
         time.sleep(0.01)
     assert "no page ids from the decode server" in next(iter(d.prefill_role.records.values())).error
+    assert d.decode_role.metrics.snapshot()["total"]["failed"] == 1  # a timeout is a fault, not an abort
+    assert d.decode_role.metrics.snapshot()["total"]["aborted"] == 0
     for side in (d.decode, d.prefill):
         assert _free_pages(side) == side.scheduler.pool.allocator.capacity
         side.scheduler.check_invariants()

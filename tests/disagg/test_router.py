@@ -243,6 +243,7 @@ def test_dead_prefill_marked_unhealthy_and_decode_told(servers):
             time.sleep(0.02)
         assert not router.prefill[0].healthy
         assert d.aborts and "prefill server" in d.aborts[0]["reason"]
+        assert d.aborts[0]["fault"] is True  # the decode server counts it as failed, not as aborted
         for _ in range(3):  # other requests keep flowing, to the live prefill only
             assert c.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 200
     time.sleep(0.2)
@@ -284,6 +285,7 @@ def test_client_disconnect_aborts_both_sides(servers):
         time.sleep(0.02)
     assert p.aborts and p.aborts[0]["reason"] == "client disconnected"
     assert d.aborts and d.aborts[0]["transfer_id"] == p.aborts[0]["transfer_id"]
+    assert "fault" not in d.aborts[0] and "fault" not in p.aborts[0]  # counted as aborted there
 
 
 def test_config_rejects_bad_urls():
