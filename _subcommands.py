@@ -15,6 +15,12 @@ class Subcommand:
     help: str
 
 
+def arg_parser(**kwargs) -> argparse.ArgumentParser:
+    """Every pdlab command's parser: an `argparse.ArgumentParser(**kwargs)` that takes flags only as spelt out in full
+    (allow_abbrev off: `--decode URL` is not read as `--decode-reserve-tokens URL`)."""
+    return argparse.ArgumentParser(allow_abbrev=False, **kwargs)
+
+
 def run_tool(prog: str, description: str, table: dict[str, Subcommand], argv: list[str] | None) -> int:
     """Parse `argv` for one tool and run the chosen subcommand; returns the process exit code.
 
@@ -38,7 +44,7 @@ def run_tool(prog: str, description: str, table: dict[str, Subcommand], argv: li
             raise
         print(f"{prog} {name}: not built yet in this version of pdlab", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"{prog} {name}", description=sub.help)
+    parser = arg_parser(prog=f"{prog} {name}", description=sub.help)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     return int(module.run(args) or 0)

@@ -26,7 +26,6 @@ where a kernel's issue slots go (e.g. byte permutes around a dequantisation) wit
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -38,6 +37,7 @@ import tempfile
 import torch
 
 from pdlab.kernels.arch import SM90
+from pdlab._subcommands import arg_parser
 
 _TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8",
           torch.int32: "*i32", torch.int64: "*i64"}
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     from pdlab._subcommands import int_arg
 
     first = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, whole
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="pdlab.bench.kernel_resources", description=first)
+    ap = arg_parser(prog="pdlab.bench.kernel_resources", description=first)
     ap.add_argument("--op", choices=("mla_decode", "moe_experts"), default="mla_decode")
     ap.add_argument("--heads", type=int_arg(1), default=16, help="mla_decode")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8", help="mla_decode")

@@ -33,6 +33,7 @@ import torch
 from pdlab._subcommands import comma_list, int_arg, list_items, one_of, positive_int
 from pdlab.bench._args import add_no_plot, file_stem, out_dir_problem, seconds
 from pdlab.kernels.nvfp4 import nvfp4_size_problem
+from pdlab._subcommands import arg_parser
 
 STAGES = ("route", "quantize", "dispatch", "experts", "combine")
 # the CSV's columns, whatever ran (a skipped row leaves its measurements empty; so does --no-reference its cos_err)
@@ -599,6 +600,6 @@ def _print_availability(dispatcher: str, runners: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="bench moe", description=__doc__.split("\n")[0])
+    parser = arg_parser(prog="bench moe", description=__doc__.split("\n")[0])
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -12,7 +12,6 @@ torch_grouped at the same shape, cosine error against the torch fp32 reference o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ from pdlab.moe.experts import OP, resolved_config, run_experts
 from pdlab.moe.layouts import PAYLOADS, Contiguous, Masked, quantize_payload
 from pdlab.moe.runners.triton_nvfp4 import kernel_path
 from pdlab.moe.weights import ExpertWeights
+from pdlab._subcommands import arg_parser
 
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = (512, 1024, 2048)
@@ -115,7 +115,7 @@ def valid_rows(layout_out, layout_in) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "pdlab.bench.moe_experts"
-    p = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=__doc__.split("\n")[0])
+    p = arg_parser(prog=prog, description=__doc__.split("\n")[0])
     tokens = comma_list(positive_int, "tokens per expert >= 1, e.g. 1,16,64")
     p.add_argument("--shapes", default="decode,prefill", type=comma_list(one_of("decode", "prefill"), "decode,prefill"),
                    help="phases to run: decode,prefill")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from pdlab._subcommands import Subcommand, run_tool
+from pdlab._subcommands import Subcommand, arg_parser, run_tool
 
 SUBCOMMANDS = {
     "serve": Subcommand("pdlab.runtime.server.serve", "start a server: colocated, one role, or --disagg"),
@@ -37,8 +37,6 @@ def main(argv: list[str] | None = None, prog: str = "runtime") -> int:
 def _disagg_only_flag(args: list[str]) -> str | None:
     """Why `serve` without --disagg/--role cannot take one of `args`: a flag only the disaggregation launcher reads
     (--decode URL, --policy, a transfer setting) was given to a colocated server; None when there is none."""
-    import argparse
-
     try:
         from pdlab.runtime.disagg import launch
         from pdlab.runtime.server import serve
@@ -46,7 +44,7 @@ def _disagg_only_flag(args: list[str]) -> str | None:
         return None
     flags = []
     for module in (launch, serve):
-        p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        p = arg_parser(add_help=False)
         module.add_arguments(p)
         flags.append(set(p._option_string_actions))
     router = {"--" + f.replace("_", "-") for f in launch.ROUTER_FLAGS}

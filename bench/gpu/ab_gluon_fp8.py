@@ -13,12 +13,13 @@ Writes DIR/ab_fp8.csv (one row per shape × version × round) and prints the med
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 SHAPES = "128x8192,64x16384,128x16384,32x8192"
 # ragged batches (seeded): lengths uniform in a range, or one long sequence among short ones
@@ -47,7 +48,7 @@ def _load(name: str, path: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = arg_parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", default=SHAPES, help=f"comma list of BxL, {', '.join(RAGGED)}, longtail")

@@ -19,7 +19,6 @@ calls with cosine error above 1e-4).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -31,6 +30,7 @@ from pdlab.bench.harness import cosine_error, reference_checked
 from pdlab.kernels import registry
 from pdlab.runtime.core import SamplingParams
 from pdlab.runtime.engine.loop import LLM
+from pdlab._subcommands import arg_parser
 
 BAD = 1e-4
 
@@ -132,7 +132,7 @@ def _pinned(tri, configs: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = arg_parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--pinned", action="store_true",
                     help="also run both pools with every decode call pinned to one config (each config seen, and "

@@ -7,12 +7,13 @@ plan), at 128 heads, page 64, S_q 1, lengths of 7–8k tokens, batch 1–256. Wr
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdlab.attention import ops
     from pdlab.attention.backends import flashinfer_mla as fm
 
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.bench.gpu.flashinfer_plan_cost",
+    p = arg_parser(prog="python -m pdlab.bench.gpu.flashinfer_plan_cost",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--heads", type=int, default=128)

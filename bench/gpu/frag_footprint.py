@@ -11,10 +11,11 @@ GPU only (sm90, Triton with Gluon).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     from pdlab.moe.runners.triton_nvfp4 import _repack_frag, default_mma_async, program_tokens
     from pdlab.moe.triton import nvfp4_frag as F
 
-    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
+    ap = arg_parser()
     ap.add_argument("--tokens", default="16,64")
     ap.add_argument("--experts", type=int, default=64)
     args = ap.parse_args()

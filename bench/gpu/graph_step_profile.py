@@ -6,17 +6,18 @@ model (full width, 4 layers) at one batch size and context, the top operations b
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from pdlab.runtime.engine.loop import LLM
     from pdlab.runtime.engine.perf import decode_throughput
 
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.bench.gpu.graph_step_profile",
+    p = arg_parser(prog="python -m pdlab.bench.gpu.graph_step_profile",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default="synthetic:deepseek-r1:4")
     p.add_argument("--batch", type=int, default=8)

@@ -8,18 +8,19 @@ repeats within each is the placement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import datetime
 import statistics
 
 import torch
 
+from pdlab._subcommands import arg_parser
+
 
 def main() -> None:
     from pdlab.bench.moe_experts import make_layout, random_nvfp4_weights, time_runner
 
-    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
+    ap = arg_parser()
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--payloads", default="nvfp4,bf16")

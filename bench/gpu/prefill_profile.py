@@ -10,7 +10,6 @@ the pdlab call site of every host-device sync of one step (torch.cuda.set_sync_d
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -22,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
             "aten::_local_scalar_dense", "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -73,7 +74,7 @@ def _sync_sites(llm, n: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from pdlab.runtime.engine.loop import LLM
 
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python3 bench/gpu/prefill_profile.py",
+    p = arg_parser(prog="python3 bench/gpu/prefill_profile.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="default: the embedded tiny model")
     p.add_argument("--tokens", default="16,128,512,2048")

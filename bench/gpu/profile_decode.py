@@ -12,13 +12,14 @@ GPU only. Weight GB/s counts NVFP4 bytes (0.5625 B/param) of the GEMM's own weig
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def _time_us(fn, args) -> float | None:
@@ -220,7 +221,7 @@ def _compiled_kernels() -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    ap = arg_parser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", choices=["moe", "frag", "mla"], required=True)
     ap.add_argument("--config", action="append", default=[],
                     help="repeatable: JSON config merged over the default, or for mla 'default' / 'tuned' "

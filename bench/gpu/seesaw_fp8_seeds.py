@@ -8,14 +8,15 @@ cases are the test's own (its parametrize mark).
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 
+from pdlab._subcommands import arg_parser
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
+    ap = arg_parser()
     ap.add_argument("--seeds", type=int, default=24)
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "attention"))

@@ -9,12 +9,13 @@ stores the experts tiled (`ExpertWeights.tile_()`) instead of in fragment order:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     from pdlab.moe.experts import run_experts
     from pdlab.moe.layouts import Contiguous, Masked
 
-    ap = argparse.ArgumentParser(allow_abbrev=False, allow_abbrev=False)
+    ap = arg_parser()
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)

@@ -9,9 +9,10 @@ CUDA allocator's reserved memory grew at the step (cudaMalloc calls).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from pdlab._subcommands import arg_parser
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -20,7 +21,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python3 bench/gpu/step_tail.py",
+    p = arg_parser(prog="python3 bench/gpu/step_tail.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="serve_compiles.sh's output folder (steps.jsonl, runs.txt)")
     p.add_argument("--top", type=int, default=8, help="slowest steps to list per run")

@@ -10,13 +10,14 @@ Writes DIR/wide_correctness.csv, DIR/wide_timing.csv and prints both tables. GPU
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def _problem(seqlens, heads, q_len, page, dtype, kv, seed, poison=True):
@@ -152,7 +153,7 @@ def timing(variants, quick: bool, shape_set: str = "wide", shapes=None, baseline
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = arg_parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", nargs="*", default=['{}', '{"num_splits": 1}', '{"num_splits": 2}'],

@@ -12,7 +12,6 @@ scattered (a random permutation on both sides), as in a busy server. Results: on
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import multiprocessing as mp
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pdlab._subcommands import arg_parser
 
 
 def _pools(layers: int, pages: int, page: int, dtype: torch.dtype, device: str, fill: bool) -> list[torch.Tensor]:
@@ -143,7 +144,7 @@ def _row(method, nbytes, times, src, dst, ok) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.disagg.bench_transfer",
+    p = arg_parser(prog="python -m pdlab.runtime.disagg.bench_transfer",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, default=61, help="KV layers (DeepSeek-R1: 61)")

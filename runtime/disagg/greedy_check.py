@@ -9,13 +9,14 @@ for token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
+from pdlab._subcommands import arg_parser
 
 
 def prompts(page_size: int, chunk: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -40,7 +41,7 @@ def collect(base_url: str, batch: list[list[int]], max_new: int, concurrency: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.disagg.greedy_check",
+    p = arg_parser(prog="python -m pdlab.runtime.disagg.greedy_check",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url")
     p.add_argument("--out")

@@ -20,6 +20,7 @@ import time
 import uuid
 
 from pdlab.runtime.config import LAUNCHER_FIELDS, ConfigError, add_config_arguments, build_config, config_from_args
+from pdlab._subcommands import arg_parser
 
 log = logging.getLogger("pdlab.disagg")
 
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `runtime serve --disagg|--role ...` (argv without the leading 'serve')."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="runtime serve", description=__doc__.split("\n\n")[0])
+    parser = arg_parser(prog="runtime serve", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return run(args)
@@ -101,7 +102,7 @@ def _check_ignored_flags(args: argparse.Namespace) -> None:
     or --disagg (which makes its own), the other router settings and --start-timeout for one server role."""
     from pdlab.runtime.disagg.config import RoleConfig
 
-    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    parser = arg_parser(add_help=False)
     add_arguments(parser)
     given = lambda name: getattr(args, name, None) not in (None, parser.get_default(name))  # noqa: E731
     if args.role == "router":

@@ -13,7 +13,6 @@ decode.csv / ttft.csv / perf.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pdlab.runtime.core import Req, ReqStatus, SamplingParams, filler_ids
+from pdlab._subcommands import arg_parser
 
 
 def _sync(device: torch.device) -> None:
@@ -137,7 +137,7 @@ def ttft(llm, prompt_len: int, repeats: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.engine.perf",
+    p = arg_parser(prog="python -m pdlab.runtime.engine.perf",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default=None)
     p.add_argument("--device", default="auto")

@@ -11,7 +11,6 @@ batch, tokens, ms, tok_per_s) to --out, and prints the table."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pdlab.runtime.context import ForwardContext
+from pdlab._subcommands import arg_parser
 
 PAGE = 64
 
@@ -105,7 +105,7 @@ def _sync(device):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdlab.runtime.model.profile",
+    ap = arg_parser(prog="python -m pdlab.runtime.model.profile",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None,
                     help="synthetic:deepseek-r1[:LAYERS], a checkpoint dir, or none (tiny)")

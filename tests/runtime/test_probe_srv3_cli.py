@@ -84,24 +84,28 @@ def test_a_disaggregation_flag_without_role_says_which_mode_takes_it(argv, said,
 
 
 def test_every_pdlab_parser_refuses_abbreviations():
-    """Every argparse parser in pdlab's sources is built with allow_abbrev=False (a new tool's parser too)."""
+    """Every pdlab parser comes from `arg_parser` (a new tool's too), and it takes flags only as spelt out in full."""
     import ast
     import pathlib
 
     import pdlab
+    from pdlab._subcommands import arg_parser
 
     root = pathlib.Path(pdlab.__file__).parent
-    missing = []
+    direct = []
     for path in root.rglob("*.py"):
-        if "tests" in path.relative_to(root).parts:
+        if "tests" in path.relative_to(root).parts or path.name == "_subcommands.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == \
                     "ArgumentParser":
-                kw = {k.arg: k.value for k in node.keywords}
-                if not (isinstance(kw.get("allow_abbrev"), ast.Constant) and kw["allow_abbrev"].value is False):
-                    missing.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert not missing, f"argparse.ArgumentParser without allow_abbrev=False: {missing}"
+                direct.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not direct, f"argparse.ArgumentParser called directly (use pdlab._subcommands.arg_parser): {direct}"
+    p = arg_parser(prog="t")
+    p.add_argument("--decode-reserve-tokens", type=int)
+    assert p.parse_args(["--decode-reserve-tokens", "3"]).decode_reserve_tokens == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--decode", "3"])
 
 
 @pytest.mark.parametrize("mode", [["--disagg", "--device", "cpu"],
