@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from pdlab.attention.workloads import decode_cost, decode_problem, prefill_cost, prefill_problem
     from pdlab.bench import report
     from pdlab.bench.harness import bench, cosine_error
-    from pdlab.bench.roofline import compute_dtype, roofline
+    from pdlab.bench.roofline import compute_dtype, peak_lines, roofline
     from pdlab.kernels import registry
     from pdlab.kernels.arch import device_facts
     from pdlab.kernels.contracts import dtype_name
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         peaks = facts.peaks
         report.plot_bars(ok.assign(label=ok["backend"] + " " + ok["config_source"].str.slice(0, 12)), "shape",
                          "tflops", "label", f"{out_dir}/{stem}_tflops.png", f"{op.name}: achieved TFLOPS",
-                         "TFLOPS", hline=peaks.bf16_flops / 1e12 if peaks else None, hline_label="bf16 peak")
+                         "TFLOPS", hlines=peak_lines(peaks, ok["compute_peak"]))
         report.plot_bars(ok.assign(label=ok["backend"] + " " + ok["config_source"].str.slice(0, 12)), "shape",
                          "gbps", "label", f"{out_dir}/{stem}_gbps.png", f"{op.name}: achieved GB/s", "GB/s",
                          hline=peaks.hbm_bytes_per_s / 1e9 if peaks else None, hline_label="HBM peak")

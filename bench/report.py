@@ -159,8 +159,9 @@ def progress(total: int, description: str) -> Iterator:
 
 def plot_bars(df: pd.DataFrame, x: str, y: str, group: str, path: str | os.PathLike, title: str,
               ylabel: str, hline: float | None = None, hline_label: str | None = None,
-              logy: bool = False) -> Path:
-    """Grouped bar chart: one bar per `group` value at each `x`; optional horizontal roofline."""
+              logy: bool = False, hlines: Iterable[tuple[float, str]] = ()) -> Path:
+    """Grouped bar chart: one bar per `group` value at each `x`; optional horizontal rooflines: `hline` (one, labelled
+    `hline_label`) and/or `hlines` ((value, label) pairs, e.g. one peak per compute unit the rows ran on)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,8 +170,10 @@ def plot_bars(df: pd.DataFrame, x: str, y: str, group: str, path: str | os.PathL
     pivot = df.pivot_table(index=x, columns=group, values=y, aggfunc="first", sort=False)
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(pivot) * max(1, len(pivot.columns))), 4.5))
     pivot.plot.bar(ax=ax, logy=logy)
-    if hline is not None:
-        ax.axhline(hline, color="red", linestyle="--", label=hline_label)
+    lines = ([(hline, hline_label)] if hline is not None else []) + list(hlines)
+    styles = (("red", "--"), ("darkorange", ":"), ("purple", "-."), ("gray", "--"), ("green", ":"))
+    for (value, label), (color, dash) in zip(lines, styles * len(lines)):
+        ax.axhline(value, color=color, linestyle=dash, label=label)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)

@@ -19,6 +19,27 @@ def compute_dtype(dtype: torch.dtype) -> str:
     return _OF_DTYPE.get(dtype, "bf16")
 
 
+def peak_flops(peaks, compute_dtype: str) -> float:
+    """The device's FLOP/s peak for work of `compute_dtype` (a `PEAK_LABELS` key); 0 where it is not known."""
+    return {"bf16": peaks.bf16_flops, "fp16": peaks.bf16_flops, "fp8": peaks.fp8_flops,
+            "fp4": peaks.fp4_flops or peaks.bf16_flops, "fp32": peaks.fp32_flops}[compute_dtype]
+
+
+def peak_lines(peaks, labels) -> list[tuple[float, str]]:
+    """(TFLOPS, "<label> peak") for each distinct `compute_peak` label in `labels` (a CSV column: None/NaN skipped),
+    in the order first seen: the horizontal lines of a TFLOPS plot whose rows ran on different units (an fp32 row
+    under the CUDA-core peak, not the tensor cores')."""
+    if peaks is None:
+        return []
+    of_label = {v: k for k, v in PEAK_LABELS.items()}
+    lines = []
+    for label in dict.fromkeys(x for x in labels if isinstance(x, str) and x in of_label):
+        value = peak_flops(peaks, of_label[label])
+        if value:
+            lines.append((value / 1e12, f"{label} peak"))
+    return lines
+
+
 def roofline(flops: float, nbytes: float, seconds: float, facts: DeviceFacts | None,
              compute_dtype: str = "bf16") -> dict:
     """Achieved rates and the share of the device's roofline for one timed call.
@@ -34,11 +55,10 @@ def roofline(flops: float, nbytes: float, seconds: float, facts: DeviceFacts | N
     peaks = facts.peaks if facts is not None else None
     if peaks is None or seconds <= 0:
         return out
-    peak_flops = {"bf16": peaks.bf16_flops, "fp16": peaks.bf16_flops, "fp8": peaks.fp8_flops,
-                  "fp4": peaks.fp4_flops or peaks.bf16_flops, "fp32": peaks.fp32_flops}[compute_dtype]
-    if flops and not peak_flops:  # no compute floor to compare with: the memory one alone would misname the bound
+    peak = peak_flops(peaks, compute_dtype)
+    if flops and not peak:  # no compute floor to compare with: the memory one alone would misname the bound
         return out
-    t_compute = flops / peak_flops if peak_flops else 0.0
+    t_compute = flops / peak if peak else 0.0
     t_memory = nbytes / peaks.hbm_bytes_per_s
     floor = max(t_compute, t_memory)
     out.update(bound="compute" if t_compute > t_memory else "memory", floor_us=floor * 1e6,

@@ -143,3 +143,28 @@ def test_peaks_cached_before_fp32_was_measured_take_it_from_the_datasheet_ratio(
         "hbm_bytes_per_s": 4.2e12, "bf16_flops": 7e14, "fp8_flops": 1.4e15, "fp4_flops": 0.0, "source": "old"}}))
     sheet = peaks_table()["H200"]
     assert measured_peaks("NVIDIA H200").fp32_flops == pytest.approx(7e14 * sheet.fp32_flops / sheet.bf16_flops)
+
+
+def test_a_tflops_plot_draws_the_peak_of_each_unit_its_rows_ran_on(tmp_path, monkeypatch):
+    """bench attention's TFLOPS plot drew the bf16 tensor-core peak over fp32 rows too (15x theirs): one line per
+    distinct `compute_peak` of the plotted rows, at that unit's rate."""
+    import matplotlib.axes
+    import pandas as pd
+
+    from pdlab.bench import report
+    from pdlab.bench.roofline import PEAK_LABELS, peak_lines
+
+    peaks = Peaks(4e12, 1e15, 2e15, 0.0, "test", fp32_flops=5e13)
+    labels = [PEAK_LABELS["fp32"], None, float("nan"), PEAK_LABELS["bf16"], PEAK_LABELS["fp32"]]
+    assert peak_lines(peaks, labels) == [(50.0, "fp32 CUDA cores (no TF32) peak"), (1000.0, "bf16 tensor cores peak")]
+    assert peak_lines(None, labels) == [] and peak_lines(peaks, [None]) == []
+    assert peak_lines(Peaks(4e12, 1e15, 2e15, 0.0, "test"), [PEAK_LABELS["fp32"]]) == []  # fp32 rate unknown
+    drawn = []
+    real = matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline",
+                        lambda self, y, **kw: (drawn.append((y, kw.get("label"))), real(self, y, **kw))[1])
+    df = pd.DataFrame({"shape": ["a", "b"], "label": ["x", "x"], "tflops": [1.0, 2.0]})
+    png = report.plot_bars(df, "shape", "tflops", "label", tmp_path / "t.png", "t", "TFLOPS",
+                           hline=7.0, hline_label="one", hlines=peak_lines(peaks, labels))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert drawn == [(7.0, "one"), (50.0, "fp32 CUDA cores (no TF32) peak"), (1000.0, "bf16 tensor cores peak")]
