@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from pdlab.runtime.core import Req, SamplingParams, StepOutput
+from pdlab.runtime.core import Req, SamplingParams
 from pdlab.runtime.disagg.roles import DecodeRole, PrefillRole
 from pdlab.runtime.disagg.transfer.base import create_transfer
-from pdlab.runtime.engine.loop import LLM
+from pdlab.runtime.engine.loop import LLM, collect_output
 
 
 class DirectLink:
@@ -64,7 +64,7 @@ class DisaggLLM:
                                   "transfer_id": tid}
             req = Req(ids, sp, rid=tid)
             reqs.append(req)
-            self.decode_role.submit(req, tid, addr, lambda out, res=res: _collect(res, out))
+            self.decode_role.submit(req, tid, addr, lambda out, res=res: collect_output(res, out))
             if addr in self.link.prefills:
                 self.link.prefills[addr].submit(Req(ids, sp, rid=tid), tid)
         deadline = time.monotonic() + timeout
@@ -85,11 +85,3 @@ class DisaggLLM:
         self.prefill_role.transfer.close()
         self.decode_role.transfer.close()
 
-
-def _collect(res: dict, out: StepOutput) -> None:
-    res["token_ids"] += out.token_ids
-    res["text"] += out.text
-    res["logprobs"] += out.logprobs
-    if out.finished:
-        res["finish_reason"] = out.finish_reason.value if out.finish_reason else None
-        res["error"] = out.error

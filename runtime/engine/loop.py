@@ -182,7 +182,7 @@ class LLM:
         results: dict[str, dict] = {}
         for req in reqs:
             results[req.rid] = {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "error": None}
-            self.loop.submit(req, lambda out, res=results[req.rid]: _collect(res, out))
+            self.loop.submit(req, lambda out, res=results[req.rid]: collect_output(res, out))
         steps = 0
         try:
             while any(r["finish_reason"] is None for r in results.values()):
@@ -220,7 +220,9 @@ def _first_bad(p) -> int:
     return next((i for i, t in enumerate(p) if not isinstance(t, numbers.Integral) or isinstance(t, bool)), -1)
 
 
-def _collect(res: dict, out: StepOutput) -> None:
+def collect_output(res: dict, out: StepOutput) -> None:
+    """Append one StepOutput to an offline result dict (token_ids, text, logprobs; finish_reason and error once
+    finished): what `LLM.generate` and the offline disaggregated pair return per request."""
     res["token_ids"] += out.token_ids
     res["text"] += out.text
     res["logprobs"] += out.logprobs
