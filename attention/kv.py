@@ -49,7 +49,7 @@ def dequantize_kv_fp8(data: torch.Tensor, kv_scale: float | torch.Tensor,
     """Inverse of `quantize_kv_fp8`.
 
     Args:
-        data: uint8 (e4m3 bytes) or float8_e4m3fn tensor, any shape.
+        data: uint8 (e4m3 bytes) or float8_e4m3fn tensor, any shape [...] (a pool is [P, page, 576]).
         kv_scale: the scale the bytes were written with (as in `quantize_kv_fp8`).
         dtype: output dtype (fp32 by default).
     Returns: float tensor of data's shape = float(e4m3) * kv_scale."""
@@ -61,6 +61,7 @@ def dequantize_kv_fp8(data: torch.Tensor, kv_scale: float | torch.Tensor,
 
 
 def fp8_scale_for(x: torch.Tensor, margin: float = 1.0) -> float:
-    """A per-tensor scale mapping max|x| to the e4m3 range (host sync; for setup code, not hot paths)."""
+    """A per-tensor scale mapping max|x| of x [...] (any shape, any float dtype) to the e4m3 range (host sync; for setup
+    code, not hot paths)."""
     amax = float(x.abs().max()) if x.numel() else 0.0
     return max(amax * margin / FP8_MAX, 1e-12)

@@ -337,6 +337,8 @@ def supports(b: Backend, *, page_size: int, kv_dtype: str, q_dtype: str, q_len: 
 
 
 def kv_dtype_name(kv_cache: torch.Tensor) -> str:
+    """The cache's dtype as the ops name it: "fp8" for a pool of e4m3 bytes (kv_cache [P, page, 576] uint8 or
+    float8_e4m3fn), else "bf16", "fp16" or "fp32"."""
     return "fp8" if kv_cache.dtype in (torch.uint8, getattr(torch, "float8_e4m3fn", None)) else dtype_name(kv_cache.dtype)
 
 

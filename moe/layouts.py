@@ -150,6 +150,8 @@ class Contiguous(_PayloadFields):
         return self.counts.shape[0]
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
+        """The layout's tensors by contract name: hidden [N, K] (bf16; uint8 [N, K/2] nvfp4, fp8 [N, K]), counts [E]
+        int32, offsets [E + 1] int32, and the payload's scales where it has them."""
         return self._with_payload({"hidden": self.hidden, "counts": self.counts, "offsets": self.offsets})
 
     def validate(self, op_name: str = "moe_layout", backend: str | None = None) -> dict[str, int]:
@@ -221,6 +223,8 @@ class Masked(_PayloadFields):
         return self.masked_m.shape[0]
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
+        """The layout's tensors by contract name: masked_m [E] int32, hidden [E, M, K] (bf16; uint8 [E, M, K/2]
+        nvfp4, fp8 [E, M, K]), and the payload's scales where it has them."""
         return self._with_payload({"masked_m": self.masked_m, "hidden": self.hidden})
 
     def validate(self, op_name: str = "moe_layout", backend: str | None = None) -> dict[str, int]:
@@ -275,7 +279,8 @@ class GroupInfo:
 
 
 def infer_payload(hidden: torch.Tensor) -> str:
-    """"nvfp4" for uint8, "fp8" for float8_e4m3fn, else "bf16"."""
+    """The payload kind of a layout's hidden ([N, K] or [E, M, K]; [.., K/2] for nvfp4): "nvfp4" for uint8, "fp8"
+    for float8_e4m3fn, else "bf16"."""
     if hidden.dtype == torch.uint8:
         return "nvfp4"
     if hidden.dtype == getattr(torch, "float8_e4m3fn", None):
@@ -392,7 +397,8 @@ def to_contiguous(layout: Masked) -> Contiguous:
 
 
 def with_hidden(layout: Layout, hidden: torch.Tensor) -> Layout:
-    """The same layout (counts/offsets or masked_m) carrying a new bf16 hidden (e.g. expert output)."""
+    """The same layout (counts/offsets or masked_m) carrying a new bf16 hidden (e.g. expert output): hidden [N, K]
+    bf16 for a contiguous layout, [E, M, K] bf16 for a masked one."""
     return replace(layout, hidden=hidden, payload="bf16", scales=None, global_scale=None)
 
 

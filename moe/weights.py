@@ -109,7 +109,7 @@ class ExpertWeights:
     @property
     def activation_global_scale(self) -> torch.Tensor:
         """The layer's static NVFP4 activation global scale for dispatch: 1 / max(w13_input_scale),
-        fp32 scalar (one scale shared by all experts, since a token is quantized before it is routed)."""
+        fp32 scalar [] (one scale shared by all experts, since a token is quantized before it is routed)."""
         if self.w13_input_scale is None:
             raise ValueError("these ExpertWeights carry no w13_input_scale: load NVFP4 weights or pass "
                              "input scales to from_bf16(..., input_amax=...)")
@@ -274,7 +274,8 @@ class ExpertWeights:
         return self.w13.to(dtype), self.w2.to(dtype)
 
     def bf16(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in bf16: the bf16 tensors if present, else the NVFP4 ones dequantised once (cached)."""
+        """(w13 [E, 2I, H], w2 [E, H, I]) in bf16: the bf16 tensors if present, else the NVFP4 ones dequantised once
+        (cached)."""
         if self.has_bf16:
             return self.w13.to(torch.bfloat16), self.w2.to(torch.bfloat16)
         return self.prepare("bf16_dequantized", lambda w: w.dequantized(torch.bfloat16))

@@ -17,7 +17,7 @@ def _flash_mla():
 
 
 def metadata(flash_mla, seqlens: torch.Tensor, q_len: int, num_heads: int) -> tuple:
-    """(tile_scheduler_metadata, num_splits) in whichever form this flash_mla returns."""
+    """(tile_scheduler_metadata, num_splits) in whichever form this flash_mla returns, for seqlens [B] int32 (CUDA)."""
     meta, splits = flash_mla.get_mla_metadata(seqlens, q_len * num_heads, 1)
     if isinstance(meta, torch.Tensor):  # 2025 API: device tensors, to pass as they are
         return meta, splits

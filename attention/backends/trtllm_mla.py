@@ -21,7 +21,7 @@ _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
 def workspace(device: torch.device) -> torch.Tensor:
-    """The zero-initialised 128 MiB workspace of `device` (allocated once)."""
+    """The zero-initialised 128 MiB workspace of `device` (allocated once): [WORKSPACE_BYTES] uint8."""
     buf = _WORKSPACES.get(device)
     if buf is None:
         buf = _WORKSPACES[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)

@@ -89,6 +89,8 @@ class TokenPayload:
         return n
 
     def parts(self) -> list[torch.Tensor]:
+        """[data] or [data, scales]: the tensors that travel (data bf16 [T, H], float8_e4m3fn [T, H] or uint8
+        [T, H/2]; scales fp32 [T, H/128] or float8_e4m3fn [T, H/16], as the payload kind has them)."""
         return [self.data] + ([self.scales] if self.scales is not None else [])
 
 
@@ -395,7 +397,8 @@ class BaseDispatcher(ABC):
 
     def quantize(self, x: torch.Tensor, payload: str, global_scale: torch.Tensor | float | None = None
                  ) -> TokenPayload:
-        """The quantize stage (sender side): see `quantize_tokens`."""
+        """The quantize stage (sender side), x [T, H] bf16 → the payload (global_scale: fp32 scalar, nvfp4 only); see
+        `quantize_tokens`."""
         return quantize_tokens(x, payload, global_scale)
 
     def dispatch(self, x: torch.Tensor | TokenPayload, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

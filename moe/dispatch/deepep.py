@@ -98,8 +98,9 @@ class DeepEPDispatcher(BaseDispatcher):
 
     def quantize(self, x: torch.Tensor, payload: str, global_scale: torch.Tensor | float | None = None
                  ) -> TokenPayload:
-        """Low-latency fp8 / nvfp4: DeepEP quantizes inside its dispatch kernel, so this stage only
-        records the payload kind (deferred); normal mode quantizes here as every backend does."""
+        """x [T, H] bf16 → its payload. Low-latency fp8 / nvfp4: DeepEP quantizes inside its dispatch kernel, so this
+        stage only records the payload kind (deferred; global_scale an fp32 scalar); normal mode quantizes here as
+        every backend does."""
         if self.mode == "low_latency" and payload in ("fp8", "nvfp4"):
             if payload == "nvfp4" and global_scale is None:
                 return super().quantize(x, payload, global_scale)  # the same error as everywhere
