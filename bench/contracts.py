@@ -31,7 +31,8 @@ def five_tensor_op():
 
 
 def five_tensors(device: str = "meta") -> dict[str, torch.Tensor]:
-    """DeepSeek-R1 EP8 shapes (32 local experts, M 128, K 7168, I 2048), on the meta device (no memory)."""
+    """DeepSeek-R1 EP8 shapes (32 local experts, M 128, K 7168, I 2048), on the meta device (no memory): masked_m [E]
+    int32, hidden [E, M, K] bf16 and the expert weights, by contract name."""
     e, m, k, i = 32, 128, 7168, 2048
     return {"masked_m": torch.empty(e, dtype=torch.int32, device=device),
             "hidden": torch.empty(e, m, k, dtype=torch.bfloat16, device=device),

@@ -169,8 +169,8 @@ def _bench_cpu(fn, *, warmup, repeats, setup, max_seconds) -> Timing:
 
 
 def cosine_error(x: torch.Tensor, y: torch.Tensor) -> float:
-    """FlashMLA's closeness measure 1 - 2Σxy / Σ(x² + y²) in fp64: 0 when equal (any shapes/dtypes
-    that broadcast; NaN anywhere gives NaN)."""
+    """FlashMLA's closeness measure 1 - 2Σxy / Σ(x² + y²) in fp64: 0 when equal (x [...] and y [...] any shapes and
+    float dtypes that broadcast; NaN anywhere gives NaN)."""
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
     if denom == 0:

@@ -106,6 +106,8 @@ def time_runner(layout, weights, runner: str, config: dict | None = None, expect
 
 
 def valid_rows(layout_out, layout_in) -> torch.Tensor:
+    """The rows of layout_out.hidden that hold tokens, [rows, K] in its dtype: a masked layout's first masked_m[e]
+    rows of each expert e, a contiguous layout's first offsets[-1] rows."""
     h = layout_out.hidden
     if isinstance(layout_in, Masked):
         keep = torch.arange(h.shape[1], device=h.device)[None, :] < layout_in.masked_m.long()[:, None]

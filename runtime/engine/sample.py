@@ -36,8 +36,9 @@ class SamplingTensors:
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
                   steps: list[int] | None = None) -> "SamplingTensors":
-        """steps: the output index each row samples (default: len(output_ids); a decode step launched before the
-        previous step's token reached the host samples one further)."""
+        """The [B] tensors of `reqs` (B = len(reqs)) on `device`. steps: the output index each row samples (default:
+        len(output_ids); a decode step launched before the previous step's token reached the host samples one
+        further)."""
         ps = [r.params for r in reqs]
         pin = device.type == "cuda"
         steps = [len(r.output_ids) for r in reqs] if steps is None else steps

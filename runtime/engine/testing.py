@@ -50,9 +50,13 @@ class ToyModel:
         self.calls = 0
 
     def latent(self, ids: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
+        """The KV row each token stores at `layer`: ids [T] int64, pos [T] int64 → [T, LATENT] fp32."""
         return (self.emb[ids] + torch.sin(pos[:, None].float() * self.freq[None, :])) * (1.0 + 0.25 * layer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 → logits [B, V] fp32, one row per sequence of ctx (B =
+        ctx.seqlens.shape[0]): stores each token's KV, then reads every stored row of its sequence back, so that a
+        lost, misplaced or corrupted row changes the logits."""
         self.calls += 1
         ps = ctx.page_size
         for layer, cache in enumerate(ctx.kv_caches):

@@ -174,6 +174,8 @@ class MoEBlock(nn.Module):
         w.store_(weights_layout)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] in the model dtype → the routed experts' output [T, hidden], same dtype (decode steps in the
+        layer's decode dispatch mode, prefill in normal mode)."""
         if self.moe is None:
             raise RuntimeError(f"layer {self.layer_idx}: routed expert weights were never set; load the model "
                                "with pdlab.runtime.model.load_model (or call MoEBlock.set_experts)")

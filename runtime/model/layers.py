@@ -26,6 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] any float dtype → [..., dim] same dtype (normalised in fp32)."""
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -103,6 +104,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] → [..., out_features], the weight's dtype."""
         return F.linear(x, self.weight, self.bias)
 
 
@@ -133,5 +135,6 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] → down(silu(gate(x)) * up(x)) [T, hidden], the weights' dtype."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -80,7 +80,7 @@ class TensorSource(ABC):
 
     @abstractmethod
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name` (shape and dtype as stored)."""
+        """The tensor `name`, of the shape [...] and dtype it is stored with."""
 
     def where(self, name: str) -> str:
         return "the checkpoint"
@@ -144,6 +144,7 @@ class SafetensorsSource(TensorSource):
         return self.weight_map.keys()
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor `name` read from its shard, [...] and dtype as stored; CheckpointError for a damaged file."""
         from safetensors import SafetensorError
 
         try:
@@ -178,6 +179,7 @@ class DictSource(TensorSource):
         return self.tensors.keys()
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor `name` as given, [...] any shape and dtype."""
         return self.tensors[name]
 
     def where(self, name: str) -> str:
@@ -197,6 +199,7 @@ class RandomSource(TensorSource):
         return self.shapes.keys()
 
     def get(self, name: str) -> torch.Tensor:
+        """A random tensor of `name`'s shape [...] and dtype, the same for the same seed and name."""
         shape = self.shapes[name]
         g = torch.Generator(self.gen_device).manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         dev = self.gen_device
@@ -360,8 +363,8 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 def build_model(cfg: ModelConfig, source: TensorSource, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.bfloat16, *, options: LoadOptions | None = None) -> DeepseekV3ForCausalLM:
-    """Construct DeepseekV3ForCausalLM on `device` and fill it from `source` (shape-checked, every
-    tensor accounted for). Raises CheckpointError naming the offending tensor."""
+    """Construct DeepseekV3ForCausalLM on `device` and fill it from `source` (each tensor checked against the shape
+    [...] the config gives it, every tensor accounted for). Raises CheckpointError naming the offending tensor."""
     options = options or LoadOptions()
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):

@@ -27,7 +27,8 @@ PAGE = 64
 
 
 def build_context(cfg, batch: int, context: int, new: int, device, kv_dtype) -> tuple[ForwardContext, torch.Tensor]:
-    """Batch `batch` sequences with `context` cached tokens each adding `new` tokens (decode when new == 1)."""
+    """Batch `batch` sequences with `context` cached tokens each adding `new` tokens (decode when new == 1): the
+    ForwardContext over zeroed pools [pages, 64, latent_dim] of kv_dtype, and positions [batch * new] int64."""
     total = context + new
     pages_per = -(-total // PAGE)
     pools = [torch.zeros(batch * pages_per, PAGE, cfg.latent_dim, dtype=kv_dtype, device=device)
