@@ -7,6 +7,7 @@ win). Impossible settings are rejected when the object is built, with the reason
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import types
 import typing
@@ -233,7 +234,9 @@ def build_config(cls: type[BaseModel], file: str | None = None, **overrides: Any
             loc = ".".join(str(x) for x in err["loc"]) or "config"
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = f"unknown setting; known: {', '.join(sorted(cls.model_fields))}"
+                near = difflib.get_close_matches(str(err["loc"][-1]), list(cls.model_fields), n=1)
+                msg = (f"unknown setting{f' (did you mean {near[0]}?)' if near else ''}; known: "
+                       f"{', '.join(sorted(cls.model_fields))}")
             lines.append(f"{loc}: {msg}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import functools
 import hmac
 import json
 import logging
 import time
+import typing
 import uuid
 from typing import Any, AsyncIterator, Callable, Literal
 
@@ -166,6 +168,42 @@ _ONE_VALUE_FIELDS = {"n": "n={value} is not supported: one choice per request; s
                      "frequency_penalty": "frequency_penalty is not supported: send 0 or leave it out"}
 
 
+# the fields of another API that a client of this route most likely meant (the OpenAI routes vs SGLang's /generate)
+_OTHER_API_NAMES = {"max_tokens": "max_new_tokens", "prompt": "text", "logprobs": "return_logprob",
+                    "top_logprobs": "top_logprobs_num", "max_new_tokens": "max_tokens"}
+
+
+def _body_model(path: str) -> type[BaseModel] | None:
+    return {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+            "/generate": GenerateRequest}.get(path)
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The request-body model inside a field's type (`StreamOptions | None`, `list[ChatMessage]`), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
+
+
+def _near_field(model: type[BaseModel] | None, loc: list[str]) -> str | None:
+    """The field of `model` (at the nested object `loc[:-1]` names) that the unknown field `loc[-1]` most likely
+    meant: its other-API name (max_tokens in /generate's sampling_params: max_new_tokens) or the closest spelling."""
+    for part in loc[:-1]:
+        if model is None or part.isdigit():  # a list index: the items' model is already the current one
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _model_in(field.annotation)
+    if model is None or not loc:
+        return None
+    fields, name = list(model.model_fields), loc[-1]
+    if _OTHER_API_NAMES.get(name) in fields:
+        return _OTHER_API_NAMES[name]
+    near = difflib.get_close_matches(name, fields, n=1, cutoff=0.75)
+    return near[0] if near else None
+
+
 def _union_field(loc: list[str]) -> int | None:
     """The index in `loc` of a field of `_UNION_FIELDS` followed by the type pydantic tried there, or None."""
     for i, part in enumerate(loc[:-1]):
@@ -247,7 +285,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     inflight: dict[str, Any] = {}
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -268,7 +306,9 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         elif kind == "extra_forbidden" and len(loc) == 1 and loc[0] in _UNSUPPORTED_FIELDS:
             msg = f"{loc[0]} is not supported by this server ({_UNSUPPORTED_FIELDS[loc[0]]}); remove it"
         elif kind == "extra_forbidden":
-            msg = f"unknown field {'.'.join(loc)!r}; remove it (this server rejects unknown fields)"
+            near = _near_field(_body_model(request.url.path), loc)
+            hint = f"did you mean {'.'.join([*loc[:-1], near])!r}? Else remove it" if near else "remove it"
+            msg = f"unknown field {'.'.join(loc)!r}; {hint} (this server rejects unknown fields)"
         elif len(loc) == 1 and loc[0] in _ONE_VALUE_FIELDS and kind in _RANGE_ERRORS:
             msg = _ONE_VALUE_FIELDS[loc[0]].format(value=first.get("input"))
         elif loc:

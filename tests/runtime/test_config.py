@@ -64,7 +64,8 @@ def test_boolean_flags_switch_both_ways(tmp_path):
     ({"device": "tpu"}, "device"),
     ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
     ({"cuda_graph_bs": [512], "max_running_requests": 64}, "cuda_graph_bs"),
-    ({"not_a_setting": 1}, "unknown setting"),
+    ({"not_a_setting": 1}, "unknown setting; known:"),
+    ({"max_running_request": 4}, "max_running_request: unknown setting (did you mean max_running_requests?)"),
     ({"port": 70000}, "port"),
     ({"kv_scale": float("inf")}, "kv_scale: Input should be a finite number"),  # was accepted: every request a 500
 ])

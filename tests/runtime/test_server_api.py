@@ -235,6 +235,26 @@ def test_bad_completion_requests_are_400(client, body, needle):
     assert needle in err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
 
 
+@pytest.mark.parametrize("path,body,says", [
+    ("/generate", {"text": "x", "sampling_params": {"max_tokens": 3}},
+     "unknown field 'sampling_params.max_tokens'; did you mean 'sampling_params.max_new_tokens'?"),
+    ("/generate", {"prompt": "x"}, "unknown field 'prompt'; did you mean 'text'?"),
+    ("/v1/completions", {"prompt": "x", "max_new_tokens": 3}, "unknown field 'max_new_tokens'; did you mean "
+                                                               "'max_tokens'?"),
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, "did you mean 'temperature'?"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "nmae": "a"}]},
+     "unknown field 'messages.0.nmae'; did you mean 'messages.0.name'?"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                              "stream_options": {"include_usag": True}}, "did you mean 'stream_options.include_usage'?"),
+    ("/v1/completions", {"prompt": "x", "zzzz": 1}, "unknown field 'zzzz'; remove it"),
+])
+def test_an_unknown_field_names_the_field_it_likely_meant(client, path, body, says):
+    """An OpenAI field sent to /generate (or the reverse) and a misspelt one were 'unknown field ...; remove it', which
+    leaves the client to find the name: the 400 names the field of that route it most likely meant."""
+    r = _post(client, path, body)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": 300}, "max_tokens"),  # past the context
     ({"prompt": "y" * 300}, "prompt"),  # longer than the context
