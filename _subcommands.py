@@ -4,6 +4,7 @@ module with `add_arguments(parser)` and `run(args) -> int`, imported only when i
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from dataclasses import dataclass
@@ -15,10 +16,28 @@ class Subcommand:
     help: str
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose "unrecognized arguments" error names the flag each unknown one likely meant."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            flags = [f for f in self._option_string_actions if f.startswith("--")]
+            hints = []
+            for arg in extra:
+                name = arg.split("=", 1)[0]
+                near = difflib.get_close_matches(name, flags, n=1, cutoff=0.75) if name.startswith("--") else []
+                if near:
+                    hints.append(f"{name}: did you mean {near[0]}?")
+            self.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        return parsed
+
+
 def arg_parser(**kwargs) -> argparse.ArgumentParser:
     """Every pdlab command's parser: an `argparse.ArgumentParser(**kwargs)` that takes flags only as spelt out in full
-    (allow_abbrev off: `--decode URL` is not read as `--decode-reserve-tokens URL`)."""
-    return argparse.ArgumentParser(allow_abbrev=False, **kwargs)
+    (allow_abbrev off: `--decode URL` is not read as `--decode-reserve-tokens URL`), and whose error for an unknown
+    flag names the flag it likely meant (`--max-running-request`: did you mean --max-running-requests?)."""
+    return _Parser(allow_abbrev=False, **kwargs)
 
 
 def run_tool(prog: str, description: str, table: dict[str, Subcommand], argv: list[str] | None) -> int:

@@ -108,6 +108,18 @@ def test_every_pdlab_parser_refuses_abbreviations():
         p.parse_args(["--decode", "3"])
 
 
+def test_an_unknown_flag_names_the_flag_it_likely_meant(capsys):
+    """argparse said only "unrecognized arguments: --max-running-request 4": the message names the flag a misspelt one
+    likely meant, and nothing for one that is like no flag."""
+    assert _exit_code(["runtime", "serve", "--max-running-request", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-running-request 4 (--max-running-request: did you mean " \
+           "--max-running-requests?)" in err
+    assert _exit_code(["bench", "attention", "--batchs=3", "--zzz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("unrecognized arguments: --batchs=3 --zzz (--batchs: did you mean --batch?)"), err
+
+
 @pytest.mark.parametrize("mode", [["--disagg", "--device", "cpu"],
                                   ["--role", "router", "--decode", "http://127.0.0.1:9"]])
 @pytest.mark.parametrize("flag,value,field", [("--health-interval", "0", "health_interval"),
