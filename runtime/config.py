@@ -130,6 +130,9 @@ class SchedulerConfig(EngineConfig):
     role: Literal["colocated", "prefill", "decode"] = Field("colocated", description="which phases this server runs")
     overlap_schedule: bool = Field(True, description="launch the next decode step before post-processing the "
                                    "current one (hides host time; a finished request costs one discarded token)")
+    enable_prefix_caching: bool = Field(False, description="keep the KV pages of finished requests and reuse them "
+                                        "for requests that start with the same tokens (whole pages; evicted, least "
+                                        "recently used first, when a request needs the pages)")
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -147,6 +150,10 @@ class SchedulerConfig(EngineConfig):
             raise ValueError(f"--kv-backup-chunk-pages {self.kv_backup_chunk_pages} sizes the copies of KV backups, "
                              "but --retract-mode recompute makes none (it drops a retracted request's KV); drop "
                              "--kv-backup-chunk-pages, or use --retract-mode backup")
+        if self.enable_prefix_caching and self.role == "decode":
+            raise ValueError("--enable-prefix-caching reuses the KV of prompts this server computes, and a decode "
+                             "server computes none (its prompts' KV comes from the prefill server): enable it on the "
+                             "prefill server")
         if self.cuda_graph_bs is not None and max(self.cuda_graph_bs) > self.max_running_requests:
             raise ValueError(f"cuda_graph_bs {max(self.cuda_graph_bs)} exceeds max_running_requests "
                              f"{self.max_running_requests}; drop the larger sizes")

@@ -110,6 +110,7 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     cached_len: int = 0
     pages: list[int] = field(default_factory=list)
+    prefix_pages: int = 0  # the first pages are the prefix cache's, shared read-only (--enable-prefix-caching)
     table_row: int = -1
     table_len: int = 0  # how many of `pages` are written into the device page-table row
     backup: Any = None

@@ -14,6 +14,7 @@ import torch
 
 from pdlab.kernels.env import ENV
 from pdlab.runtime.memory.allocator import BaseAllocator, create_allocator
+from pdlab.runtime.memory.prefix_cache import PrefixCache
 
 LATENT_DIM = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.uint8}
@@ -52,6 +53,7 @@ class MLAKVPool:
         self.allocator: BaseAllocator = create_allocator(num_pages, page_size, allocator)
         self.kv_scale = (1.0 if kv_scale is None else float(kv_scale)) if kv_dtype == "fp8" else None
         self.copy_chunk_pages = max(1, copy_chunk_pages)
+        self.prefix_cache: PrefixCache | None = None  # `enable_prefix_cache()`
         storage = KV_DTYPES[kv_dtype]
         self.kv_caches = [torch.zeros(num_pages, page_size, LATENT_DIM, dtype=storage, device=self.device)
                           for _ in range(num_layers)]
@@ -67,13 +69,23 @@ class MLAKVPool:
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Pages an allocation may take: the free ones and the cached ones no request reads (evicted on demand)."""
+        cache = self.prefix_cache
+        return self.allocator.num_free + (cache.evictable if cache is not None else 0)
 
     @property
     def usage(self) -> float:
-        """Fraction of allocatable pages in use, in [0, 1]."""
+        """Fraction of allocatable pages in use by requests, in [0, 1] (cached pages no request reads count as
+        free)."""
         cap = self.allocator.capacity
-        return (cap - self.allocator.num_free) / cap
+        return (cap - self.num_free_pages) / cap
+
+    def enable_prefix_cache(self) -> PrefixCache:
+        """Keep the KV pages of finished requests for reuse by later requests with the same prefix (see
+        `prefix_cache.py`); returns the cache."""
+        if self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self.free, self.page_size)
+        return self.prefix_cache
 
     @property
     def max_tokens(self) -> int:
@@ -81,7 +93,14 @@ class MLAKVPool:
 
     # ---- allocate / free / backup / restore ----------------------------------------------------
     def allocate(self, n_pages: int) -> list[int]:
+        self._make_room(n_pages)
         return self.allocator.allocate(n_pages)
+
+    def _make_room(self, n_pages: int) -> None:
+        """Evict cached pages no request reads until `n_pages` are free in the allocator (as far as they go)."""
+        short = n_pages - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
 
     def free(self, pages: list[int]) -> None:
         self.allocator.free(pages)
@@ -90,10 +109,20 @@ class MLAKVPool:
             for cache in self.kv_caches:
                 cache.index_fill_(0, idx, 0x52 if cache.dtype == torch.uint8 else 7.0)
 
+    def release_pages(self, req, keep: bool = True) -> None:
+        """Take back all of `req`'s pages (req.pages: [int]): freed, or with a prefix cache, its full computed pages
+        cached when `keep` (false: a failed step may have left them wrong) and its shared ones released."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req, keep)
+        else:
+            self.free(req.pages)
+            req.pages = []
+
     def backup(self, pages: list[int], num_tokens: int) -> KVBackup:
         return self.allocator.backup(self, pages, num_tokens)
 
     def restore(self, backup: KVBackup, extra_pages: int = 0) -> list[int]:
+        self._make_room(-(-backup.num_tokens // self.page_size) + extra_pages)
         return self.allocator.restore(self, backup, extra_pages)
 
     # ---- copies (used by the allocators) ----------------------------------------------------------

@@ -5,7 +5,8 @@ order (retracted requests keep their arrival position, so they come back before 
 request is admitted only if its pages fit in the free pages minus the headroom reserved for running
 decodes; the first one that does not fit stops admission (no overtaking, so no starvation).
 A retracted request with a CPU backup is restored first; if only its last token is missing it goes
-straight back to decoding.
+straight back to decoding. With a prefix cache, a request is admitted with the cached pages of its longest cached
+prefix (whole pages) and computes only the rest.
 """
 
 from __future__ import annotations
@@ -55,9 +56,15 @@ class PrefillManager:
         for r in waiting:
             if slots <= 0 or budget <= 0:
                 break
+            cache = self.pool.prefix_cache
+            matched = cache is not None and r.backup is None and not r.pages and cache.match(r) > 0
+            if matched:
+                free = self.pool.num_free_pages  # the matched pages are no longer evictable
             n = 1 if r.extend_len == 1 and r.backup is not None else min(r.extend_len, self.chunk, budget)
             need = -(-(r.cached_len + n) // ps) - len(r.pages)
             if need > free - reserve_pages:
+                if matched:  # not admitted: give the pages back, match again next time
+                    cache.unmatch(r)
                 break
             r.admitted_at = next_admit + len(plan.admitted)
             plan.admitted.append(r)

@@ -6,7 +6,8 @@ pool holds at least one maximal request (checked at start-up), it always makes p
 A LIFO victim has also spent the least time on the GPU, so the least work is parked.
 
 Retracting a request: back its KV up to CPU (`retract_mode="backup"`, pinned chunked copies) or drop
-it (`"recompute"`, cached_len = 0), free its pages, and put it back in the waiting queue at its arrival
+it (`"recompute"`, cached_len = 0), free its pages (with a prefix cache, its full pages are cached: a recomputed
+request that comes back before they are evicted matches them), and put it back in the waiting queue at its arrival
 position. Resuming: restore the backup into fresh pages (or recompute through prefill); its tokens and
 sampling state are untouched, so greedy outputs are identical to a run without pressure.
 """
@@ -33,9 +34,9 @@ def retract(req: Req, pool: MLAKVPool, table: PageTable, mode: str) -> None:
         req.backup = pool.backup(req.pages, req.cached_len)
     else:
         req.backup = None
+    pool.release_pages(req, keep=True)
+    if req.backup is None:
         req.cached_len = 0
-    pool.free(req.pages)
-    req.pages = []
     table.release(req)
     req.status = ReqStatus.RETRACTED
     req.num_retractions += 1

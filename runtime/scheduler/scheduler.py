@@ -70,6 +70,7 @@ class Scheduler:
         self.prefill = PrefillManager(self.pool, cfg.chunked_prefill_size, cfg.max_prefill_tokens,
                                       cfg.max_running_requests, cfg.decode_reserve_tokens)
         self.parked: dict[str, Req] = {}  # WAITING_FOR_KV / HANDED_OFF: pages held for a role hook
+        self.prefix_cache = self.pool.enable_prefix_cache() if cfg.enable_prefix_caching else None
         self.by_rid: dict[str, Req] = {}
         self.num_retractions = 0
         self._warming = False
@@ -241,6 +242,8 @@ class Scheduler:
         finally:
             self.hooks, self.metrics, self.on_output = saved
             self._warming = False
+            if self.prefix_cache is not None:  # the warm-up's filler prompts were not cached: nor are their lookups
+                self.prefix_cache.hit_tokens = self.prefix_cache.queried_tokens = 0
         if self.by_rid:
             raise RuntimeError(f"warmup left {len(self.by_rid)} request(s) behind")
         return {"requests": n_req, "tokens": n_tok, "seconds": time.perf_counter() - t0}
@@ -428,6 +431,9 @@ class Scheduler:
         if not advanced:
             for r, n in zip(batch.reqs, batch.extend_lens):
                 r.cached_len += n
+        if self.prefix_cache is not None and not batch.is_decode and not self._warming:
+            for r in batch.reqs:  # the prompt pages just computed: later requests may read them from now on
+                self.prefix_cache.insert_computed(r)
         for i, tok, lp in zip(out.sampled, out.next_ids, out.logprobs):
             r = batch.reqs[i]
             if r.finished:
@@ -484,7 +490,8 @@ class Scheduler:
         if r in self.waiting:
             self.waiting.remove(r)
         self.parked.pop(r.rid, None)
-        self._free_pages(r)
+        # a failed step may have left its KV wrong, and the warm-up's filler prompts are no prefix to keep
+        self._free_pages(r, keep=reason is not FinishReason.ERROR and not self._warming)
         r.backup = None
         r.status = ReqStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else ReqStatus.FINISHED
         r.finish_reason = reason
@@ -495,10 +502,10 @@ class Scheduler:
         self.on_output(StepOutput(r.rid, new_ids or [], text, True, reason, r.prompt_len, len(r.output_ids),
                                   new_lps or [], error, error_status))
 
-    def _free_pages(self, r: Req) -> None:
+    def _free_pages(self, r: Req, keep: bool = True) -> None:
+        """Give back r's pages (with a prefix cache: its full computed pages are cached when `keep`)."""
         if r.pages:
-            self.pool.free(r.pages)
-            r.pages = []
+            self.pool.release_pages(r, keep)
         self.engine.page_table.release(r)
 
     def _enqueue(self, req: Req) -> None:
@@ -507,19 +514,26 @@ class Scheduler:
 
     # ---- checks and stats ----------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every allocated page belongs to exactly one live request; raises AssertionError otherwise."""
+        """Every allocated page belongs to exactly one live request or to the prefix cache, and each cached page is
+        read by as many live requests as it counts; raises AssertionError otherwise."""
         holders = self.decode.running + self.prefill.prefilling + list(self.parked.values())
-        owned = [p for r in holders for p in r.pages]
+        owned = [p for r in holders for p in r.pages[r.prefix_pages:]]
         assert len(owned) == len(set(owned)), "a page is owned by two requests"
-        in_use = self.pool.allocator.capacity - self.pool.num_free_pages
-        assert in_use == len(owned), f"{in_use} pages in use but requests own {len(owned)} (leak)"
+        cached = self.prefix_cache.check(holders) if self.prefix_cache is not None else set()
+        assert not cached & set(owned), "a request owns a page the prefix cache holds"
+        in_use = self.pool.allocator.capacity - self.pool.allocator.num_free
+        assert in_use == len(owned) + len(cached), \
+            f"{in_use} pages in use but requests own {len(owned)} and the prefix cache {len(cached)} (leak)"
         for r in self.waiting:
             assert not r.pages, f"waiting request {r.rid} holds pages"
         live = {r.rid for r in holders + self.waiting}
         assert live == set(self.by_rid), "a request was lost or duplicated"
 
     def stats(self) -> dict:
+        cache = self.prefix_cache
         return {"num_waiting": len(self.waiting), "num_running": len(self.decode.running),
                 "num_prefilling": len(self.prefill.prefilling), "num_parked": len(self.parked),
                 "kv_usage": self.pool.usage, "kv_free_pages": self.pool.num_free_pages,
-                "num_retractions": self.num_retractions}
+                "num_retractions": self.num_retractions,
+                **({"prefix_cache_pages": cache.num_pages, "prefix_cache_hit_tokens": cache.hit_tokens,
+                    "prefix_cache_queried_tokens": cache.queried_tokens} if cache is not None else {})}

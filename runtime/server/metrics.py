@@ -88,6 +88,9 @@ class RuntimeMetrics:
                   ("num_requests_prefilling", "requests part-way through a chunked prefill", stats.get("num_prefilling", 0)),
                   ("kv_cache_usage_ratio", "share of KV pages in use", stats.get("kv_usage", 0.0)),
                   ("kv_free_pages", "free KV pages", stats.get("kv_free_pages", 0))]
+        if "prefix_cache_pages" in stats:  # --enable-prefix-caching
+            gauges.append(("prefix_cache_pages", "KV pages the prefix cache holds (those no request reads count as "
+                           "free)", stats["prefix_cache_pages"]))
         lines = []
         for name, help_, v in gauges:
             lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} gauge", f"{p}_{name} {v}"]
@@ -95,6 +98,11 @@ class RuntimeMetrics:
             counters = [("retractions_total", "requests retracted under KV pressure", self.retractions),
                         ("prompt_tokens_total", "prompt tokens of requests that produced a token", self.prompt_tokens),
                         ("generation_tokens_total", "tokens generated", self.generation_tokens)]
+            if "prefix_cache_hit_tokens" in stats:
+                counters += [("prefix_cache_hit_tokens_total", "prompt tokens served from the prefix cache",
+                              stats["prefix_cache_hit_tokens"]),
+                             ("prefix_cache_queried_tokens_total", "prompt tokens looked up in the prefix cache",
+                              stats["prefix_cache_queried_tokens"])]
             for name, help_, v in counters:
                 lines += [f"# HELP {p}_{name} {help_}", f"# TYPE {p}_{name} counter", f"{p}_{name} {v}"]
             lines += [f"# HELP {p}_requests_finished_total requests finished, by reason",

@@ -62,7 +62,8 @@ class Server:
                 *self.engine.describe(),
                 f"scheduler: max_running_requests {c.max_running_requests}, chunked_prefill_size "
                 f"{c.chunked_prefill_size}, max_prefill_tokens {c.max_prefill_tokens}, decode_reserve_tokens "
-                f"{c.decode_reserve_tokens}, retract_mode {c.retract_mode}",
+                f"{c.decode_reserve_tokens}, retract_mode {c.retract_mode}, prefix caching "
+                f"{'on' if c.enable_prefix_caching else 'off'}",
                 "warm-up: " + (f"{self.warmup['requests']} prompts, {self.warmup['tokens']} tokens in "
                                f"{self.warmup['seconds']:.1f} s" if self.warmup and self.warmup["requests"] else
                                "none (decode role: the CUDA graphs)" if self.warmup is not None else

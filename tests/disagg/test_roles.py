@@ -179,6 +179,20 @@ def test_prefill_failure_is_reported_to_decode(disagg, monkeypatch):
         assert _free_pages(side) == side.scheduler.pool.allocator.capacity
 
 
+def test_a_prefill_server_with_prefix_caching_sends_the_cached_prefix_too(disagg, monkeypatch):
+    """The prefill server reuses the pages of a prompt's cached prefix (--enable-prefix-caching) and sends them with
+    the pages it computed: the decode server gets the whole prompt's KV, greedy outputs equal colocated ones."""
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    system = [(3 * i + 1) % 250 for i in range(40)]
+    prompts = [system + [(5 * i + k) % 250 for i in range(n)] for k, n in enumerate((1, 16, 23))]
+    ref = _colocated(prompts)
+    d = disagg(prefill=_settings(enable_prefix_caching=True))
+    out = d.generate(prompts[:1], GREEDY) + d.generate(prompts[1:], GREEDY)
+    assert [o["token_ids"] for o in out] == ref
+    assert d.prefill.scheduler.prefix_cache.hit_tokens >= 2 * 32  # the two later prompts: two pages of 16 each
+    _assert_all_pages_free(d)
+
+
 def test_client_abort_frees_pages_on_both_sides(disagg):
     d = disagg()
     results = {}
