@@ -2,6 +2,7 @@
 it saves, for requests that share a long system prompt (the embedded tiny DeepSeek-V3, so that it runs in seconds).
 
     python3 bench/gpu/prefix_cache.py --out DIR [--device cuda] [--system 1536] [--requests 16]
+                                      [--model synthetic:deepseek-r1:2]
 
 Writes prefix_cache.json (per run: wall time of the second wave, prefill tokens computed, cache hits, outputs equal
 or not) and prints it. On CPU it runs too (small sizes), as a check of the script."""
@@ -54,12 +55,20 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--system", type=int, default=None, help="system prompt tokens (GPU 1536, CPU 192)")
     p.add_argument("--requests", type=int, default=None, help="requests after the first (GPU 16, CPU 3)")
+    p.add_argument("--model", default=None, help="synthetic:deepseek-r1:LAYERS (R1 widths, random weights) instead "
+                   "of the embedded tiny model")
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
     system_len = args.system or (1536 if gpu else 192)
     n = args.requests or (16 if gpu else 3)
     dtype = "bf16" if gpu else "fp32"
-    model, tok, cfg = load_model(None, torch.device(args.device), torch.bfloat16 if gpu else torch.float32)
+    torch_dtype = torch.bfloat16 if gpu else torch.float32
+    if args.model:
+        from pdlab.runtime.engine.synthetic import load_synthetic
+
+        model, tok, cfg = load_synthetic(args.model, torch.device(args.device), torch_dtype)
+    else:
+        model, tok, cfg = load_model(None, torch.device(args.device), torch_dtype)
     vocab = int(cfg.vocab_size)
     system = [(37 * i + 11) % vocab for i in range(system_len)]
     prompts = [system + [(13 * i + 7 * k + 1) % vocab for i in range(32 + 8 * k)] for k in range(n + 1)]
@@ -67,7 +76,8 @@ def main() -> int:
     runs = [run(model, tok, cfg, args.device, cache, prompts, params, dtype) for cache in (False, True, False, True)]
     off, on = runs[2], runs[3]  # the second pair: kernels compiled by the first
     same = sum(a == b for a, b in zip(off["token_ids"], on["token_ids"]))
-    result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "system_tokens": system_len,
+    result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "model": args.model or "embedded tiny",
+              "system_tokens": system_len,
               "requests": n + 1, "outputs_equal": f"{same}/{len(prompts)}",
               "prefill_tokens_off": off["second_wave_prefill_tokens"],
               "prefill_tokens_on": on["second_wave_prefill_tokens"], "hit_tokens": on["hit_tokens"],
