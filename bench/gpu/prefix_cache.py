@@ -21,7 +21,9 @@ from pdlab.runtime.engine.loop import LLM
 from pdlab.runtime.model import load_model
 
 
-def run(model, tok, cfg, device: str, cache: bool, prompts: list[list[int]], params, dtype: str) -> dict:
+def run(model, tok, cfg, device: str, cache: bool, prompts: list[list[int]], params, dtype: str,
+        one_by_one: bool = False) -> dict:
+    """One run: the first prompt alone, then the rest (timed), batched or one request at a time."""
     llm = LLM(model=model, tokenizer=tok, model_config=cfg, device=device, dtype=dtype, page_size=64,
               max_total_tokens=64 * 1024, chunked_prefill_size=2048, max_prefill_tokens=8192, max_context_len=4096,
               enable_prefix_caching=cache, disable_cuda_graph=True, cuda_graph_max_prefill_tokens=0)
@@ -38,7 +40,8 @@ def run(model, tok, cfg, device: str, cache: bool, prompts: list[list[int]], par
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    rest = llm.generate(prompts[1:], params)
+    rest = [o for p in prompts[1:] for o in llm.generate([p], params)] if one_by_one else \
+        llm.generate(prompts[1:], params)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -75,10 +78,14 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     runs = [run(model, tok, cfg, args.device, cache, prompts, params, dtype) for cache in (False, True, False, True)]
     off, on = runs[2], runs[3]  # the second pair: kernels compiled by the first
+    single = run(model, tok, cfg, args.device, False, prompts, params, dtype, one_by_one=True)
     same = sum(a == b for a, b in zip(off["token_ids"], on["token_ids"]))
+    # the control: without the cache, batched against one request at a time (bf16 results depend on the batch)
+    same_single = sum(a == b for a, b in zip(off["token_ids"], single["token_ids"]))
     result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "model": args.model or "embedded tiny",
               "system_tokens": system_len,
               "requests": n + 1, "outputs_equal": f"{same}/{len(prompts)}",
+              "outputs_equal_without_cache_batched_vs_one_by_one": f"{same_single}/{len(prompts)}",
               "prefill_tokens_off": off["second_wave_prefill_tokens"],
               "prefill_tokens_on": on["second_wave_prefill_tokens"], "hit_tokens": on["hit_tokens"],
               "second_wave_s_off": off["second_wave_s"], "second_wave_s_on": on["second_wave_s"],
