@@ -82,7 +82,10 @@ def main() -> int:
     same = sum(a == b for a, b in zip(off["token_ids"], on["token_ids"]))
     # the control: without the cache, batched against one request at a time (bf16 results depend on the batch)
     same_single = sum(a == b for a, b in zip(off["token_ids"], single["token_ids"]))
+    from pdlab.bench.report import git_commit
+
     result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "model": args.model or "embedded tiny",
+              "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "system_tokens": system_len,
               "requests": n + 1, "outputs_equal": f"{same}/{len(prompts)}",
               "outputs_equal_without_cache_batched_vs_one_by_one": f"{same_single}/{len(prompts)}",
