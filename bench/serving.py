@@ -2,7 +2,9 @@
 
 Random dataset: prompt and output lengths drawn uniformly from [len * range_ratio, len] (the
 `sglang.bench_serving` convention), prompts of random token ids (decoded to text with --tokenizer, else
-sent as a token-id list, which /v1/completions accepts). Requests arrive as a Poisson process at
+sent as a token-id list, which /v1/completions accepts). Shared-prefix dataset (`--dataset shared-prefix`): the
+same, each prompt behind one of --shared-prefix-groups random "system prompts" of --shared-prefix-len tokens
+(requests take the groups in turn), to measure a server's prefix caching. Requests arrive as a Poisson process at
 --request-rate (inf = all at once), at most --max-concurrency in flight, always streamed.
 
 Definitions (as `vllm bench serve` / `sglang.bench_serving`): TTFT = POST → first chunk carrying
@@ -33,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="server root, http://host:port (no /v1)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--dataset", default="random", choices=["random"])
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"],
+                   help="random prompts, or random prompts behind shared system prompts (shared-prefix)")
+    p.add_argument("--shared-prefix-len", type=int, default=2048,
+                   help="shared-prefix: tokens of each system prompt (the random part follows it)")
+    p.add_argument("--shared-prefix-groups", type=int, default=1,
+                   help="shared-prefix: how many distinct system prompts (requests take them in turn)")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -122,6 +129,18 @@ def random_requests(n: int, in_len: int, out_len: int, ratio: float, vocab: int,
     ins = rng.integers(max(1, int(in_len * ratio)), in_len + 1, size=n)
     outs = rng.integers(max(1, int(out_len * ratio)), out_len + 1, size=n)
     return [(rng.integers(0, vocab, size=int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+def shared_prefix_requests(n: int, groups: int, prefix_len: int, in_len: int, out_len: int, ratio: float, vocab: int,
+                           seed: int) -> list[tuple[list[int], int]]:
+    """As `random_requests`, each prompt behind system prompt i % groups (`groups` random prompts of prefix_len
+    tokens)."""
+    if groups < 1 or prefix_len < 1:
+        raise ValueError(f"--shared-prefix-groups and --shared-prefix-len must be >= 1, got {groups} and {prefix_len}")
+    rng = np.random.default_rng([seed, 1])
+    prefixes = [rng.integers(0, vocab, size=prefix_len).tolist() for _ in range(groups)]
+    return [(prefixes[i % groups] + ids, o)
+            for i, (ids, o) in enumerate(random_requests(n, in_len, out_len, ratio, vocab, seed))]
 
 
 def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
@@ -284,7 +303,8 @@ def plot_latency(results: list[RequestResult], path: Path, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         slos = parse_goodput(args.goodput)
-        for name in ("random_input_len", "random_output_len", "num_prompts"):
+        for name in ("random_input_len", "random_output_len", "num_prompts", "shared_prefix_len",
+                     "shared_prefix_groups"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -295,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--timeout must be > 0 seconds per request, got {args.timeout:g}")
         if not 0.0 <= args.random_range_ratio <= 1.0:
             raise ValueError(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio:g}")
+        if args.dataset != "shared-prefix" and (args.shared_prefix_len != 2048 or args.shared_prefix_groups != 1):
+            raise ValueError("--shared-prefix-len / --shared-prefix-groups shape the shared-prefix dataset; add "
+                             "--dataset shared-prefix, or drop them")
         if not args.request_rate >= 0:  # negative or nan (0 and inf: all at once)
             raise ValueError(f"--request-rate must be >= 0 requests/s (inf: all at once), got {args.request_rate:g}")
         try:
@@ -328,8 +351,13 @@ def run(args: argparse.Namespace) -> int:
     # token ids of random prompts: --vocab-size, the tokenizer's, the server's (pdlab and others that publish it)
     vocab = args.vocab_size or (tok.get_vocab_size() if tok else None) or card.get("vocab_size") or 1000
     try:
-        reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, int(vocab), args.seed)
+        if args.dataset == "shared-prefix":
+            reqs = shared_prefix_requests(args.num_prompts, args.shared_prefix_groups, args.shared_prefix_len,
+                                          args.random_input_len, args.random_output_len, args.random_range_ratio,
+                                          int(vocab), args.seed)
+        else:
+            reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, int(vocab), args.seed)
     except ValueError as exc:
         print(f"bench serving: {exc}", file=sys.stderr)
         return 2
@@ -337,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
     results, duration = asyncio.run(run_benchmark(args, prompts, model))
     summary = summarize(results, duration, slos)
     meta = {"base_url": args.base_url, "endpoint": args.endpoint, "model": model, "num_prompts": args.num_prompts,
+            "dataset": args.dataset, **({"shared_prefix_len": args.shared_prefix_len,
+                                         "shared_prefix_groups": args.shared_prefix_groups}
+                                        if args.dataset == "shared-prefix" else {}),
             "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
@@ -352,8 +383,9 @@ def run(args: argparse.Namespace) -> int:
     pd.DataFrame([{**meta, **{k: v for k, v in summary.items() if k != "slos_ms"}}]).to_csv(paths[2], index=False)
     if not args.no_plot:
         paths.append(out / f"{args.tag}_latency.png")
+        shared = f"{args.shared_prefix_len} shared + " if args.dataset == "shared-prefix" else ""
         plot_latency(results, paths[-1], f"{model} @ {args.base_url}: {args.num_prompts} req, in "
-                     f"{args.random_input_len}, out {args.random_output_len}")
+                     f"{shared}{args.random_input_len}, out {args.random_output_len}")
     _print(summary)
     errors = [r.error for r in results if not r.success]
     if errors:

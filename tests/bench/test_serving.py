@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdlab.bench import serving
-from pdlab.bench.serving import RequestResult, parse_goodput, random_requests, summarize
+from pdlab.bench.serving import RequestResult, parse_goodput, random_requests, shared_prefix_requests, summarize
 
 
 def test_definitions_on_hand_made_timings():
@@ -41,7 +41,8 @@ def test_random_dataset_and_goodput_parsing():
 def _args(**kw):
     p = argparse.ArgumentParser()
     serving.add_arguments(p)
-    return p.parse_args([x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *([str(v)] if not isinstance(v, list) else [str(i) for i in v]))])
+    return p.parse_args([x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", *(
+        [] if v is None else [str(v)] if not isinstance(v, list) else [str(i) for i in v]))])
 
 
 def test_against_a_live_server(tmp_path):
@@ -74,6 +75,42 @@ def test_against_a_live_server(tmp_path):
     assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] and s["mean_tpot_ms"] > 0 and s["mean_itl_ms"] > 0
     assert (tmp_path / "t.csv").exists() and (tmp_path / "t_summary.csv").exists()
     assert (tmp_path / "t_latency.png").stat().st_size > 1000
+
+
+def test_shared_prefix_dataset():
+    reqs = shared_prefix_requests(7, 3, 50, 20, 5, 1.0, 1000, seed=2)
+    heads = [tuple(p[:50]) for p, _ in reqs]
+    assert len(set(heads)) == 3 and heads[0] == heads[3] == heads[6] and heads[1] == heads[4]
+    assert [p[50:] for p, _ in reqs] == [p for p, _ in random_requests(7, 20, 5, 1.0, 1000, seed=2)]
+    assert shared_prefix_requests(7, 3, 50, 20, 5, 1.0, 1000, seed=2) == reqs
+    with pytest.raises(ValueError, match="must be >= 1"):
+        shared_prefix_requests(2, 0, 50, 20, 5, 1.0, 1000, seed=2)
+
+
+def test_shared_prefix_load_against_a_server_with_prefix_caching(tmp_path, capsys):
+    """The shared-prefix dataset through a live server with --enable-prefix-caching: every request completes and
+    the server serves the shared system prompts from its cache."""
+    from pdlab.runtime.config import ServerConfig, build_config
+    from pdlab.runtime.engine.testing import load_toy
+    from pdlab.runtime.server.serve import Server
+    m, tok, cfg = load_toy(max_position_embeddings=256)
+    srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048,
+                              max_context_len=256, enable_prefix_caching=True),
+                 model=m, tokenizer=tok, model_config=cfg)
+    srv.start()
+    try:
+        args = _args(base_url=f"http://127.0.0.1:{srv.port}", dataset="shared-prefix", shared_prefix_len=64,
+                     shared_prefix_groups=2, num_prompts=8, random_input_len=20, random_output_len=4,
+                     max_concurrency=2, out=tmp_path, tag="sp", no_plot=None)
+        assert serving.run(args) == 0
+        hits = srv.loop.scheduler.prefix_cache.hit_tokens
+    finally:
+        srv.stop()
+    data = json.loads((tmp_path / "sp.json").read_text())
+    assert data["summary"]["completed"] == 8 and data["meta"]["shared_prefix_len"] == 64
+    assert hits >= 4 * 48, hits  # the later requests of each group read its system prompt's whole pages
+    bad = _args(base_url="http://127.0.0.1:9", shared_prefix_len=64, out=tmp_path)
+    assert serving.run(bad) == 2 and "add --dataset shared-prefix" in capsys.readouterr().err
 
 
 def test_unreachable_server_is_a_clean_error(tmp_path, capsys):
