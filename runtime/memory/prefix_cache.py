@@ -59,10 +59,11 @@ class PrefixCache:
 
     # ---- lookup --------------------------------------------------------------------------------
     def match(self, req: "Req") -> int:
-        """Give `req` (no pages yet, nothing computed) the cached pages of its longest cached prefix of full pages,
+        """Give `req` (no pages yet, nothing computed; else 0) the cached pages of its longest cached prefix of full pages,
         short of its last token, and refer to them: req.pages / req.prefix_pages / req.cached_len are set. Returns the
         tokens matched (0: nothing cached)."""
-        assert not req.pages and req.cached_len == 0, "match() is for a request with no pages"
+        if req.pages or req.cached_len:  # it has KV of its own already (a restored backup): nothing to share
+            return 0
         ps, ids = self.page_size, req.tokens(0, req.seq_len)
         self.queried_tokens += len(ids)
         node, path = self.root, []
