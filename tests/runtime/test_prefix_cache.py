@@ -235,3 +235,74 @@ def test_metrics_report_the_cache_only_when_it_is_on():
     assert f"pdlab_prefix_cache_pages {llm.scheduler.prefix_cache.num_pages}" in text
     assert "pdlab_kv_cache_usage_ratio 0.0" in text  # cached pages no request reads are free
     assert "prefix_cache" not in RuntimeMetrics().render(_llm().scheduler.stats())
+
+
+@pytest.mark.parametrize("page", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_keep_the_books_and_never_share_wrong_kv(page, seed):
+    """Random requests over a small alphabet (so that prefixes repeat) are admitted, computed in chunks, finished,
+    failed or retracted while other allocations force evictions. Each page records the tokens written to it; after
+    every operation the cache's counts must agree with the live requests, every page must have exactly one owner,
+    and every page a request shares must hold exactly that request's tokens."""
+    import random
+
+    rng = random.Random(seed)
+    pool, cache = _pool(pages=40, page=page)
+    content: dict[int, tuple] = {}  # page -> the tokens whose KV it holds
+    live: list[Req] = []
+    held: list[int] = []  # pages taken by "other" allocations
+
+    def write(r, upto):  # compute r's tokens [cached_len, upto) into its own pages
+        need = -(-upto // page) - len(r.pages)
+        r.pages += pool.allocate(need)
+        for pos in range(r.cached_len, upto):
+            i = pos // page
+            assert i >= r.prefix_pages, "a request wrote into a shared page"
+            content[r.pages[i]] = content.get(r.pages[i], ())[:pos % page] + (r.token_at(pos),)
+        r.cached_len = upto
+
+    def books():
+        cached = cache.check(live)
+        own = [p for r in live for p in r.pages[r.prefix_pages:]]
+        assert len(own) == len(set(own)) and not cached & set(own) and not cached & set(held)
+        assert pool.allocator.capacity - pool.allocator.num_free == len(own) + len(cached) + len(held)
+        for r in live:
+            for i, p in enumerate(r.pages[:r.prefix_pages]):
+                assert content[p] == tuple(r.tokens(i * page, (i + 1) * page)), "shared KV of other tokens"
+
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.35 and len(live) < 4:
+            r = Req([rng.choice((1, 2)) for _ in range(rng.randint(1, 12))], GREEDY)
+            pool_before = pool.num_free_pages
+            cache.match(r)
+            assert r.cached_len < r.seq_len, "matched the whole sequence: no token left to compute logits from"
+            if -(-r.seq_len // page) - len(r.pages) > pool.num_free_pages:
+                cache.unmatch(r)  # does not fit: not admitted
+                assert pool.num_free_pages == pool_before
+            else:
+                live.append(r)
+        elif op < 0.6 and live:
+            r = rng.choice(live)
+            if r.cached_len < r.seq_len:
+                upto = min(r.seq_len, r.cached_len + rng.randint(1, 5))
+                if -(-upto // page) - len(r.pages) <= pool.num_free_pages:
+                    write(r, upto)
+                    cache.insert_computed(r)
+        elif op < 0.8 and live:
+            r = live.pop(rng.randrange(len(live)))
+            cache.release(r, keep=rng.random() < 0.8)
+            r.cached_len = 0
+        elif op < 0.9:
+            n = rng.randint(1, 6)
+            if n <= pool.num_free_pages:
+                got = pool.allocate(n)  # evicts cached pages as needed
+                for p in got:
+                    content.pop(p, None)
+                held += got
+        elif held:
+            k = rng.randint(1, len(held))
+            pool.free(held[:k])
+            del held[:k]
+        books()
+    assert cache.hit_tokens > 0 and cache.num_pages >= 0
