@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router")
     g.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill server URLs (--role router)")
     g.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode server URLs (--role router)")
-    g.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin",
-                   help="how the router picks a prefill/decode pair")
+    g.add_argument("--policy", choices=["round_robin", "least_loaded", "prefix"], default="round_robin",
+                   help="how the router picks a prefill/decode pair (prefix: prompts that begin alike go to the "
+                        "same prefill server, for its prefix cache)")
     g.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
     g.add_argument("--health-timeout", type=float, default=2.0, help="seconds a health probe may take")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds an upstream request may take")

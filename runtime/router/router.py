@@ -5,7 +5,13 @@ Pair choice (`policy`):
 - "round_robin": the next healthy prefill and the next healthy decode server, each in turn.
 - "least_loaded": the healthy prefill and the healthy decode server with the fewest requests in
   flight through this router (ties: the one after the last pick, so equal loads still rotate).
-With no prefill servers configured the router balances over the decode list alone (colocated servers).
+- "prefix": requests whose prompts begin alike go to the same prefill server (where its prefix cache, see
+  `--enable-prefix-caching`, holds their shared system prompt): the server is chosen by rendezvous hashing of the
+  prompt's first PREFIX_KEY_CHARS characters (or PREFIX_KEY_IDS token ids) over the healthy servers, so that a
+  server going down or coming back moves only its own prompts; unless it has PREFIX_IMBALANCE more requests in
+  flight than the least loaded one, which then takes the request. Decode servers: least loaded.
+With no prefill servers configured the router balances over the decode list alone (colocated servers; "prefix" then
+picks among them by prompt).
 
 Each request gets a transfer id. The router sends the body unchanged to both servers with headers
 `X-PD-Transfer-Id`, `X-PD-Prefill` (the prefill URL the decode server hands its page ids to) and
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -42,6 +49,9 @@ from pdlab.runtime.server.request_id import EchoRequestId
 log = logging.getLogger("pdlab.router")
 
 H_TID, H_PREFILL, H_DECODE, H_ROLE = "X-PD-Transfer-Id", "X-PD-Prefill", "X-PD-Decode", "X-PD-Role"
+# "prefix" policy: how much of a prompt names its prefix (about 256 tokens of text), and how many more requests in
+# flight than the least loaded server its server may have before the least loaded one takes the request
+PREFIX_KEY_CHARS, PREFIX_KEY_IDS, PREFIX_IMBALANCE = 1024, 256, 16
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
 
 
@@ -50,7 +60,7 @@ class RouterConfig(BaseModel):
 
     prefill: list[str] = Field(default_factory=list, description="prefill server URLs (none: plain balancing)")
     decode: list[str] = Field(..., min_length=1, description="decode (or colocated) server URLs")
-    policy: Literal["round_robin", "least_loaded"] = "round_robin"
+    policy: Literal["round_robin", "least_loaded", "prefix"] = "round_robin"
     health_interval: float = Field(2.0, gt=0, description="seconds between /health probes")
     health_timeout: float = Field(2.0, gt=0, description="seconds a /health probe may take")
     request_timeout: float = Field(600.0, gt=0, description="seconds an upstream request may take")
@@ -74,6 +84,27 @@ class RouterConfig(BaseModel):
         if both:
             raise ValueError(f"{sorted(both)} listed as both prefill and decode; a server has one role")
         return self
+
+
+def prefix_key(body) -> bytes | None:
+    """What names a request's prompt prefix for the "prefix" policy: the first PREFIX_KEY_CHARS characters of its
+    text (a completion's prompt, /generate's text, a chat's messages as role: content lines) or its first
+    PREFIX_KEY_IDS token ids; None for a body that has none (any server will do)."""
+    if not isinstance(body, dict):
+        return None
+    prompt = body.get("prompt", body.get("text"))
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    ids = prompt if isinstance(prompt, list) else body.get("input_ids")
+    if isinstance(prompt, str):
+        return prompt[:PREFIX_KEY_CHARS].encode("utf-8", "surrogatepass")
+    if isinstance(ids, list) and ids:
+        return json.dumps(ids[:PREFIX_KEY_IDS]).encode()
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in messages if isinstance(m, dict))
+        return text[:PREFIX_KEY_CHARS].encode("utf-8", "surrogatepass")
+    return None
 
 
 def _credentials(headers: Mapping[str, str]) -> dict[str, str]:
@@ -118,28 +149,36 @@ class Router:
         return bool(self.prefill)
 
     # ---- choice ------------------------------------------------------------------------------------
-    def _pick(self, group: list[Backend], kind: str) -> Backend | None:
+    def _pick(self, group: list[Backend], kind: str, key: bytes | None = None) -> Backend | None:
+        """The next server of `group` by the policy; `key`: the prompt's prefix key ("prefix" policy, the group that
+        computes prompts), None for the others."""
         live = [b for b in group if b.healthy]
         if not live:
             return None
         start = self._rr[kind] % len(group)
         order = group[start:] + group[:start]
         order = [b for b in order if b.healthy]
-        if self.cfg.policy == "least_loaded":
-            best = min(order, key=lambda b: b.inflight)  # min keeps the first of equals: rotation order
+        least = min(order, key=lambda b: b.inflight)  # min keeps the first of equals: rotation order
+        if self.cfg.policy == "prefix" and key is not None:
+            best = max(order, key=lambda b: hashlib.blake2b(key + b.url.encode(), digest_size=8).digest())
+            if best.inflight - least.inflight > PREFIX_IMBALANCE:
+                best = least
+        elif self.cfg.policy in ("least_loaded", "prefix"):
+            best = least
         else:
             best = order[0]
         self._rr[kind] = group.index(best) + 1
         return best
 
-    def pick(self) -> tuple[Backend | None, Backend]:
-        """(prefill or None, decode); raises LookupError naming what is missing."""
-        d = self._pick(self.decode, "decode")
+    def pick(self, key: bytes | None = None) -> tuple[Backend | None, Backend]:
+        """(prefill or None, decode); raises LookupError naming what is missing. key: the prompt's prefix key
+        (`prefix_key`), which the "prefix" policy routes by."""
+        d = self._pick(self.decode, "decode", None if self.disaggregated else key)
         if d is None:
             raise LookupError("no healthy decode server: " + _why(self.decode))
         if not self.disaggregated:
             return None, d
-        p = self._pick(self.prefill, "prefill")
+        p = self._pick(self.prefill, "prefill", key)
         if p is None:
             raise LookupError("no healthy prefill server: " + _why(self.prefill))
         return p, d
@@ -183,11 +222,12 @@ class Router:
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
         try:
-            stream = bool(json.loads(body or b"{}").get("stream", False))
+            parsed = json.loads(body or b"{}")
+            stream = bool(parsed.get("stream", False))
         except (ValueError, AttributeError):
-            stream = False  # not a JSON object: the server answers 400 for it
+            parsed, stream = None, False  # not a JSON object: the server answers 400 for it
         try:
-            p, d = self.pick()
+            p, d = self.pick(prefix_key(parsed) if self.cfg.policy == "prefix" else None)
         except LookupError as e:
             return _error(503, str(e), "service_unavailable")
         tid = f"pd-{uuid.uuid4().hex}"

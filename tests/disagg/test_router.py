@@ -165,6 +165,53 @@ def test_a_refusal_of_the_prefill_server_reaches_the_decode_server(servers):
     assert "refused the request (400): the prompt exceeds this server's context" in ab["reason"]
 
 
+def test_prefix_policy_sends_prompts_that_begin_alike_to_one_prefill_server(servers):
+    """--policy prefix: every request behind the same long system prompt goes to one prefill server (its prefix
+    cache holds that prompt), whatever follows it; other system prompts spread over the servers; a server that goes
+    down moves only its own prompts; a server far busier than the least loaded one gives the request up."""
+    from pdlab.runtime.router import router as rmod
+
+    fakes = [Fake(f"p{i}") for i in range(3)] + [Fake("d0")]
+    urls = servers(*fakes)
+    url, router = _router(servers, urls[:3], urls[3:], policy="prefix", health_interval=30)
+    systems = [f"system prompt {k}: " + "you are a helpful assistant. " * 40 for k in range(12)]
+    with httpx.Client(timeout=10) as c:
+        for k, system in enumerate(systems):
+            for q in range(3):
+                assert c.post(f"{url}/v1/completions", json={"prompt": system + f"question {q}"}).status_code == 200
+    deadline = time.monotonic() + 5
+    while sum(len(f.seen) for f in fakes[:3]) < 36 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    where = {}
+    for i, f in enumerate(fakes[:3]):
+        for _, _, body in f.seen:
+            where.setdefault(body["prompt"][:40], set()).add(i)
+    assert len(where) == 12 and all(len(v) == 1 for v in where.values())  # one server per system prompt
+    assert len(set().union(*where.values())) >= 2  # and not all on one server
+    # the same choice from the other prompt shapes: token ids, /generate's text, a chat's messages
+    key = rmod.prefix_key
+    assert key({"prompt": "x" * 2000}) == key({"text": "x" * 1500 + "y"}) == key({"prompt": ["x" * 1024]})
+    assert key({"input_ids": list(range(300))}) == key({"prompt": list(range(256)) + [7]})
+    chat = {"messages": [{"role": "system", "content": "s" * 2000}, {"role": "user", "content": "q"}]}
+    assert key(chat) == key({**chat, "messages": chat["messages"][:1]}) and key({"prompt": ""}) == b""
+    assert key([1, 2]) is None and key({"max_tokens": 3}) is None
+    # one server down: only its prompts move
+    k = next(k for k in systems if where[k[:40]] == {0})
+    router.prefill[0].healthy = False
+    moved = {s[:40]: router.pick(key({"prompt": s}))[0].url for s in systems}
+    for s in systems:
+        if where[s[:40]] != {0}:
+            assert moved[s[:40]] == urls[next(iter(where[s[:40]]))], "a prompt of a live server moved"
+    assert moved[k[:40]] in urls[1:3]
+    router.prefill[0].healthy = True
+    # far busier than the least loaded server: the least loaded one takes it
+    router.prefill[0].inflight = rmod.PREFIX_IMBALANCE + 1
+    assert router.pick(key({"prompt": k}))[0].url != urls[0]
+    router.prefill[0].inflight = rmod.PREFIX_IMBALANCE
+    assert router.pick(key({"prompt": k}))[0].url == urls[0]
+    router.prefill[0].inflight = 0
+
+
 def test_round_robin_over_pairs(servers):
     fakes = [Fake(n) for n in ("p0", "p1", "d0", "d1", "d2")]
     urls = servers(*fakes)
