@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if pre["device"] == dec["device"]:  # one device: started one after another, each pool an equal share
             pre, dec = ({**c, "device_servers": 2, "device_server_index": i} for i, c in enumerate((pre, dec)))
         pcfg = build_config(RoleConfig, **{**pre, "role": "prefill", "port": 0})
-        dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0})
+        # prefix caching reuses computed prompts: the prefill server's (the decode server computes none)
+        dcfg = build_config(RoleConfig, **{**dec, "role": "decode", "port": 0, "enable_prefix_caching": False})
         for c in (pcfg, dcfg):  # settings that conflict with the model: one line here, not a child's traceback
             preflight(c)
         check_bind(base["host"], base["port"])  # the router's address; the servers listen on the same host

@@ -472,6 +472,20 @@ def test_disagg_setting_that_conflicts_with_the_model_is_one_line_before_any_chi
     assert rc == 2 and "Traceback" not in out and says[0] in out, out
 
 
+def test_disagg_with_prefix_caching_turns_it_on_for_the_prefill_server_only(monkeypatch, capsys):
+    """`--disagg --enable-prefix-caching` failed: the decode server's share of the flags asked it to cache prompts it
+    never computes, which its config refuses. The prefill server caches; the decode server does not; `--role decode`
+    with the flag is still refused, in one line."""
+    from pdlab.runtime.disagg import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "launch_disagg", lambda pre, dec, **kw: seen.update(pre=pre, dec=dec) or 0)
+    assert launch.main(["--disagg", "--device", "cpu", "--port", "0", "--enable-prefix-caching"]) == 0
+    assert seen["pre"]["enable_prefix_caching"] and not seen["dec"]["enable_prefix_caching"]
+    assert launch.main(["--role", "decode", "--device", "cpu", "--enable-prefix-caching"]) == 2
+    assert "enable it on the prefill server" in capsys.readouterr().err
+
+
 def test_disagg_on_one_device_starts_the_servers_one_after_another(monkeypatch):
     """Both roles on one device: the launcher marks them the two servers of that device (each sizes an equal KV
     pool) and starts the decode server once the prefill one is up, so its memory checks see what prefill took
