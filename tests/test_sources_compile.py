@@ -1,5 +1,6 @@
 """Every Python file of pdlab compiles and every GPU shell script parses, though no CPU test runs the scripts under
-bench/gpu/: a syntax error the parser lets through (a keyword argument given twice) fails here, not on the GPU machine."""
+bench/gpu/: a syntax error the parser lets through (a keyword argument given twice) fails here, not on the GPU
+machine."""
 
 import pathlib
 

@@ -59,9 +59,9 @@ class PrefixCache:
 
     # ---- lookup --------------------------------------------------------------------------------
     def match(self, req: "Req") -> int:
-        """Give `req` (no pages yet, nothing computed; else 0) the cached pages of its longest cached prefix of full pages,
-        short of its last token, and refer to them: req.pages / req.prefix_pages / req.cached_len are set. Returns the
-        tokens matched (0: nothing cached)."""
+        """Give `req` (no pages yet, nothing computed; else it returns 0) the cached pages of its longest cached prefix
+        of full pages, short of its last token, and refer to them: req.pages / req.prefix_pages / req.cached_len are
+        set. Returns the tokens matched (0: nothing cached)."""
         if req.pages or req.cached_len:  # it has KV of its own already (a restored backup): nothing to share
             return 0
         ps, ids = self.page_size, req.tokens(0, req.seq_len)

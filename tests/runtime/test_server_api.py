@@ -245,7 +245,8 @@ def test_bad_completion_requests_are_400(client, body, needle):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "nmae": "a"}]},
      "unknown field 'messages.0.nmae'; did you mean 'messages.0.name'?"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
-                              "stream_options": {"include_usag": True}}, "did you mean 'stream_options.include_usage'?"),
+                              "stream_options": {"include_usag": True}},
+     "did you mean 'stream_options.include_usage'?"),
     ("/v1/completions", {"prompt": "x", "zzzz": 1}, "unknown field 'zzzz'; remove it"),
 ])
 def test_an_unknown_field_names_the_field_it_likely_meant(client, path, body, says):
