@@ -6,7 +6,10 @@ request is admitted only if its pages fit in the free pages minus the headroom r
 decodes; the first one that does not fit stops admission (no overtaking, so no starvation).
 A retracted request with a CPU backup is restored first; if only its last token is missing it goes
 straight back to decoding. With a prefix cache, a request is admitted with the cached pages of its longest cached
-prefix (whole pages) and computes only the rest.
+prefix (whole pages) and computes only the rest; and a request whose next page (the same tokens from the start) is
+computed by another request in this very step waits for the next step, when it reads that page from the cache
+instead of computing it again (a burst of requests behind one system prompt computes it once). That is the one case
+of a later request being admitted before it: the deferred one comes first again in the next step.
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ class PrefillManager:
         plan = PrefillPlan()
         budget = self.budget
         free = self.pool.num_free_pages
+        cache = self.pool.prefix_cache
+        computing: set[int] = set()  # with a cache: keys of the full pages this step computes (`_page_keys`)
         for r in self.prefilling:
             n = min(r.extend_len, self.chunk, budget)
             need = -(-(r.cached_len + n) // ps) - len(r.pages)
             if n <= 0 or need > free:
                 break
+            if cache is not None:
+                computing.update(_page_keys(r, r.cached_len, r.cached_len + n, ps))
             r.pages += self.pool.allocate(need)
             free -= need
             budget -= n
@@ -56,8 +63,12 @@ class PrefillManager:
         for r in waiting:
             if slots <= 0 or budget <= 0:
                 break
-            cache = self.pool.prefix_cache
             matched = cache is not None and r.backup is None and not r.pages and cache.match(r) > 0
+            if cache is not None and r.backup is None and r.cached_len + ps < r.seq_len and \
+                    _page_keys(r, r.cached_len, r.cached_len + ps, ps)[0] in computing:
+                if matched:  # computed in this step by another request: read from the cache in the next
+                    cache.unmatch(r)
+                continue
             if matched:
                 free = self.pool.num_free_pages  # the matched pages are no longer evictable
             n = 1 if r.extend_len == 1 and r.backup is not None else min(r.extend_len, self.chunk, budget)
@@ -84,4 +95,19 @@ class PrefillManager:
             plan.reqs.append(r)
             plan.extend_lens.append(n)
             budget -= n
+            if cache is not None:
+                computing.update(_page_keys(r, r.cached_len, r.cached_len + n, ps))
         return plan
+
+
+def _page_keys(r: Req, start: int, end: int, ps: int) -> list[int]:
+    """A key for each full page of r that tokens [start, end) complete: a hash of all of r's tokens from the first up
+    to that page's end (two requests' pages get the same key when their tokens up to there are the same; a collision
+    only defers a request by one step)."""
+    first, last = start // ps, end // ps  # page j is complete once token (j + 1) * ps - 1 is computed
+    ids, key, keys = r.tokens(0, last * ps), 0, []
+    for j in range(last):
+        key = hash((key, tuple(ids[j * ps:(j + 1) * ps])))
+        if j >= first:
+            keys.append(key)
+    return keys

@@ -135,7 +135,8 @@ def test_outputs_equal_a_run_without_the_cache_and_the_prefix_is_computed_once(p
 
 def test_a_request_reuses_the_pages_another_still_running_request_has_computed(monkeypatch):
     """Pages join the cache after each prefill chunk: a request that arrives while the first one is still prefilling
-    the same system prompt (in 32-token chunks) starts from the pages computed so far, not from nothing."""
+    the same system prompt (in 32-token chunks) starts from the pages computed so far, not from nothing, and waits a
+    step rather than compute a page the first one computes in that step."""
     monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
     a, b = PROMPTS[2], PROMPTS[3]  # 100 and 87 tokens, the same first 70
     ref = _ids(_llm().generate([a, b], GREEDY))
@@ -146,9 +147,11 @@ def test_a_request_reuses_the_pages_another_still_running_request_has_computed(m
     s.step()  # a: tokens 0..31 computed, two pages shared at once
     assert s.by_rid["a"].prefix_pages == 2 and s.prefix_cache.num_pages == 2
     s.add_request(Req(list(b), GREEDY, rid="b"))
-    s.step()  # a: its second chunk; b admitted with a's two pages
-    assert s.by_rid["b"].pages[:2] == s.by_rid["a"].pages[:2] and s.by_rid["b"].cached_len >= 32
-    assert s.prefix_cache.hit_tokens == 32
+    s.step()  # a: its second chunk, pages 2 and 3, which b's next page is: b waits for them (it would compute them)
+    assert not s.by_rid["b"].pages and s.by_rid["b"] in s.waiting and s.prefix_cache.hit_tokens == 0
+    s.step()  # a: its third chunk; b admitted with a's first four pages (its 70 shared tokens end in page 4)
+    assert s.by_rid["b"].pages[:4] == s.by_rid["a"].pages[:4] and s.prefix_cache.hit_tokens == 64
+    assert s.by_rid["b"].cached_len == len(b)  # and computed its other 23 tokens in that step
     while s.has_work:
         s.step()
     assert [outs["a"], outs["b"]] == ref
@@ -306,3 +309,21 @@ def test_random_operations_keep_the_books_and_never_share_wrong_kv(page, seed):
             del held[:k]
         books()
     assert cache.hit_tokens > 0 and cache.num_pages >= 0
+
+
+def test_a_burst_behind_one_system_prompt_computes_it_once(monkeypatch):
+    """Requests arriving together, all behind the same system prompt: without deferral each computed it in the same
+    step (none was cached yet). The first computes it; the others wait one step and read its pages; outputs equal
+    a run without the cache."""
+    monkeypatch.setenv("PDLAB_CHECK_INVARIANTS", "1")
+    burst = [SYSTEM + [(3 * i + k) % 250 for i in range(10 + k)] for k in range(5)]  # 70 shared + 10..14 own
+    ref = _ids(_llm(max_prefill_tokens=1024, chunked_prefill_size=512).generate(burst, GREEDY))
+    llm = _llm(enable_prefix_caching=True, max_prefill_tokens=1024, chunked_prefill_size=512)
+    computed = []
+    real = llm.engine.forward
+    monkeypatch.setattr(llm.engine, "forward",
+                        lambda batch: (computed.append(0 if batch.is_decode else batch.num_tokens), real(batch))[1])
+    assert _ids(llm.generate(burst, GREEDY)) == ref
+    # the first request computes all of its 80 tokens; the others their tokens past the 64 shared (4 pages of 16)
+    assert sum(computed) == len(burst[0]) + sum(len(p) - 64 for p in burst[1:])
+    _check_clean(llm)
