@@ -56,7 +56,10 @@ def print_plan(plans, arch: str, detected: str, model, args) -> None:
         console.print(table)
         for line in lines:
             console.print(line, soft_wrap=True, highlight=False)
-        if not backends:
+        if not backends and args.backends and target.backends(arch):
+            others = ", ".join(b.name for b in target.backends(arch))
+            console.print(f"  none of --backends {args.backends} runs {target.op} on {arch} (there: {others})")
+        elif not backends:
             console.print(f"  no backend of {target.op} is registered for {arch}")
         for mod, err in target.import_errors.items():
             console.print(f"  [yellow]could not import {mod}: {err}[/yellow]")

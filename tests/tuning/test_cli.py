@@ -221,6 +221,10 @@ def test_backends_that_nobody_registered_are_an_error_naming_the_registered_ones
     assert main(["attention", "--op", "all", "--backends", "trtllm_mla", "--dry-run", "--arch", "sm100"]) == 0
     assert main(["moe", "--backends", "tritn", "--dry-run", "--arch", "sm90"]) == 2
     assert "no such backend of moe_experts; registered: cutedsl, torch, torch_grouped, triton" in capsys.readouterr().err
+    # a registered backend that does not run on the target: the plan says so (it said no backend was registered)
+    assert main(["attention", "--op", "mla_decode", "--backends", "flashmla", "--dry-run", "--arch", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert "none of --backends flashmla runs mla_decode on sm100 (there: " in out and "0 studies" in out
 
 
 @pytest.mark.parametrize("part", ["build", "call"])
