@@ -168,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in missing:
         print(f"[unavailable] {op.name}[{name}]: {reason}")
 
+    longest = max(list_items(get("seqlen"), int))
+    if args.op == "prefill" and not args.varlen and args.new_tokens > longest:  # capped per sequence: say so
+        print(f"bench attention: --new-tokens {args.new_tokens} exceeds every --seqlen (at most {longest}): those "
+              "rows prefill their whole sequence (n = seqlen)")
     shapes = list(itertools.product(list_items(get("batch"), int), list_items(get("seqlen"), int),
                                     list_items(get("heads"), int), list_items(get("kv_dtype")),
                                     list_items(get("page_size"), int),

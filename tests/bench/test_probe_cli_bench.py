@@ -377,6 +377,8 @@ def test_bench_attention_rows_name_the_lengths_they_ran(tmp_path, capsys, argv, 
     csv = tmp_path / ("mla_prefill.csv" if "prefill" in argv else "mla_decode.csv")
     row = pd.read_csv(csv).iloc[0]
     assert (row["seqlen"], row["s_q"], row["shape"]) == (seqlen, s_q, shape)
+    capped = "--new-tokens 5 exceeds every --seqlen (at most 3): those rows prefill their whole sequence"
+    assert (capped in capsys.readouterr().out) == ("5" in argv)  # a request the rows do not honour is said
 
 
 def test_bench_serving_prints_the_paths_it_wrote(tmp_path, capsys):
