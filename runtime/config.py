@@ -130,8 +130,8 @@ class SchedulerConfig(EngineConfig):
     role: Literal["colocated", "prefill", "decode"] = Field("colocated", description="which phases this server runs")
     overlap_schedule: bool = Field(True, description="launch the next decode step before post-processing the "
                                    "current one (hides host time; a finished request costs one discarded token)")
-    enable_prefix_caching: bool = Field(False, description="keep the KV pages of finished requests and reuse them "
-                                        "for requests that start with the same tokens (whole pages; evicted, least "
+    enable_prefix_caching: bool = Field(False, description="keep the KV pages requests computed and reuse them for "
+                                        "requests that start with the same tokens (whole pages; evicted, least "
                                         "recently used first, when a request needs the pages)")
 
     @property
