@@ -22,7 +22,7 @@ connect, the prefill server is marked unhealthy and the decode server is told to
 Health: every `health_interval` seconds each server's GET /health is probed (timeout
 `health_timeout`); a failed probe or a failed connection marks it unhealthy and no request goes to it;
 the first probe that passes re-admits it. Router endpoints: the OpenAI ones, /generate, /health,
-/metrics (Prometheus), /router/backends (JSON).
+/metrics (Prometheus), /router/backends (JSON), POST /flush_cache (every server's).
 """
 
 from __future__ import annotations
@@ -394,7 +394,8 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         # an unknown route or method: the servers' OpenAI error shape, not FastAPI's {"detail": ...}
         if exc.status_code == 404:
             return _error(404, f"no route {request.url.path}; this router serves /v1/completions, "
-                          "/v1/chat/completions, /generate, /v1/models, /health, /metrics, /router/backends",
+                          "/v1/chat/completions, /generate, /v1/models, /health, /metrics, /router/backends, "
+                          "/flush_cache",
                           "not_found_error")
         if exc.status_code == 405:
             allowed = exc.headers.get("Allow", "") if exc.headers else ""
@@ -434,6 +435,21 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
     @app.get("/router/backends")
     async def backends():
         return router.backends()
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        """Every server's POST /flush_cache (their prefix caches), with the client's credentials: {url: answer}."""
+        async def one(b: Backend):
+            try:
+                r = await router.client.post(f"{b.url}/flush_cache", headers=_credentials(request.headers),
+                                             timeout=cfg.request_timeout)
+                return b.url, {"status": r.status_code, **(r.json() if r.content else {})}
+            except (httpx.HTTPError, ValueError) as e:
+                return b.url, {"status": 502, "error": f"{type(e).__name__}: {e}"}
+
+        answers = dict(await asyncio.gather(*(one(b) for b in router.prefill + router.decode)))
+        ok = any(a["status"] == 200 for a in answers.values())
+        return JSONResponse(answers, status_code=200 if ok else 502)
 
     return app
 

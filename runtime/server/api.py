@@ -330,7 +330,7 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             msg = _unreadable_body(exc.__cause__)
         elif exc.status_code == 404 and msg == "Not Found":  # an unknown route, not one of our own 404s
             msg = (f"no route {request.url.path}; this server serves POST /v1/completions, /v1/chat/completions, "
-                   "/generate and GET /v1/models, /metrics, GET or HEAD /health")
+                   "/generate, /flush_cache and GET /v1/models, /metrics, GET or HEAD /health")
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             msg = f"method {request.method} not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
@@ -353,6 +353,24 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
     async def metrics_text():
         text = metrics.render(loop.scheduler.stats()) + (extra_metrics() if extra_metrics is not None else "")
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        """Evict every prefix-cache page no running request reads (a cold cache, e.g. before a measurement)."""
+        if getattr(loop.scheduler, "prefix_cache", None) is None:
+            raise ApiError(400, "this server keeps no prefix cache; start it with --enable-prefix-caching")
+        aloop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+
+        def clear(sched) -> None:  # in the engine loop's thread, between steps
+            freed, kept = sched.prefix_cache.clear(), sched.prefix_cache.num_pages
+            aloop.call_soon_threadsafe(lambda: done.done() or done.set_result((freed, kept)))
+
+        loop.call(clear)
+        try:
+            freed, kept = await asyncio.wait_for(done, timeout=30.0)
+        except asyncio.TimeoutError:
+            raise ApiError(503, "the engine loop did not take the flush within 30 s", type_="server_error") from None
+        return {"flushed_pages": freed, "cached_pages": kept}
 
     @app.get("/v1/models")
     async def models():

@@ -24,6 +24,7 @@ class Fake:
         self.refuse = False  # answer every completion with a 400 (a server started with other settings)
         self.seen = []  # (path, headers, body)
         self.aborts = []
+        self.flushes = []
         self.disconnected = threading.Event()
         self.hold = threading.Event()
         self.hold.set()
@@ -37,6 +38,11 @@ class Fake:
         async def abort(request: Request):
             self.aborts.append(await request.json())
             return {"ok": True}
+
+        @app.post("/flush_cache")
+        async def flush(request: Request):
+            self.flushes.append(dict(request.headers))
+            return {"flushed_pages": 3, "cached_pages": 0}
 
         @app.get("/v1/models")
         async def models():
@@ -210,6 +216,20 @@ def test_prefix_policy_sends_prompts_that_begin_alike_to_one_prefill_server(serv
     router.prefill[0].inflight = rmod.PREFIX_IMBALANCE
     assert router.pick(key({"prompt": k}))[0].url == urls[0]
     router.prefill[0].inflight = 0
+
+
+def test_flush_cache_reaches_every_server_with_the_clients_key(servers):
+    fakes = [Fake("p0"), Fake("d0"), Fake("d1")]
+    urls = servers(*fakes)
+    dead = "http://127.0.0.1:9"  # nothing listens: its answer is the error, the others still flush
+    url, _ = _router(servers, urls[:1], urls[1:] + [dead], health_interval=30)
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{url}/flush_cache", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [body[u] for u in urls] == [{"status": 200, "flushed_pages": 3, "cached_pages": 0}] * 3
+    assert body[dead]["status"] == 502 and "ConnectError" in body[dead]["error"]
+    assert all(f.flushes and f.flushes[0]["authorization"] == "Bearer k" for f in fakes)
 
 
 def test_round_robin_over_pairs(servers):

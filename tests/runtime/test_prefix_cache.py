@@ -327,3 +327,32 @@ def test_a_burst_behind_one_system_prompt_computes_it_once(monkeypatch):
     # the first request computes all of its 80 tokens; the others their tokens past the 64 shared (4 pages of 16)
     assert sum(computed) == len(burst[0]) + sum(len(p) - 64 for p in burst[1:])
     _check_clean(llm)
+
+
+def test_flush_cache_endpoint_evicts_the_unread_pages():
+    import httpx
+
+    from pdlab.runtime.config import ServerConfig
+    from pdlab.runtime.server.serve import Server
+
+    model, tok, cfg = load_toy(max_position_embeddings=CTX)
+    for cache in (True, False):
+        srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048,
+                                  max_context_len=CTX, enable_prefix_caching=cache, api_key="k"),
+                     model=model, tokenizer=tok, model_config=cfg)
+        srv.start()
+        try:
+            base, auth = f"http://127.0.0.1:{srv.port}", {"Authorization": "Bearer k"}
+            with httpx.Client(timeout=30, headers=auth) as c:
+                body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
+                assert c.post(f"{base}/generate", json=body).status_code == 200
+                assert httpx.post(f"{base}/flush_cache").status_code == 401  # the key guards it as any route
+                r = c.post(f"{base}/flush_cache")
+                if cache:
+                    assert r.status_code == 200 and r.json() == {"flushed_pages": 4, "cached_pages": 0}, r.text
+                    assert srv.loop.scheduler.prefix_cache.num_pages == 0
+                    assert c.post(f"{base}/flush_cache").json()["flushed_pages"] == 0
+                else:
+                    assert r.status_code == 400 and "--enable-prefix-caching" in r.json()["error"]["message"]
+        finally:
+            srv.stop()
