@@ -111,6 +111,7 @@ class Req:
     cached_len: int = 0
     pages: list[int] = field(default_factory=list)
     prefix_pages: int = 0  # the first pages are the prefix cache's, shared read-only (--enable-prefix-caching)
+    cached_tokens: int | None = None  # prompt tokens its admission took from a prefix cache (None: no cache)
     table_row: int = -1
     table_len: int = 0  # how many of `pages` are written into the device page-table row
     backup: Any = None
@@ -195,6 +196,7 @@ class StepOutput:
     # the HTTP status of a failure (`error`): 400 the request's fault, 500 an internal error, 502 a peer server
     # (the prefill of a disaggregated pair) failed, 503 no capacity within the timeout
     error_status: int = 400
+    cached_tokens: int | None = None  # on finish: prompt tokens read from the prefix cache (None: no cache)
 
 
 # token ids below 0 in a step's host results: that request's logits could not be sampled (engine → scheduler)

@@ -294,7 +294,8 @@ class PrefillRole(RoleHooks):
             self.transfer.notify(peer, {"transfer_id": rec.transfer_id, "event": "transferring"})
             rec.handle = self.transfer.send_pages(
                 peer, rec.transfer_id, rec.req.pages, rec.dst_pages, rec.req.prompt_len,
-                notify={"event": "done", "first_token": rec.first_token, "first_logprob": rec.first_logprob})
+                notify={"event": "done", "first_token": rec.first_token, "first_logprob": rec.first_logprob,
+                        "cached_tokens": rec.req.cached_tokens})
         except (KVTransferError, ValueError) as e:
             self._fail(sched, rec, f"KV transfer could not start: {e}")
             return
@@ -493,6 +494,8 @@ class DecodeRole(RoleHooks):
                 self._finish_failed(sched, rec, rec.error, rec.abort_status or 502)
                 return
             rec.first_token = int(msg["first_token"])
+            cached = msg.get("cached_tokens")  # the prefill server's prefix cache served these prompt tokens
+            rec.req.cached_tokens = cached if isinstance(cached, int) and not isinstance(cached, bool) else None
             lp = msg.get("first_logprob")  # through JSON: lists for tuples
             lp = (float(lp[0]), [(int(i), float(v)) for i, v in lp[1]]) if lp is not None else None
             self.metrics.move(rec, State.DECODING, f"first token {rec.first_token}")

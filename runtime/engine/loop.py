@@ -221,11 +221,12 @@ def _first_bad(p) -> int:
 
 
 def collect_output(res: dict, out: StepOutput) -> None:
-    """Append one StepOutput to an offline result dict (token_ids, text, logprobs; finish_reason and error once
-    finished): what `LLM.generate` and the offline disaggregated pair return per request."""
+    """Append one StepOutput to an offline result dict (token_ids, text, logprobs; finish_reason, error and
+    cached_tokens once finished): what `LLM.generate` and the offline disaggregated pair return per request."""
     res["token_ids"] += out.token_ids
     res["text"] += out.text
     res["logprobs"] += out.logprobs
     if out.finished:
         res["finish_reason"] = out.finish_reason.value if out.finish_reason else None
         res["error"] = out.error
+        res["cached_tokens"] = out.cached_tokens

@@ -79,6 +79,8 @@ class PrefillManager:
                 break
             r.admitted_at = next_admit + len(plan.admitted)
             plan.admitted.append(r)
+            if cache is not None and r.cached_tokens is None:  # its first admission: what usage reports
+                r.cached_tokens = min(r.cached_len, r.prompt_len) if r.backup is None else 0
             if r.backup is not None:
                 resume(r, self.pool, n)
             else:

@@ -500,7 +500,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.on_finish(r)
         self.on_output(StepOutput(r.rid, new_ids or [], text, True, reason, r.prompt_len, len(r.output_ids),
-                                  new_lps or [], error, error_status))
+                                  new_lps or [], error, error_status, r.cached_tokens))
 
     def _free_pages(self, r: Req, keep: bool = True) -> None:
         """Give back r's pages (with a prefix cache: its full computed pages are cached when `keep`)."""

@@ -455,8 +455,11 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
         return outs, final
 
     def _usage(final: StepOutput) -> dict:
-        return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-                "total_tokens": final.prompt_tokens + final.completion_tokens}
+        usage = {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+                 "total_tokens": final.prompt_tokens + final.completion_tokens}
+        if final.cached_tokens is not None:  # a server with a prefix cache: OpenAI's field for it
+            usage["prompt_tokens_details"] = {"cached_tokens": final.cached_tokens}
+        return usage
 
     def _sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -666,6 +669,8 @@ def create_app(loop: EngineLoop, codec: TextCodec | None, metrics: RuntimeMetric
             # the client's id where it chose one: a disaggregated server runs the request under the router's transfer id
             m = {"id": rid or req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": n,
                  "finish_reason": {"type": final.finish_reason.value} if final and final.finish_reason else None}
+            if final is not None and final.cached_tokens is not None:
+                m["cached_tokens"] = final.cached_tokens
             if body.return_logprob:
                 m["output_token_logprobs"] = [[lp[0], t] for lp, t in zip(req.output_logprobs, req.output_ids)]
                 if body.top_logprobs_num:  # per output token, the top [logprob, token id] pairs

@@ -190,6 +190,8 @@ def test_a_prefill_server_with_prefix_caching_sends_the_cached_prefix_too(disagg
     out = d.generate(prompts[:1], GREEDY) + d.generate(prompts[1:], GREEDY)
     assert [o["token_ids"] for o in out] == ref
     assert d.prefill.scheduler.prefix_cache.hit_tokens >= 2 * 32  # the two later prompts: two pages of 16 each
+    # the decode server's answers say what the prefill server's cache served (its own has none)
+    assert [o["cached_tokens"] for o in out] == [0, 32, 32]
     _assert_all_pages_free(d)
 
 

@@ -3,6 +3,8 @@ references) against hand-worked cases, and whole runs of the toy model, whose lo
 wrong or missing row changes them), against the same runs without the cache: shared prefixes, a full pool that must
 evict, retraction in both modes, aborts, a failed step, page sizes 1 to 64 and fp8 pools."""
 
+import json
+
 import pytest
 
 from pdlab.runtime.config import ConfigError, SchedulerConfig, build_config
@@ -356,3 +358,44 @@ def test_flush_cache_endpoint_evicts_the_unread_pages():
                     assert r.status_code == 400 and "--enable-prefix-caching" in r.json()["error"]["message"]
         finally:
             srv.stop()
+
+
+def test_each_response_says_how_many_prompt_tokens_came_from_the_cache():
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field), /generate's meta_info.cached_tokens and the
+    offline results' cached_tokens: the prompt tokens a request read from the prefix cache; absent (None) on a server
+    without one."""
+    import httpx
+
+    from pdlab.runtime.config import ServerConfig
+    from pdlab.runtime.server.serve import Server
+
+    llm = _llm(enable_prefix_caching=True)
+    first, second = llm.generate(PROMPTS[0:1], GREEDY)[0], llm.generate(PROMPTS[1:2], GREEDY)[0]
+    assert (first["cached_tokens"], second["cached_tokens"]) == (0, 64)  # 79 tokens: 4 whole pages of the 70 shared
+    assert _llm().generate(PROMPTS[0:1], GREEDY)[0]["cached_tokens"] is None
+    model, tok, cfg = load_toy(max_position_embeddings=CTX)
+    for cache in (True, False):
+        srv = Server(build_config(ServerConfig, device="cpu", port=0, page_size=16, max_total_tokens=2048,
+                                  max_context_len=CTX, enable_prefix_caching=cache),
+                     model=model, tokenizer=tok, model_config=cfg)
+        srv.start()
+        try:
+            base = f"http://127.0.0.1:{srv.port}"
+            with httpx.Client(timeout=30) as c:
+                usages = [c.post(f"{base}/v1/completions", json={"prompt": p, "max_tokens": 2}).json()["usage"]
+                          for p in PROMPTS[0:2]]
+                meta = c.post(f"{base}/generate", json={"input_ids": PROMPTS[2], "sampling_params": {
+                    "max_new_tokens": 2}}).json()["meta_info"]
+                with c.stream("POST", f"{base}/v1/completions", json={
+                        "prompt": PROMPTS[3], "max_tokens": 2, "stream": True,
+                        "stream_options": {"include_usage": True}}) as r:
+                    chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+                streamed = json.loads(chunks[-1][6:])["usage"]
+        finally:
+            srv.stop()
+        if cache:
+            assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 64]
+            assert meta["cached_tokens"] == 64 and streamed["prompt_tokens_details"] == {"cached_tokens": 64}
+        else:
+            assert all("prompt_tokens_details" not in u for u in usages + [streamed])
+            assert "cached_tokens" not in meta
