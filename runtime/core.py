@@ -110,7 +110,9 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     cached_len: int = 0
     pages: list[int] = field(default_factory=list)
-    prefix_pages: int = 0  # the first pages are the prefix cache's, shared read-only (--enable-prefix-caching)
+    # the prefix cache's node of its last shared page (--enable-prefix-caching): its first `prefix_pages` pages are
+    # the cache's, read-only
+    prefix_node: Any = None
     cached_tokens: int | None = None  # prompt tokens its admission took from a prefix cache (None: no cache)
     table_row: int = -1
     table_len: int = 0  # how many of `pages` are written into the device page-table row
@@ -142,6 +144,11 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefix_pages(self) -> int:
+        """How many of its first pages it reads from the prefix cache (0 without one)."""
+        return self.prefix_node.depth if self.prefix_node is not None else 0
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)

@@ -34,12 +34,16 @@ class _Node:
     page: int  # -1 for the root
     key: tuple[int, ...]
     parent: "_Node | None"
+    depth: int = 0  # pages from the root (the root 0): a request reading this node shares its first `depth` pages
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     refs: int = 0
 
 
 class PrefixCache:
-    """The cached pages of one pool. `free(pages)`: gives pages back to the pool (evicted or duplicate ones)."""
+    """The cached pages of one pool. `free(pages)`: gives pages back to the pool (evicted or duplicate ones).
+
+    A request that reads cached pages holds the node of its last shared one (`Req.prefix_node`; its depth is
+    `Req.prefix_pages`): the path back to the root is what it reads."""
 
     def __init__(self, free: Callable[[list[int]], None], page_size: int):
         self._free = free
@@ -60,23 +64,23 @@ class PrefixCache:
     # ---- lookup --------------------------------------------------------------------------------
     def match(self, req: "Req") -> int:
         """Give `req` (no pages yet, nothing computed; else it returns 0) the cached pages of its longest cached prefix
-        of full pages, short of its last token, and refer to them: req.pages / req.prefix_pages / req.cached_len are
+        of full pages, short of its last token, and refer to them: req.pages / req.prefix_node / req.cached_len are
         set. Returns the tokens matched (0: nothing cached)."""
         if req.pages or req.cached_len:  # it has KV of its own already (a restored backup): nothing to share
             return 0
         ps, ids = self.page_size, req.tokens(0, req.seq_len)
         self.queried_tokens += len(ids)
-        node, path = self.root, []
+        node = self.root
         for i in range((len(ids) - 1) // ps):  # the last token is always computed
             child = node.children.get(tuple(ids[i * ps:(i + 1) * ps]))
             if child is None:
                 break
-            path.append(child)
             node = child
+        path = self._path(node)
         for n in path:
             self._ref(n)
         req.pages = [n.page for n in path]
-        req.prefix_pages = len(path)
+        req.prefix_node = node if path else None
         req.cached_len = len(path) * ps
         self.hit_tokens += req.cached_len
         return req.cached_len
@@ -88,63 +92,69 @@ class PrefixCache:
         self.release(req, keep=False)
         req.cached_len = 0
 
+    def next_page(self, req: "Req", upto: int) -> tuple | None:
+        """What names the page `req` computes next, when its computed tokens end where its shared pages do and tokens
+        [cached_len, upto) complete that page: (the node it extends, the page's tokens); two requests with the same
+        one would compute the same page. None otherwise."""
+        ps, start = self.page_size, req.cached_len
+        if start != req.prefix_pages * ps or start + ps > upto:
+            return None
+        return (req.prefix_node or self.root, tuple(req.tokens(start, start + ps)))
+
     # ---- a request computed more of its prompt -------------------------------------------------
     def insert_computed(self, req: "Req") -> int:
         """Share the full pages `req` computed past its shared ones while it still runs (after a prefill chunk), so
         that requests admitted from now on match them: they become cache nodes that `req` reads (req.prefix_pages
         grows). A page whose tokens another request cached first stays `req`'s own, and so do the pages after it.
         Returns the pages shared."""
-        ps, start = self.page_size, req.prefix_pages
-        full = min(min(req.cached_len, req.seq_len) // ps, len(req.pages))
-        if full <= start:
-            return 0
-        path = self._path(req, start)
-        node = path[-1] if path else self.root
-        ids = req.tokens(start * ps, full * ps)
-        for i in range(start, full):
-            key = tuple(ids[(i - start) * ps:(i - start + 1) * ps])
-            if key in node.children:  # computed by another request at the same time: ours stays own
-                break
-            child = _Node(req.pages[i], key, node)
-            self._add_child(node, child)
-            self.num_pages += 1
-            self._ref(child)
-            req.prefix_pages += 1
-            node = child
-        return req.prefix_pages - start
+        before = req.prefix_pages
+        self._insert(req, reading=True)
+        return req.prefix_pages - before
 
     # ---- a request is done with its pages ------------------------------------------------------
     def release(self, req: "Req", keep: bool) -> None:
         """Take back `req`'s pages: the full pages of its computed KV go into the cache when `keep` (a page the cache
         already holds with the same tokens is freed as a duplicate), its references are dropped, and every other page
-        is freed. req.pages / req.prefix_pages are cleared."""
-        ps, pages, shared = self.page_size, req.pages, req.prefix_pages
-        path = self._path(req, shared)
-        node = path[-1] if path else self.root
-        free: list[int] = []
-        kept = shared
+        is freed. req.pages / req.prefix_node are cleared."""
+        tail, kept, free = req.prefix_node, req.prefix_pages, []
         if keep:
-            written = min(req.cached_len, req.seq_len)
-            ids = req.tokens(0, written)
-            for i in range(shared, min(written // ps, len(pages))):
-                key = tuple(ids[i * ps:(i + 1) * ps])
-                child = node.children.get(key)
-                if child is None:
-                    child = _Node(pages[i], key, node)
-                    self._add_child(node, child)
-                    self.num_pages += 1
-                else:
-                    free.append(pages[i])  # the same tokens are cached already (another request stored them first)
-                node = child
-                kept = i + 1
-            for n in self._ancestors(node):
-                self._touch(n)
-        for n in path:
+            kept, free = self._insert(req, reading=False)
+        for n in self._path(tail):
             self._unref(n)
-        free += pages[kept:]
+        free += req.pages[kept:]
         if free:
             self._free(free)
-        req.pages, req.prefix_pages = [], 0
+        req.pages, req.prefix_node = [], None
+
+    def _insert(self, req: "Req", reading: bool) -> tuple[int, list[int]]:
+        """Add req's computed full pages past its shared ones under its last shared node. reading (a running
+        request): each new node is referred to by req and becomes its last shared one; a page whose tokens are cached
+        already stops the walk (req keeps computing into its own pages). Else (a request done with its pages): such a
+        page is a duplicate to free and the walk goes on under the cached one. Returns (pages of req now cached or
+        shared, duplicate pages to free)."""
+        ps, start, pages = self.page_size, req.prefix_pages, req.pages
+        full = min(min(req.cached_len, req.seq_len) // ps, len(pages))
+        node, dupes = req.prefix_node or self.root, []
+        if full <= start:
+            return start, dupes
+        ids = req.tokens(start * ps, full * ps)
+        for i in range(start, full):
+            key = tuple(ids[(i - start) * ps:(i - start + 1) * ps])
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(pages[i], key, node, node.depth + 1)
+                self._add_child(node, child)
+                self.num_pages += 1
+                if reading:
+                    self._ref(child)
+                    req.prefix_node = child
+            elif reading:  # computed by another request at the same time: ours stays own
+                return i, dupes
+            else:
+                dupes.append(pages[i])  # the same tokens are cached already (another request stored them first)
+            node = child
+        self._touch(node)  # the most recently used leaf, when it is one
+        return full, dupes
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, n: int) -> int:
@@ -173,6 +183,8 @@ class PrefixCache:
         and the counters agree with the tree; returns the cached page ids."""
         refs: dict[int, int] = {}
         for r in live:
+            assert [n.page for n in self._path(r.prefix_node)] == r.pages[:r.prefix_pages], \
+                f"{r.rid}: its shared pages are not its cached path"
             for p in r.pages[:r.prefix_pages]:
                 refs[p] = refs.get(p, 0) + 1
         pages, referenced, stack = set(), 0, list(self.root.children.values())
@@ -191,23 +203,14 @@ class PrefixCache:
         return pages
 
     # ---- internals -----------------------------------------------------------------------------
-    def _path(self, req: "Req", shared: int) -> list[_Node]:
-        """The nodes of req's first `shared` pages (they are cached: req refers to them)."""
-        ps, ids = self.page_size, req.tokens(0, shared * self.page_size)
-        node, path = self.root, []
-        for i in range(shared):
-            node = node.children[tuple(ids[i * ps:(i + 1) * ps])]
-            assert node.page == req.pages[i], "a request's shared page is not the cached one"
-            path.append(node)
-        return path
-
     @staticmethod
-    def _ancestors(node: _Node) -> list[_Node]:
+    def _path(tail: "_Node | None") -> list[_Node]:
+        """The nodes from the root's child down to `tail` (none for None or the root), in that order."""
         out = []
-        while node.parent is not None:
-            out.append(node)
-            node = node.parent
-        return out
+        while tail is not None and tail.parent is not None:
+            out.append(tail)
+            tail = tail.parent
+        return out[::-1]
 
     def _add_child(self, parent: _Node, child: _Node) -> None:
         parent.children[child.key] = child

@@ -45,14 +45,15 @@ class PrefillManager:
         budget = self.budget
         free = self.pool.num_free_pages
         cache = self.pool.prefix_cache
-        computing: set[int] = set()  # with a cache: keys of the full pages this step computes (`_page_keys`)
+        # with a cache: the pages this step computes right after a request's shared ones (`PrefixCache.next_page`)
+        computing: set = set()
         for r in self.prefilling:
             n = min(r.extend_len, self.chunk, budget)
             need = -(-(r.cached_len + n) // ps) - len(r.pages)
             if n <= 0 or need > free:
                 break
             if cache is not None:
-                computing.update(_page_keys(r, r.cached_len, r.cached_len + n, ps))
+                computing.add(cache.next_page(r, r.cached_len + n))  # (None: no page to name)
             r.pages += self.pool.allocate(need)
             free -= need
             budget -= n
@@ -64,8 +65,9 @@ class PrefillManager:
             if slots <= 0 or budget <= 0:
                 break
             matched = cache is not None and r.backup is None and not r.pages and cache.match(r) > 0
-            if cache is not None and r.backup is None and r.cached_len + ps < r.seq_len and \
-                    _page_keys(r, r.cached_len, r.cached_len + ps, ps)[0] in computing:
+            # (its next page is shareable if it ends before its last token, which it always computes)
+            nxt = cache.next_page(r, r.seq_len - 1) if cache is not None and r.backup is None else None
+            if nxt is not None and nxt in computing:
                 if matched:  # computed in this step by another request: read from the cache in the next
                     cache.unmatch(r)
                 continue
@@ -98,18 +100,6 @@ class PrefillManager:
             plan.extend_lens.append(n)
             budget -= n
             if cache is not None:
-                computing.update(_page_keys(r, r.cached_len, r.cached_len + n, ps))
+                computing.add(cache.next_page(r, r.cached_len + n))  # (None: no page to name)
         return plan
 
-
-def _page_keys(r: Req, start: int, end: int, ps: int) -> list[int]:
-    """A key for each full page of r that tokens [start, end) complete: a hash of all of r's tokens from the first up
-    to that page's end (two requests' pages get the same key when their tokens up to there are the same; a collision
-    only defers a request by one step)."""
-    first, last = start // ps, end // ps  # page j is complete once token (j + 1) * ps - 1 is computed
-    ids, key, keys = r.tokens(0, last * ps), 0, []
-    for j in range(last):
-        key = hash((key, tuple(ids[j * ps:(j + 1) * ps])))
-        if j >= first:
-            keys.append(key)
-    return keys

@@ -70,7 +70,8 @@ class Scheduler:
         self.prefill = PrefillManager(self.pool, cfg.chunked_prefill_size, cfg.max_prefill_tokens,
                                       cfg.max_running_requests, cfg.decode_reserve_tokens)
         self.parked: dict[str, Req] = {}  # WAITING_FOR_KV / HANDED_OFF: pages held for a role hook
-        self.prefix_cache = self.pool.enable_prefix_cache() if cfg.enable_prefix_caching else None
+        if cfg.enable_prefix_caching:
+            self.pool.enable_prefix_cache()
         self.by_rid: dict[str, Req] = {}
         self.num_retractions = 0
         self._warming = False
@@ -81,6 +82,11 @@ class Scheduler:
         self.num_chained = 0  # overlap mode: decode steps launched before the previous one was processed
         self._pending = None  # overlap mode: a launched decode step whose outputs are not processed yet
         self.last_step: dict = {}
+
+    @property
+    def prefix_cache(self):
+        """The pool's prefix cache (`--enable-prefix-caching`), or None."""
+        return self.pool.prefix_cache
 
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
